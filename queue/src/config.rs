@@ -1,0 +1,240 @@
+//! What a queue and a consumer group are, and what makes them valid.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::backoff::RetryPolicy;
+use crate::error::{QueueError, Result};
+use crate::message::RESERVED_FIELDS;
+
+/// A queue: one messages container plus its lease container.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QueueConfig {
+    pub database: String,
+    /// The messages container; it is also the queue's name.
+    pub container: String,
+    /// Leases and per-group message state. Default: `<container>-leases`.
+    pub lease_container: Option<String>,
+    /// Partition key path of the messages container: one top-level property, `/pk` by default.
+    pub partition_key_path: String,
+    /// How long a message is kept (Cosmos TTL). `None` keeps messages forever.
+    pub retention: Option<Duration>,
+    /// Throughput provisioned on the messages container when it is created.
+    pub throughput: Option<Throughput>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Throughput {
+    /// Fixed RU/s.
+    Manual(u32),
+    /// Autoscale up to this many RU/s.
+    Autoscale(u32),
+}
+
+impl QueueConfig {
+    pub fn new(database: impl Into<String>, container: impl Into<String>) -> Self {
+        Self {
+            database: database.into(),
+            container: container.into(),
+            lease_container: None,
+            partition_key_path: "/pk".into(),
+            retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            throughput: None,
+        }
+    }
+
+    pub fn lease_container_name(&self) -> String {
+        self.lease_container
+            .clone()
+            .unwrap_or_else(|| format!("{}-leases", self.container))
+    }
+
+    /// The property holding the partition key in message documents.
+    pub fn partition_key_field(&self) -> &str {
+        self.partition_key_path.trim_start_matches('/')
+    }
+
+    pub fn retention_secs(&self) -> Option<i64> {
+        self.retention.map(|r| r.as_secs() as i64)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        validate_resource_name("database", &self.database)?;
+        validate_resource_name("container", &self.container)?;
+        validate_resource_name("leaseContainer", &self.lease_container_name())?;
+        if self.lease_container_name() == self.container {
+            return Err(QueueError::Config(
+                "leaseContainer must differ from container".into(),
+            ));
+        }
+        let field = self.partition_key_field();
+        if !self.partition_key_path.starts_with('/')
+            || field.is_empty()
+            || field.contains('/')
+            || RESERVED_FIELDS.contains(&field)
+        {
+            return Err(QueueError::Config(format!(
+                "partitionKeyPath {:?} must be one top-level property such as \"/pk\", and not one of {:?}",
+                self.partition_key_path, RESERVED_FIELDS
+            )));
+        }
+        if let Some(r) = self.retention {
+            if r < Duration::from_secs(60) || r.as_secs() > i32::MAX as u64 {
+                return Err(QueueError::Config(
+                    "retention must be between 1 minute and about 68 years".into(),
+                ));
+            }
+        }
+        if let Some(Throughput::Manual(ru) | Throughput::Autoscale(ru)) = self.throughput {
+            if ru < 400 {
+                return Err(QueueError::Config(
+                    "throughput must be at least 400 RU/s (autoscale: 1000)".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Cosmos resource ids: 1–255 characters, none of `/ \ ? #`.
+fn validate_resource_name(setting: &str, name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > 255 || name.contains(['/', '\\', '?', '#']) {
+        return Err(QueueError::Config(format!(
+            "{setting} {name:?} must be 1-255 characters without '/', '\\', '?' or '#'"
+        )));
+    }
+    Ok(())
+}
+
+/// How a group settles messages (see the brief, "Delivery mode").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "camelCase")]
+pub enum DeliveryMode {
+    /// One holder per message at a time (ETag claims); never redelivered after success.
+    #[default]
+    Exclusive,
+    /// The range's lease fences delivery and the checkpoint is the progress: nothing is
+    /// written per message on success; at-least-once across lease hand-overs.
+    Stream,
+}
+
+/// Where a new group starts reading.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "camelCase")]
+pub enum StartFrom {
+    /// Only messages enqueued after the group starts.
+    #[default]
+    Now,
+    /// Every message still retained.
+    Beginning,
+}
+
+/// A consumer group of a queue.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupConfig {
+    pub name: String,
+    pub mode: DeliveryMode,
+    pub start_from: StartFrom,
+    /// How long a claim is exclusive without renewal.
+    pub lock_duration: Duration,
+    pub retry: RetryPolicy,
+}
+
+impl GroupConfig {
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            mode: DeliveryMode::Exclusive,
+            start_from: StartFrom::Now,
+            lock_duration: Duration::from_secs(60),
+            retry: RetryPolicy::default(),
+        }
+    }
+
+    pub fn with_mode(mut self, mode: DeliveryMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    pub fn with_start_from(mut self, start_from: StartFrom) -> Self {
+        self.start_from = start_from;
+        self
+    }
+
+    pub fn with_lock_duration(mut self, lock: Duration) -> Self {
+        self.lock_duration = lock;
+        self
+    }
+
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let ok_chars = self
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if self.name.is_empty() || self.name.len() > 63 || !ok_chars {
+            return Err(QueueError::Config(format!(
+                "group name {:?} must be 1-63 characters of letters, digits, '-', '_' or '.'",
+                self.name
+            )));
+        }
+        if self.lock_duration < Duration::from_secs(1) {
+            return Err(QueueError::Config(
+                "lockDuration must be at least 1s".into(),
+            ));
+        }
+        self.retry.validate().map_err(QueueError::Config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        QueueConfig::new("db", "orders").validate().unwrap();
+        GroupConfig::new("billing").validate().unwrap();
+        assert_eq!(
+            QueueConfig::new("db", "orders").lease_container_name(),
+            "orders-leases"
+        );
+    }
+
+    #[test]
+    fn invalid_settings_are_named() {
+        let mut q = QueueConfig::new("db", "orders");
+        q.partition_key_path = "/a/b".into();
+        assert!(q
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("partitionKeyPath"));
+        q.partition_key_path = "/body".into();
+        assert!(q
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("partitionKeyPath"));
+        let mut q = QueueConfig::new("db", "orders");
+        q.retention = Some(Duration::from_secs(1));
+        assert!(q.validate().unwrap_err().to_string().contains("retention"));
+        let mut q = QueueConfig::new("db", "or/ders");
+        q.lease_container = Some("x".into());
+        assert!(q.validate().unwrap_err().to_string().contains("container"));
+        let g = GroupConfig::new("bad|name");
+        assert!(g.validate().unwrap_err().to_string().contains("group name"));
+        let g = GroupConfig::new("g").with_lock_duration(Duration::from_millis(10));
+        assert!(g
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("lockDuration"));
+    }
+}

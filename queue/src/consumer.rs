@@ -1,0 +1,459 @@
+//! A consumer: reads the queue's change feed, claims, hands messages to a handler, settles.
+//!
+//! This consumer reads the whole container's feed; the change-feed lease loop (per feed range,
+//! balanced across hosts, with durable checkpoints) builds on the same claim/settle path.
+//! Correctness never rests on the feed position: in `exclusive` mode claims are durable, so a
+//! consumer that starts over skips what its group already settled.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use azure_data_cosmos::feed::{ChangeFeedPageIterator, ContinuationToken};
+use azure_data_cosmos::models::ChangeFeedItem;
+use azure_data_cosmos::options::{ChangeFeedOptions, ChangeFeedStartFrom, MaxItemCountHint};
+use azure_data_cosmos::FeedScope;
+use futures::StreamExt;
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, warn};
+
+use crate::config::StartFrom;
+use crate::error::{QueueError, Result};
+use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome, StateDoc};
+use crate::message::Message;
+
+/// One delivery handed to a [`Handler`].
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    pub message: Message,
+    /// 1 on the first delivery.
+    pub delivery_count: u32,
+    pub group: String,
+    pub queue: String,
+}
+
+/// What the handler decided.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    Complete,
+    /// Deliver again later: after `delay` if given (an app's `Retry-After`), else back-off.
+    Retry {
+        error: String,
+        delay: Option<Duration>,
+    },
+    /// Give up now.
+    DeadLetter {
+        reason: String,
+        error: String,
+    },
+}
+
+/// Processes deliveries. Implemented for `Fn(Delivery) -> impl Future<Output = Outcome>`.
+pub trait Handler: Send + Sync + 'static {
+    fn handle(&self, delivery: Delivery) -> impl Future<Output = Outcome> + Send;
+}
+
+impl<F, Fut> Handler for F
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Outcome> + Send,
+{
+    fn handle(&self, delivery: Delivery) -> impl Future<Output = Outcome> + Send {
+        self(delivery)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ConsumerOptions {
+    /// This consumer's identity in locks (pod name, host name).
+    pub holder: String,
+    /// Deliveries in flight at most (back-pressure on reading).
+    pub max_concurrency: usize,
+    /// Poll interval bounds: read again at once while pages carry work, back off to `max_poll`
+    /// while the feed is empty.
+    pub min_poll: Duration,
+    pub max_poll: Duration,
+    /// How often to look for expired locks and due retries.
+    pub sweep_interval: Duration,
+    /// Items per change-feed page.
+    pub page_size: u32,
+}
+
+impl ConsumerOptions {
+    pub fn new(holder: impl Into<String>) -> Self {
+        Self {
+            holder: holder.into(),
+            max_concurrency: 16,
+            min_poll: Duration::from_millis(50),
+            max_poll: Duration::from_secs(5),
+            sweep_interval: Duration::from_secs(5),
+            page_size: 100,
+        }
+    }
+}
+
+/// Counters a running consumer keeps; shared so callers can watch it live.
+#[derive(Debug, Default)]
+pub struct ConsumerStats {
+    pub delivered: AtomicU64,
+    pub completed: AtomicU64,
+    pub retried: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub lock_lost: AtomicU64,
+    pub malformed: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+impl ConsumerStats {
+    fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+/// Exponential back-off of the poll interval while the feed is empty.
+#[derive(Clone, Debug)]
+pub struct AdaptivePoll {
+    min: Duration,
+    max: Duration,
+    current: Duration,
+}
+
+impl AdaptivePoll {
+    pub fn new(min: Duration, max: Duration) -> Self {
+        Self {
+            min,
+            max,
+            current: Duration::ZERO,
+        }
+    }
+
+    /// The wait before the next read.
+    pub fn delay(&self) -> Duration {
+        self.current
+    }
+
+    /// A page came back with work: read again at once.
+    pub fn busy(&mut self) {
+        self.current = Duration::ZERO;
+    }
+
+    /// A page came back empty: wait longer, up to the ceiling.
+    pub fn idle(&mut self) {
+        self.current = if self.current.is_zero() {
+            self.min
+        } else {
+            (self.current * 2).min(self.max)
+        };
+    }
+}
+
+pub struct Consumer<H> {
+    group: Group,
+    handler: Arc<H>,
+    options: ConsumerOptions,
+    stats: Arc<ConsumerStats>,
+}
+
+impl<H: Handler> Consumer<H> {
+    pub fn new(group: Group, handler: H, options: ConsumerOptions) -> Self {
+        Self {
+            group,
+            handler: Arc::new(handler),
+            options,
+            stats: Arc::default(),
+        }
+    }
+
+    pub fn stats(&self) -> Arc<ConsumerStats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// Runs until `shutdown`, then waits for the deliveries in flight to settle.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let permits = Arc::new(Semaphore::new(self.options.max_concurrency.max(1)));
+        let mut tasks = JoinSet::new();
+        let mut feed = FeedReader::new(&self.group, self.options.page_size);
+        let mut poll = AdaptivePoll::new(self.options.min_poll, self.options.max_poll);
+        let mut sweep = tokio::time::interval(self.options.sweep_interval);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            while let Some(done) = tasks.try_join_next() {
+                if let Err(e) = done {
+                    error!(error = %e, "delivery task panicked");
+                }
+            }
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = sweep.tick() => {
+                    match self.group.due(self.options.max_concurrency * 4).await {
+                        Ok(docs) => for doc in docs {
+                            let permit = tokio::select! {
+                                p = Arc::clone(&permits).acquire_owned() => p.expect("semaphore never closes"),
+                                _ = shutdown.cancelled() => break,
+                            };
+                            let worker = self.worker();
+                            tasks.spawn(async move { worker.process_due(doc).await; drop(permit); });
+                        },
+                        Err(e) => { ConsumerStats::bump(&self.stats.errors); warn!(group = self.group.name(), error = %e, "sweep failed; trying again next interval") }
+                    }
+                }
+                _ = tokio::time::sleep(poll.delay()) => {
+                    match feed.next_page().await {
+                        Ok(docs) if docs.is_empty() => poll.idle(),
+                        Ok(docs) => {
+                            poll.busy();
+                            for doc in docs {
+                                let message = match Message::from_document(&doc, self.group.queue().pk_field()) {
+                                    Ok(m) => m,
+                                    Err(reason) => {
+                                        ConsumerStats::bump(&self.stats.malformed);
+                                        warn!(queue = self.group.queue().name(), id = ?doc.get("id"), %reason, "skipping a malformed document in the messages container");
+                                        continue;
+                                    }
+                                };
+                                let permit = tokio::select! {
+                                    p = Arc::clone(&permits).acquire_owned() => p.expect("semaphore never closes"),
+                                    _ = shutdown.cancelled() => break,
+                                };
+                                let worker = self.worker();
+                                tasks.spawn(async move { worker.process(message).await; drop(permit); });
+                            }
+                        }
+                        Err(e) => {
+                            ConsumerStats::bump(&self.stats.errors);
+                            poll.idle();
+                            warn!(queue = self.group.queue().name(), error = %e, "change feed read failed; retrying");
+                        }
+                    }
+                }
+            }
+        }
+        while let Some(done) = tasks.join_next().await {
+            if let Err(e) = done {
+                error!(error = %e, "delivery task panicked");
+            }
+        }
+        Ok(())
+    }
+
+    fn worker(&self) -> Worker<H> {
+        Worker {
+            group: self.group.clone(),
+            handler: Arc::clone(&self.handler),
+            holder: self.options.holder.clone(),
+            stats: Arc::clone(&self.stats),
+        }
+    }
+}
+
+/// Everything one delivery task needs.
+struct Worker<H> {
+    group: Group,
+    handler: Arc<H>,
+    holder: String,
+    stats: Arc<ConsumerStats>,
+}
+
+impl<H: Handler> Worker<H> {
+    async fn process(&self, message: Message) {
+        match self.group.claim(&message, &self.holder).await {
+            Ok(ClaimOutcome::Claimed(claim)) => self.deliver(message, claim).await,
+            Ok(other) => debug!(message_id = %message.id, outcome = ?other, "not claimed"),
+            Err(e) => self.failed("claim", &message.id, e),
+        }
+    }
+
+    async fn process_due(&self, doc: StateDoc) {
+        let (pk, id) = (doc.message_pk.clone(), doc.id.clone());
+        let claim = match self.group.take_over(doc, &self.holder).await {
+            Ok(ClaimOutcome::Claimed(claim)) => claim,
+            Ok(ClaimOutcome::DeadLettered) => {
+                ConsumerStats::bump(&self.stats.dead_lettered);
+                return;
+            }
+            Ok(_) => return,
+            Err(e) => return self.failed("claim", &id, e),
+        };
+        match self.group.queue().read_message(&pk, &id).await {
+            Ok(Some(message)) => self.deliver(message, claim).await,
+            Ok(None) => {
+                // Retention removed the message while it waited: record it where users look.
+                warn!(group = self.group.name(), message_id = %id, "message expired before it could be delivered again");
+                if let Err(e) = self
+                    .group
+                    .dead_letter(
+                        &claim,
+                        "MessageExpired",
+                        "the message expired (TTL) before a successful delivery",
+                    )
+                    .await
+                {
+                    self.failed("dead-letter", &id, e);
+                }
+            }
+            Err(e) => self.failed("read message", &id, e),
+        }
+    }
+
+    async fn deliver(&self, message: Message, mut claim: Claim) {
+        ConsumerStats::bump(&self.stats.delivered);
+        let id = message.id.clone();
+        let delivery = Delivery {
+            message,
+            delivery_count: claim.attempt,
+            group: self.group.name().into(),
+            queue: self.group.queue().name().into(),
+        };
+        let outcome = {
+            let work = self.handler.handle(delivery);
+            tokio::pin!(work);
+            let renew_every = self.group.config().lock_duration / 3;
+            loop {
+                tokio::select! {
+                    outcome = &mut work => break outcome,
+                    _ = tokio::time::sleep(renew_every), if claim.locked_until.is_some() => {
+                        if let Err(e) = self.group.renew(&mut claim).await {
+                            // Keep working: the outcome is still worth trying to record, and
+                            // a lost lock is reported when settling.
+                            warn!(group = self.group.name(), message_id = %id, error = %e, "lock renewal failed");
+                        }
+                    }
+                }
+            }
+        };
+        let settled = match outcome {
+            Outcome::Complete => self
+                .group
+                .complete(&claim)
+                .await
+                .map(|_| &self.stats.completed),
+            Outcome::Retry { error, delay } => {
+                self.group
+                    .retry(&claim, &error, delay)
+                    .await
+                    .map(|r| match r {
+                        RetryOutcome::Scheduled { .. } => &self.stats.retried,
+                        RetryOutcome::DeadLettered => &self.stats.dead_lettered,
+                    })
+            }
+            Outcome::DeadLetter { reason, error } => self
+                .group
+                .dead_letter(&claim, &reason, &error)
+                .await
+                .map(|_| &self.stats.dead_lettered),
+        };
+        match settled {
+            Ok(counter) => ConsumerStats::bump(counter),
+            Err(e) => self.failed("settle", &id, e),
+        }
+    }
+
+    fn failed(&self, step: &str, message_id: &str, e: QueueError) {
+        if matches!(e, QueueError::LockLost { .. }) {
+            ConsumerStats::bump(&self.stats.lock_lost);
+            warn!(group = self.group.name(), message_id, step, error = %e, "outcome not recorded: lock lost");
+        } else {
+            ConsumerStats::bump(&self.stats.errors);
+            // The message stays where it was (unclaimed, or locked until expiry), so the
+            // sweep or the feed brings it back: nothing is lost.
+            warn!(group = self.group.name(), message_id, step, error = %e, "step failed; the message will be delivered again");
+        }
+    }
+}
+
+/// Reads the messages container's change feed from where the group starts, remembering the
+/// position so a failed read resumes instead of starting over.
+struct FeedReader {
+    container: azure_data_cosmos::ContainerClient,
+    start: StartFrom,
+    page_size: u32,
+    pages: Option<ChangeFeedPageIterator<ChangeFeedItem<Value>>>,
+    position: Option<ContinuationToken>,
+    charges: Arc<crate::charge::RequestCharges>,
+}
+
+impl FeedReader {
+    fn new(group: &Group, page_size: u32) -> Self {
+        Self {
+            container: group.queue().messages().clone(),
+            start: group.config().start_from,
+            page_size,
+            pages: None,
+            position: None,
+            charges: Arc::clone(group.queue().charges()),
+        }
+    }
+
+    async fn next_page(&mut self) -> Result<Vec<Value>> {
+        if self.pages.is_none() {
+            let start = match self.start {
+                StartFrom::Beginning => ChangeFeedStartFrom::Beginning,
+                StartFrom::Now => ChangeFeedStartFrom::Now,
+            };
+            let hint = std::num::NonZeroU32::new(self.page_size)
+                .map(MaxItemCountHint::Limit)
+                .unwrap_or(MaxItemCountHint::ServerDecides);
+            let mut options = ChangeFeedOptions::default().with_max_item_count(hint);
+            if let Some(token) = self.position.clone() {
+                options = options.with_continuation_token(token);
+            }
+            self.pages = Some(
+                self.container
+                    .query_change_feed::<Value>(FeedScope::full_container(), start, Some(options))
+                    .await
+                    .map_err(QueueError::cosmos("read change feed"))?,
+            );
+        }
+        let pages = self.pages.as_mut().expect("just set");
+        match pages.next().await {
+            Some(Ok(page)) => {
+                self.charges.record(
+                    "read change feed",
+                    page.headers().request_charge().map(|c| c.value()),
+                );
+                self.position = pages.to_continuation_token().ok();
+                Ok(page
+                    .into_items()
+                    .into_iter()
+                    .filter_map(|item| item.current().cloned())
+                    .collect())
+            }
+            Some(Err(e)) => {
+                self.pages = None;
+                Err(QueueError::cosmos("read change feed")(e))
+            }
+            None => {
+                self.pages = None;
+                Ok(Vec::new())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn polling_backs_off_to_the_ceiling_and_resets_on_work() {
+        let mut poll = AdaptivePoll::new(Duration::from_millis(100), Duration::from_secs(1));
+        assert_eq!(poll.delay(), Duration::ZERO);
+        let mut seen = Vec::new();
+        for _ in 0..6 {
+            poll.idle();
+            seen.push(poll.delay().as_millis());
+        }
+        assert_eq!(seen, vec![100, 200, 400, 800, 1000, 1000]);
+        poll.busy();
+        assert_eq!(poll.delay(), Duration::ZERO);
+    }
+}

@@ -1,0 +1,172 @@
+//! A group's dead letters: list, peek, replay, purge.
+
+use azure_data_cosmos::FeedScope;
+use serde::Serialize;
+use serde_json::json;
+use tracing::info;
+
+use crate::error::Result;
+use crate::group::{Group, MessageState, StateDoc, STATE_DOC_TYPE};
+use crate::message::Message;
+use crate::sql;
+
+/// A dead-lettered message as users see it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeadLetter {
+    pub message_id: String,
+    pub partition_key: String,
+    pub group: String,
+    pub reason: Option<String>,
+    pub last_error: Option<String>,
+    pub attempts: u32,
+    pub enqueued_at: i64,
+    pub first_attempt_at: Option<i64>,
+    pub last_attempt_at: Option<i64>,
+    pub dead_lettered_at: Option<i64>,
+}
+
+impl From<&StateDoc> for DeadLetter {
+    fn from(doc: &StateDoc) -> Self {
+        Self {
+            message_id: doc.id.clone(),
+            partition_key: doc.message_pk.clone(),
+            group: doc.group.clone(),
+            reason: doc.reason.clone(),
+            last_error: doc.last_error.clone(),
+            attempts: doc.attempts,
+            enqueued_at: doc.enqueued_at,
+            first_attempt_at: doc.first_attempt_at,
+            last_attempt_at: doc.last_attempt_at,
+            dead_lettered_at: doc.settled_at,
+        }
+    }
+}
+
+impl Group {
+    /// The group's dead letters (at most `limit`).
+    pub async fn dead_letters(&self, limit: Option<usize>) -> Result<Vec<DeadLetter>> {
+        Ok(self
+            .dead_letter_docs(limit)
+            .await?
+            .iter()
+            .map(DeadLetter::from)
+            .collect())
+    }
+
+    async fn dead_letter_docs(&self, limit: Option<usize>) -> Result<Vec<StateDoc>> {
+        let query = sql::query(
+            "SELECT * FROM c WHERE c.type = @type AND c.group = @group AND c.state = 'deadLettered'",
+            &[("@type", json!(STATE_DOC_TYPE)), ("@group", json!(self.name()))],
+        )?;
+        sql::collect(
+            self.queue().leases(),
+            query,
+            FeedScope::full_container(),
+            limit,
+            self.queue().charges(),
+            "list dead letters",
+        )
+        .await
+    }
+
+    /// One dead letter with its message (the message is `None` once retention removed it).
+    pub async fn peek_dead_letter(
+        &self,
+        partition_key: &str,
+        message_id: &str,
+    ) -> Result<Option<(DeadLetter, Option<Message>)>> {
+        let Some(doc) = self.read_state(partition_key, message_id).await? else {
+            return Ok(None);
+        };
+        if doc.state != MessageState::DeadLettered {
+            return Ok(None);
+        }
+        let message = self.queue().read_message(partition_key, message_id).await?;
+        Ok(Some((DeadLetter::from(&doc), message)))
+    }
+
+    /// Sends a dead letter back to its group with a fresh attempt budget; it is delivered at
+    /// the next sweep. Returns `false` when it is not (or no longer) a dead letter.
+    pub async fn replay(&self, partition_key: &str, message_id: &str) -> Result<bool> {
+        self.transition_dead_letter(
+            partition_key,
+            message_id,
+            |doc, now| {
+                doc.state = MessageState::Retry;
+                doc.due = Some(now);
+                doc.attempts = 0;
+                doc.settled_at = None;
+                doc.reason = None;
+            },
+            "replay",
+        )
+        .await
+    }
+
+    /// Discards a dead letter for good: it is never delivered to this group again.
+    pub async fn purge(&self, partition_key: &str, message_id: &str) -> Result<bool> {
+        self.transition_dead_letter(
+            partition_key,
+            message_id,
+            |doc, now| {
+                doc.state = MessageState::Purged;
+                doc.settled_at = Some(now);
+            },
+            "purge",
+        )
+        .await
+    }
+
+    /// Replays every dead letter; returns how many.
+    pub async fn replay_all(&self) -> Result<usize> {
+        self.for_all_dead_letters(|g, pk, id| async move { g.replay(&pk, &id).await })
+            .await
+    }
+
+    /// Purges every dead letter; returns how many.
+    pub async fn purge_all(&self) -> Result<usize> {
+        self.for_all_dead_letters(|g, pk, id| async move { g.purge(&pk, &id).await })
+            .await
+    }
+
+    async fn for_all_dead_letters<F, Fut>(&self, action: F) -> Result<usize>
+    where
+        F: Fn(Group, String, String) -> Fut,
+        Fut: std::future::Future<Output = Result<bool>>,
+    {
+        let mut done = 0;
+        for doc in self.dead_letter_docs(None).await? {
+            if action(self.clone(), doc.message_pk.clone(), doc.id.clone()).await? {
+                done += 1;
+            }
+        }
+        Ok(done)
+    }
+
+    async fn transition_dead_letter(
+        &self,
+        partition_key: &str,
+        message_id: &str,
+        change: impl FnOnce(&mut StateDoc, i64),
+        op: &'static str,
+    ) -> Result<bool> {
+        let Some(doc) = self.read_state(partition_key, message_id).await? else {
+            return Ok(false);
+        };
+        if doc.state != MessageState::DeadLettered {
+            return Ok(false);
+        }
+        let etag = doc.etag.clone().unwrap_or_default();
+        let mut next = doc;
+        change(&mut next, self.queue().clock().now_ms());
+        let done = matches!(
+            self.replace(&next, &etag, op).await?,
+            crate::group::Write::Done(_)
+        );
+        if done {
+            info!(group = self.name(), message_id, op, "dead letter moved");
+        }
+        Ok(done)
+    }
+}

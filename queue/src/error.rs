@@ -1,0 +1,70 @@
+//! The engine's error type.
+
+use azure_data_cosmos::CosmosError;
+
+use crate::message::MessageError;
+
+pub type Result<T, E = QueueError> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// A Cosmos DB request failed after the SDK's own retries (429s and transient errors are
+    /// retried there first).
+    #[error("Cosmos DB {operation} failed with status {status}{}: {message}", sub_status.map(|s| format!("/{s}")).unwrap_or_default())]
+    Cosmos {
+        operation: &'static str,
+        status: u16,
+        sub_status: Option<u16>,
+        message: String,
+    },
+    #[error("invalid message: {0}")]
+    InvalidMessage(#[from] MessageError),
+    /// Our lock expired and another consumer of the group took the message; our outcome was
+    /// not recorded and the other holder's delivery stands.
+    #[error("lost the lock on message {message_id} in group {group}: it expired and another consumer holds it")]
+    LockLost { group: String, message_id: String },
+    #[error("malformed document {id:?} in {container}: {reason}")]
+    Malformed {
+        container: String,
+        id: String,
+        reason: String,
+    },
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+impl QueueError {
+    /// Wraps an SDK error with the operation it came from.
+    pub fn cosmos(operation: &'static str) -> impl FnOnce(CosmosError) -> Self {
+        move |e| QueueError::Cosmos {
+            operation,
+            status: status_of(&e),
+            sub_status: e.status().sub_status().map(|s| s.value()),
+            message: e.to_string(),
+        }
+    }
+
+    /// The HTTP status of a Cosmos error, if this is one.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            QueueError::Cosmos { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// Whether retrying the same call later may succeed (throttling, unavailability, timeouts).
+    pub fn is_transient(&self) -> bool {
+        matches!(self.status(), Some(408 | 410 | 429 | 449 | 500 | 503))
+    }
+}
+
+pub(crate) fn status_of(e: &CosmosError) -> u16 {
+    u16::from(e.status().status_code())
+}
+
+pub(crate) const CONFLICT: u16 = 409;
+pub(crate) const NOT_FOUND: u16 = 404;
+pub(crate) const PRECONDITION_FAILED: u16 = 412;
+pub(crate) const TOO_LARGE: u16 = 413;

@@ -1,0 +1,638 @@
+//! The per-group message state machine.
+//!
+//! A group's knowledge of a message is one state document in the lease container,
+//! `id = message id`, `pk = "<group>|<message partition key>"`:
+//!
+//! ```text
+//!             claim (create, or replace If-Match when the lock expired / retry is due)
+//!   (none) ───────────────► Locked ──complete──► Completed
+//!     │                      │  ▲ └──dead-letter / attempts exhausted──► DeadLettered ──purge──► Purged
+//!     │ not yet visible      │  │ renew                                       │
+//!     ▼                      ▼  │                                             │ replay
+//!  Scheduled ──due──► claim  Retry ──due──► claim ◄───────────────────────────┘
+//! ```
+//!
+//! Every transition after the first write is a replace with `If-Match` on the ETag the
+//! writer last saw, so at most one consumer of the group holds a message while its lock is
+//! valid. In `stream` mode the first delivery writes nothing (the range's lease fences it);
+//! only failures create a state document, and from there the path is the same.
+
+use azure_core::http::Etag;
+use azure_data_cosmos::options::{ItemWriteOptions, Precondition};
+use azure_data_cosmos::FeedScope;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{debug, info, warn};
+
+use crate::clock::duration_ms;
+use crate::config::{DeliveryMode, GroupConfig};
+use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND, PRECONDITION_FAILED};
+use crate::message::Message;
+use crate::queue::Queue;
+use crate::sql;
+
+/// The `type` of per-message state documents in the lease container.
+pub const STATE_DOC_TYPE: &str = "message";
+/// Longest `lastError` kept; the rest is cut with a marker (it is a diagnostic, not data).
+const MAX_ERROR_CHARS: usize = 4096;
+/// State documents outlive their message by this much, then expire.
+const STATE_TTL_MARGIN_SECS: i64 = 3600;
+
+/// Reason recorded when a message is dead-lettered for running out of attempts.
+pub const REASON_MAX_ATTEMPTS: &str = "MaxDeliveryAttemptsExceeded";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum MessageState {
+    /// Enqueued with a future visible time; `due` is that time.
+    Scheduled,
+    /// Held by `owner` until `due`.
+    Locked,
+    /// Failed; deliverable again at `due`.
+    Retry,
+    Completed,
+    DeadLettered,
+    /// A dead letter the user discarded.
+    Purged,
+}
+
+impl MessageState {
+    /// Whether the group is done with the message (no delivery will follow).
+    pub fn is_settled(self) -> bool {
+        matches!(
+            self,
+            MessageState::Completed | MessageState::DeadLettered | MessageState::Purged
+        )
+    }
+}
+
+/// One group's state of one message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StateDoc {
+    /// The message id.
+    pub id: String,
+    /// `<group>|<message partition key>`.
+    pub pk: String,
+    #[serde(rename = "type")]
+    pub doc_type: String,
+    pub group: String,
+    pub message_pk: String,
+    pub state: MessageState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// Lock expiry (Locked) or next delivery time (Retry, Scheduled), epoch ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub due: Option<i64>,
+    /// Deliveries so far.
+    pub attempts: u32,
+    pub enqueued_at: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_attempt_at: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_attempt_at: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// Why it was dead-lettered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// When it was completed, dead-lettered or purged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settled_at: Option<i64>,
+    /// Cosmos per-item TTL in seconds: the message's remaining life plus a margin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl: Option<i64>,
+    #[serde(rename = "_etag", default, skip_serializing)]
+    pub etag: Option<String>,
+}
+
+/// The partition key of a group's state documents for messages with `message_pk`.
+pub fn state_pk(group: &str, message_pk: &str) -> String {
+    format!("{group}|{message_pk}")
+}
+
+impl StateDoc {
+    fn new(group: &str, message: &Message, expires_at: Option<i64>, state: MessageState) -> Self {
+        Self {
+            id: message.id.clone(),
+            pk: state_pk(group, &message.partition_key),
+            doc_type: STATE_DOC_TYPE.into(),
+            group: group.into(),
+            message_pk: message.partition_key.clone(),
+            state,
+            owner: None,
+            due: None,
+            attempts: 0,
+            enqueued_at: message.enqueued_at,
+            expires_at,
+            first_attempt_at: None,
+            last_attempt_at: None,
+            last_error: None,
+            reason: None,
+            settled_at: None,
+            ttl: None,
+            etag: None,
+        }
+    }
+
+    /// Sets the TTL so the document leaves with (a little after) its message.
+    fn refresh_ttl(&mut self, now_ms: i64) {
+        self.ttl = self
+            .expires_at
+            .map(|at| ((at - now_ms) / 1000).max(0) + STATE_TTL_MARGIN_SECS);
+    }
+
+    fn lock(&mut self, owner: &str, now_ms: i64, lock: Duration) {
+        self.state = MessageState::Locked;
+        self.owner = Some(owner.into());
+        self.due = Some(now_ms + duration_ms(lock));
+        self.attempts += 1;
+        self.first_attempt_at.get_or_insert(now_ms);
+        self.last_attempt_at = Some(now_ms);
+    }
+
+    fn settle(&mut self, state: MessageState, now_ms: i64) {
+        self.state = state;
+        self.owner = None;
+        self.due = None;
+        self.settled_at = Some(now_ms);
+    }
+}
+
+/// A delivery the caller holds: settle it with [`Group::complete`], [`Group::retry`] or
+/// [`Group::dead_letter`]; renew it with [`Group::renew`] while work goes on.
+#[derive(Clone, Debug)]
+pub struct Claim {
+    pub message_id: String,
+    pub message_pk: String,
+    /// The delivery count, starting at 1.
+    pub attempt: u32,
+    /// Epoch ms until which the claim is exclusive (`None`: a stream-mode first delivery,
+    /// fenced by the range's lease instead).
+    pub locked_until: Option<i64>,
+    pub enqueued_at: i64,
+    /// The state document as this holder last wrote it (absent for a stream first delivery).
+    state: Option<StateDoc>,
+    expires_at: Option<i64>,
+}
+
+/// What a claim attempt found.
+#[derive(Clone, Debug)]
+pub enum ClaimOutcome {
+    Claimed(Claim),
+    /// The group is done with it.
+    Settled(MessageState),
+    /// Another consumer holds a valid lock.
+    Held {
+        owner: Option<String>,
+        until: Option<i64>,
+    },
+    /// Scheduled or backing off; the sweep delivers it at `due`.
+    NotYetDue {
+        due: i64,
+    },
+    /// Its last holder died on the final allowed attempt: dead-lettered instead of delivered.
+    DeadLettered,
+    /// The message is gone (expired by TTL) before it could be delivered.
+    Gone,
+}
+
+/// What [`Group::retry`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetryOutcome {
+    /// Deliverable again at this time (epoch ms).
+    Scheduled { at: i64 },
+    /// Out of attempts: dead-lettered.
+    DeadLettered,
+}
+
+/// A consumer group of a queue: the state machine over its state documents.
+#[derive(Clone)]
+pub struct Group {
+    queue: Queue,
+    config: Arc<GroupConfig>,
+}
+
+pub(crate) enum Write {
+    Done(StateDoc),
+    /// Conflict on create, or the ETag no longer matched on replace.
+    Lost,
+    /// The document does not exist (a replace after TTL removed it).
+    Missing,
+}
+
+impl Group {
+    pub(crate) fn new(queue: Queue, config: GroupConfig) -> Self {
+        Self {
+            queue,
+            config: Arc::new(config),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    pub fn config(&self) -> &GroupConfig {
+        &self.config
+    }
+
+    pub fn queue(&self) -> &Queue {
+        &self.queue
+    }
+
+    fn now(&self) -> i64 {
+        self.queue.clock().now_ms()
+    }
+
+    fn expires_at(&self, message: &Message) -> Option<i64> {
+        message.expires_at(self.queue.config().retention_secs())
+    }
+
+    /// Tries to take `message` for delivery by `holder`, as read from the change feed.
+    pub async fn claim(&self, message: &Message, holder: &str) -> Result<ClaimOutcome> {
+        let now = self.now();
+        let expires_at = self.expires_at(message);
+        if !message.is_visible(now) {
+            let due = message.visible_at.unwrap_or(now);
+            let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Scheduled);
+            doc.due = Some(due);
+            doc.refresh_ttl(now);
+            return match self.create(&doc, "schedule").await? {
+                Write::Done(_) => Ok(ClaimOutcome::NotYetDue { due }),
+                _ => self.claim_existing(message, holder).await,
+            };
+        }
+        if self.config.mode == DeliveryMode::Stream {
+            return Ok(ClaimOutcome::Claimed(Claim {
+                message_id: message.id.clone(),
+                message_pk: message.partition_key.clone(),
+                attempt: 1,
+                locked_until: None,
+                enqueued_at: message.enqueued_at,
+                state: None,
+                expires_at,
+            }));
+        }
+        let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Retry);
+        doc.lock(holder, now, self.config.lock_duration);
+        doc.refresh_ttl(now);
+        match self.create(&doc, "claim").await? {
+            Write::Done(doc) => Ok(ClaimOutcome::Claimed(self.claim_from(doc))),
+            _ => self.claim_existing(message, holder).await,
+        }
+    }
+
+    async fn claim_existing(&self, message: &Message, holder: &str) -> Result<ClaimOutcome> {
+        match self.read_state(&message.partition_key, &message.id).await? {
+            Some(doc) => self.take_over(doc, holder).await,
+            // Created and already gone (TTL) between our create and read: nothing to deliver.
+            None => Ok(ClaimOutcome::Gone),
+        }
+    }
+
+    /// Takes a message whose state document exists (found by the sweep, or by a claim that
+    /// lost the create): succeeds when its lock expired or its retry/schedule time has come.
+    pub async fn take_over(&self, doc: StateDoc, holder: &str) -> Result<ClaimOutcome> {
+        let now = self.now();
+        let due = doc.due.unwrap_or(i64::MIN);
+        match doc.state {
+            s if s.is_settled() => return Ok(ClaimOutcome::Settled(s)),
+            MessageState::Locked if due > now => {
+                return Ok(ClaimOutcome::Held {
+                    owner: doc.owner,
+                    until: doc.due,
+                })
+            }
+            MessageState::Retry | MessageState::Scheduled if due > now => {
+                return Ok(ClaimOutcome::NotYetDue { due })
+            }
+            _ => {}
+        }
+        let etag = doc.etag.clone().unwrap_or_default();
+        if doc.state == MessageState::Locked && self.config.retry.exhausted(doc.attempts) {
+            let mut dead = doc.clone();
+            let previous_owner = dead.owner.clone().unwrap_or_default();
+            dead.settle(MessageState::DeadLettered, now);
+            dead.reason = Some(REASON_MAX_ATTEMPTS.into());
+            dead.last_error = Some(format!(
+                "the lock of delivery {} (held by {previous_owner}) expired without an outcome",
+                doc.attempts
+            ));
+            dead.refresh_ttl(now);
+            return match self.replace(&dead, &etag, "dead-letter").await? {
+                Write::Done(_) => {
+                    warn!(group = self.name(), message_id = %dead.id, attempts = dead.attempts, "dead-lettered: last allowed delivery never settled");
+                    Ok(ClaimOutcome::DeadLettered)
+                }
+                Write::Lost => Ok(ClaimOutcome::Held {
+                    owner: None,
+                    until: None,
+                }),
+                Write::Missing => Ok(ClaimOutcome::Gone),
+            };
+        }
+        let recovered = doc.state == MessageState::Locked;
+        let mut next = doc;
+        next.lock(holder, now, self.config.lock_duration);
+        next.refresh_ttl(now);
+        match self.replace(&next, &etag, "claim").await? {
+            Write::Done(doc) => {
+                if recovered {
+                    info!(group = self.name(), message_id = %doc.id, attempt = doc.attempts, holder, "recovered a message whose lock expired");
+                }
+                Ok(ClaimOutcome::Claimed(self.claim_from(doc)))
+            }
+            Write::Lost => Ok(ClaimOutcome::Held {
+                owner: None,
+                until: None,
+            }),
+            Write::Missing => Ok(ClaimOutcome::Gone),
+        }
+    }
+
+    fn claim_from(&self, doc: StateDoc) -> Claim {
+        Claim {
+            message_id: doc.id.clone(),
+            message_pk: doc.message_pk.clone(),
+            attempt: doc.attempts,
+            locked_until: doc.due,
+            enqueued_at: doc.enqueued_at,
+            expires_at: doc.expires_at,
+            state: Some(doc),
+        }
+    }
+
+    /// Extends the lock of a claim still being worked on.
+    pub async fn renew(&self, claim: &mut Claim) -> Result<()> {
+        let Some(current) = &claim.state else {
+            return Ok(()); // stream first delivery: the lease fences it
+        };
+        let now = self.now();
+        let mut next = current.clone();
+        next.due = Some(now + duration_ms(self.config.lock_duration));
+        let etag = current.etag.clone().unwrap_or_default();
+        match self.replace(&next, &etag, "renew").await? {
+            Write::Done(doc) => {
+                claim.locked_until = doc.due;
+                claim.state = Some(doc);
+                Ok(())
+            }
+            Write::Lost | Write::Missing => Err(self.lock_lost(claim)),
+        }
+    }
+
+    /// Records success: the group never delivers this message again.
+    pub async fn complete(&self, claim: &Claim) -> Result<()> {
+        let Some(current) = &claim.state else {
+            return Ok(()); // stream mode: the checkpoint records progress
+        };
+        let mut next = current.clone();
+        next.settle(MessageState::Completed, self.now());
+        next.last_error = None;
+        self.settle_claim(claim, next, "complete").await
+    }
+
+    /// Records a failed delivery: back off and deliver again, or dead-letter when out of attempts.
+    /// `delay` overrides the back-off (an app's `Retry-After`).
+    pub async fn retry(
+        &self,
+        claim: &Claim,
+        error: &str,
+        delay: Option<Duration>,
+    ) -> Result<RetryOutcome> {
+        if self.config.retry.exhausted(claim.attempt) {
+            self.dead_letter(claim, REASON_MAX_ATTEMPTS, error).await?;
+            return Ok(RetryOutcome::DeadLettered);
+        }
+        let now = self.now();
+        let delay = delay.unwrap_or_else(|| self.config.retry.backoff_random(claim.attempt));
+        let at = now + duration_ms(delay);
+        let mut next = self.next_state(claim, now);
+        next.state = MessageState::Retry;
+        next.owner = None;
+        next.due = Some(at);
+        next.last_error = Some(truncate(error));
+        self.settle_claim(claim, next, "retry").await?;
+        debug!(group = self.name(), message_id = %claim.message_id, attempt = claim.attempt, retry_at = at, error, "delivery failed; retrying later");
+        Ok(RetryOutcome::Scheduled { at })
+    }
+
+    /// Moves the message to the group's dead letters with a reason and the last error.
+    pub async fn dead_letter(&self, claim: &Claim, reason: &str, error: &str) -> Result<()> {
+        let now = self.now();
+        let mut next = self.next_state(claim, now);
+        next.settle(MessageState::DeadLettered, now);
+        next.reason = Some(truncate(reason));
+        next.last_error = Some(truncate(error));
+        self.settle_claim(claim, next, "dead-letter").await?;
+        warn!(group = self.name(), message_id = %claim.message_id, attempts = claim.attempt, reason, error, "message dead-lettered");
+        Ok(())
+    }
+
+    /// The document a settlement writes: the claim's, or a new one for a stream first delivery.
+    fn next_state(&self, claim: &Claim, now: i64) -> StateDoc {
+        claim.state.clone().unwrap_or_else(|| StateDoc {
+            id: claim.message_id.clone(),
+            pk: state_pk(self.name(), &claim.message_pk),
+            doc_type: STATE_DOC_TYPE.into(),
+            group: self.name().into(),
+            message_pk: claim.message_pk.clone(),
+            state: MessageState::Retry,
+            owner: None,
+            due: None,
+            attempts: claim.attempt,
+            enqueued_at: claim.enqueued_at,
+            expires_at: claim.expires_at,
+            first_attempt_at: Some(now),
+            last_attempt_at: Some(now),
+            last_error: None,
+            reason: None,
+            settled_at: None,
+            ttl: None,
+            etag: None,
+        })
+    }
+
+    async fn settle_claim(
+        &self,
+        claim: &Claim,
+        mut next: StateDoc,
+        op: &'static str,
+    ) -> Result<()> {
+        next.refresh_ttl(self.now());
+        let written = match &claim.state {
+            Some(current) => {
+                let etag = current.etag.clone().unwrap_or_default();
+                self.replace(&next, &etag, op).await?
+            }
+            None => self.create(&next, op).await?,
+        };
+        match written {
+            Write::Done(_) => Ok(()),
+            // Stream mode: a state document already exists (an earlier failure recorded it,
+            // before a lease hand-over redelivered the message); that document owns its fate.
+            Write::Lost if claim.state.is_none() => {
+                debug!(group = self.name(), message_id = %claim.message_id, "state already recorded by an earlier delivery");
+                Ok(())
+            }
+            Write::Lost | Write::Missing => Err(self.lock_lost(claim)),
+        }
+    }
+
+    fn lock_lost(&self, claim: &Claim) -> QueueError {
+        QueueError::LockLost {
+            group: self.name().into(),
+            message_id: claim.message_id.clone(),
+        }
+    }
+
+    /// State documents whose lock expired or whose retry/schedule time has come, oldest due
+    /// first is not guaranteed; at most `limit`.
+    pub async fn due(&self, limit: usize) -> Result<Vec<StateDoc>> {
+        let query = sql::query(
+            "SELECT TOP @limit * FROM c WHERE c.type = @type AND c.group = @group \
+             AND (c.state = 'locked' OR c.state = 'retry' OR c.state = 'scheduled') \
+             AND c.due <= @now",
+            &[
+                ("@limit", json!(limit)),
+                ("@type", json!(STATE_DOC_TYPE)),
+                ("@group", json!(self.name())),
+                ("@now", json!(self.now())),
+            ],
+        )?;
+        sql::collect(
+            self.queue.leases(),
+            query,
+            FeedScope::full_container(),
+            Some(limit),
+            self.queue.charges(),
+            "sweep",
+        )
+        .await
+    }
+
+    /// The group's state of one message, if any.
+    pub async fn read_state(&self, message_pk: &str, message_id: &str) -> Result<Option<StateDoc>> {
+        let pk = state_pk(self.name(), message_pk);
+        match self.queue.leases().read_item(pk, message_id, None).await {
+            Ok(response) => {
+                self.queue.charges().record_item("read state", &response);
+                Ok(Some(
+                    response
+                        .into_model()
+                        .map_err(QueueError::cosmos("read state"))?,
+                ))
+            }
+            Err(e) if status_of(&e) == NOT_FOUND => Ok(None),
+            Err(e) => Err(QueueError::cosmos("read state")(e)),
+        }
+    }
+
+    async fn create(&self, doc: &StateDoc, op: &'static str) -> Result<Write> {
+        let result = self
+            .queue
+            .leases()
+            .create_item(doc.pk.clone(), &doc.id, doc, None)
+            .await;
+        self.written(doc, result, op)
+    }
+
+    pub(crate) async fn replace(
+        &self,
+        doc: &StateDoc,
+        etag: &str,
+        op: &'static str,
+    ) -> Result<Write> {
+        let options = ItemWriteOptions::default()
+            .with_precondition(Precondition::if_match(Etag::from(etag.to_owned())));
+        let result = self
+            .queue
+            .leases()
+            .replace_item(doc.pk.clone(), &doc.id, doc, Some(options))
+            .await;
+        self.written(doc, result, op)
+    }
+
+    fn written(
+        &self,
+        doc: &StateDoc,
+        result: azure_data_cosmos::Result<azure_data_cosmos::models::ItemResponse>,
+        op: &'static str,
+    ) -> Result<Write> {
+        match result {
+            Ok(response) => {
+                self.queue.charges().record_item(op, &response);
+                let mut doc = doc.clone();
+                doc.etag = response.headers().etag().map(|e| e.to_string());
+                Ok(Write::Done(doc))
+            }
+            Err(e) => match status_of(&e) {
+                CONFLICT | PRECONDITION_FAILED => {
+                    self.queue.charges().record(op, None);
+                    Ok(Write::Lost)
+                }
+                NOT_FOUND => Ok(Write::Missing),
+                _ => Err(QueueError::cosmos(op)(e)),
+            },
+        }
+    }
+}
+
+fn truncate(text: &str) -> String {
+    if text.chars().count() <= MAX_ERROR_CHARS {
+        return text.to_owned();
+    }
+    let cut: String = text.chars().take(MAX_ERROR_CHARS).collect();
+    format!("{cut}… (truncated)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_doc_round_trips_and_hides_etag_on_write() {
+        let message = crate::message::NewMessage::json(json!(1))
+            .with_id("m")
+            .with_partition_key("k")
+            .into_message(1_000)
+            .unwrap();
+        let mut doc = StateDoc::new("g", &message, Some(61_000), MessageState::Retry);
+        doc.lock("host-a", 2_000, Duration::from_secs(30));
+        doc.refresh_ttl(2_000);
+        doc.etag = Some("\"e1\"".into());
+        let value = serde_json::to_value(&doc).unwrap();
+        assert_eq!(value["pk"], "g|k");
+        assert_eq!(value["state"], "locked");
+        assert_eq!(value["due"], 32_000);
+        assert_eq!(value["ttl"], 59 + STATE_TTL_MARGIN_SECS);
+        assert!(value.get("_etag").is_none());
+        let mut stored = value.clone();
+        stored["_etag"] = json!("\"e1\"");
+        let back: StateDoc = serde_json::from_value(stored).unwrap();
+        assert_eq!(back, doc);
+    }
+
+    #[test]
+    fn settled_states() {
+        assert!(MessageState::Completed.is_settled());
+        assert!(MessageState::DeadLettered.is_settled());
+        assert!(MessageState::Purged.is_settled());
+        assert!(!MessageState::Locked.is_settled());
+        assert!(!MessageState::Retry.is_settled());
+        assert!(!MessageState::Scheduled.is_settled());
+    }
+
+    #[test]
+    fn long_errors_are_cut_with_a_marker() {
+        let long = "e".repeat(MAX_ERROR_CHARS + 10);
+        let cut = truncate(&long);
+        assert!(cut.ends_with("(truncated)"));
+        assert_eq!(truncate("short"), "short");
+    }
+}

@@ -1,0 +1,41 @@
+//! The cosmosq queue engine: a durable work queue on an Azure Cosmos DB container.
+//!
+//! The messages container is an append-only log that only producers write. Everything a
+//! consumer group knows about a message (its lock, attempts, retry time, completion, dead
+//! letter) lives in a small per-group state document in the lease container, so groups never
+//! rewrite messages, never echo into the change feed the others read, and need no index of
+//! their own. `docs/design.md` explains the documents and why.
+//!
+//! Nothing here knows about HTTP or Kubernetes; the sidecar and the operator build on it.
+#![forbid(unsafe_code)]
+
+pub mod backoff;
+pub mod charge;
+pub mod clock;
+pub mod config;
+pub mod connection;
+pub mod consumer;
+pub mod deadletter;
+#[cfg(feature = "emulator")]
+pub mod emulator;
+pub mod error;
+pub mod group;
+pub mod message;
+pub mod producer;
+pub mod provision;
+pub mod queue;
+mod sql;
+
+pub use backoff::RetryPolicy;
+pub use charge::{ChargeSnapshot, RequestCharges};
+pub use clock::Clock;
+pub use config::{DeliveryMode, GroupConfig, QueueConfig, StartFrom, Throughput};
+pub use connection::{Auth, ConnectionArgs};
+pub use consumer::{Consumer, ConsumerOptions, ConsumerStats, Delivery, Handler, Outcome};
+pub use deadletter::DeadLetter;
+pub use error::{QueueError, Result};
+pub use group::{Claim, ClaimOutcome, Group, MessageState, RetryOutcome, StateDoc};
+pub use message::{Body, Message, MessageError, NewMessage};
+pub use producer::{EnqueueError, EnqueueOutcome};
+pub use provision::provision;
+pub use queue::Queue;

@@ -1,0 +1,515 @@
+//! Messages: what producers give, what is stored, what consumers get.
+//!
+//! A stored message is an immutable document in the messages container:
+//! `{ id, <pk>, body | bodyBase64, contentType?, metadata?, enqueuedAt, visibleAt?, ttl? }`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::clock::duration_ms;
+
+/// Cosmos DB's item size limit.
+pub const MAX_ITEM_BYTES: usize = 2 * 1024 * 1024;
+/// Room left for the system properties Cosmos adds (`_rid`, `_etag`, `_ts`, ...).
+const SYSTEM_PROPERTIES_ALLOWANCE: usize = 1024;
+/// The largest message document we send.
+pub const MAX_DOCUMENT_BYTES: usize = MAX_ITEM_BYTES - SYSTEM_PROPERTIES_ALLOWANCE;
+/// Cosmos' limit on a partition key value.
+const MAX_PARTITION_KEY_BYTES: usize = 2048;
+
+/// Property names the engine owns in message documents (a partition key path may not use them).
+pub const RESERVED_FIELDS: &[&str] = &[
+    "id",
+    "body",
+    "bodyBase64",
+    "contentType",
+    "metadata",
+    "enqueuedAt",
+    "visibleAt",
+    "ttl",
+];
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum MessageError {
+    #[error("message id {0:?} must be 1-255 characters without '/', '\\', '?' or '#'")]
+    InvalidId(String),
+    #[error("partition key must be 1-{MAX_PARTITION_KEY_BYTES} bytes")]
+    InvalidPartitionKey,
+    #[error("message document is {size} bytes, over the {MAX_DOCUMENT_BYTES}-byte limit (Cosmos DB items are at most 2 MB); it was not enqueued")]
+    TooLarge { size: usize },
+    #[error("metadata keys must be non-empty")]
+    EmptyMetadataKey,
+    #[error("ttl must be at least 1 second")]
+    InvalidTtl,
+    #[error("give either body or bodyBase64, not both")]
+    AmbiguousBody,
+    #[error("bodyBase64 is not valid base64: {0}")]
+    InvalidBase64(String),
+    #[error("scheduledAt {0:?} is not an RFC 3339 time")]
+    InvalidScheduledAt(String),
+    #[error("{field} {value:?} is not a duration such as \"30s\" or \"1h\"")]
+    InvalidDuration { field: &'static str, value: String },
+}
+
+/// A message body: JSON is stored as is (readable in the portal), bytes as base64.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Body {
+    Json(Value),
+    Bytes(Vec<u8>),
+}
+
+impl Body {
+    /// The body as bytes: JSON is serialised, bytes are returned as they are.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        match self {
+            Body::Json(v) => serde_json::to_vec(v).unwrap_or_default(),
+            Body::Bytes(b) => b.clone(),
+        }
+    }
+}
+
+/// A message to enqueue.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewMessage {
+    /// Producer-given id for idempotent enqueue; generated when absent.
+    pub id: Option<String>,
+    /// The ordering key. Absent: the id, which spreads messages evenly over partitions.
+    pub partition_key: Option<String>,
+    pub body: Body,
+    pub content_type: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    /// Not delivered before this time (epoch ms).
+    pub visible_at: Option<i64>,
+    /// Not delivered until this long after enqueue (ignored when `visible_at` is set).
+    pub delay: Option<Duration>,
+    /// Per-message time to live, overriding the queue's retention.
+    pub ttl: Option<Duration>,
+}
+
+impl NewMessage {
+    pub fn json(body: Value) -> Self {
+        Self::with_body(Body::Json(body))
+    }
+
+    pub fn bytes(body: impl Into<Vec<u8>>) -> Self {
+        Self::with_body(Body::Bytes(body.into()))
+    }
+
+    fn with_body(body: Body) -> Self {
+        Self {
+            id: None,
+            partition_key: None,
+            body,
+            content_type: None,
+            metadata: BTreeMap::new(),
+            visible_at: None,
+            delay: None,
+            ttl: None,
+        }
+    }
+
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = Some(id.into());
+        self
+    }
+
+    pub fn with_partition_key(mut self, key: impl Into<String>) -> Self {
+        self.partition_key = Some(key.into());
+        self
+    }
+
+    pub fn with_content_type(mut self, content_type: impl Into<String>) -> Self {
+        self.content_type = Some(content_type.into());
+        self
+    }
+
+    pub fn with_metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.metadata.insert(key.into(), value.into());
+        self
+    }
+
+    pub fn with_delay(mut self, delay: Duration) -> Self {
+        self.delay = Some(delay);
+        self
+    }
+
+    pub fn with_visible_at(mut self, epoch_ms: i64) -> Self {
+        self.visible_at = Some(epoch_ms);
+        self
+    }
+
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// Validates and turns the message into its stored form at time `now_ms`.
+    pub fn into_message(self, now_ms: i64) -> Result<Message, MessageError> {
+        let id = match self.id {
+            Some(id) => {
+                validate_id(&id)?;
+                id
+            }
+            None => uuid::Uuid::new_v4().to_string(),
+        };
+        let partition_key = self.partition_key.unwrap_or_else(|| id.clone());
+        if partition_key.is_empty() || partition_key.len() > MAX_PARTITION_KEY_BYTES {
+            return Err(MessageError::InvalidPartitionKey);
+        }
+        if self.metadata.keys().any(|k| k.is_empty()) {
+            return Err(MessageError::EmptyMetadataKey);
+        }
+        let ttl_secs = match self.ttl {
+            Some(t) if t.as_secs() == 0 => return Err(MessageError::InvalidTtl),
+            Some(t) => Some(i64::try_from(t.as_secs()).unwrap_or(i64::from(i32::MAX))),
+            None => None,
+        };
+        let visible_at = self
+            .visible_at
+            .or_else(|| self.delay.map(|d| now_ms.saturating_add(duration_ms(d))))
+            .filter(|at| *at > now_ms);
+        Ok(Message {
+            id,
+            partition_key,
+            body: self.body,
+            content_type: self.content_type,
+            metadata: self.metadata,
+            enqueued_at: now_ms,
+            visible_at,
+            ttl_secs,
+        })
+    }
+}
+
+fn validate_id(id: &str) -> Result<(), MessageError> {
+    if id.is_empty() || id.len() > 255 || id.contains(['/', '\\', '?', '#']) {
+        return Err(MessageError::InvalidId(id.chars().take(300).collect()));
+    }
+    Ok(())
+}
+
+/// A stored message, as consumers see it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Message {
+    pub id: String,
+    pub partition_key: String,
+    pub body: Body,
+    pub content_type: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    /// Enqueue time, epoch ms.
+    pub enqueued_at: i64,
+    /// Not deliverable before this time, epoch ms.
+    pub visible_at: Option<i64>,
+    /// Per-message TTL in seconds; `None` means the queue's retention applies.
+    pub ttl_secs: Option<i64>,
+}
+
+impl Message {
+    /// When the message leaves the container by TTL (epoch ms), given the queue's retention.
+    pub fn expires_at(&self, retention_secs: Option<i64>) -> Option<i64> {
+        self.ttl_secs
+            .or(retention_secs)
+            .map(|secs| self.enqueued_at.saturating_add(secs.saturating_mul(1000)))
+    }
+
+    /// Whether the message may be delivered at `now_ms`.
+    pub fn is_visible(&self, now_ms: i64) -> bool {
+        self.visible_at.is_none_or(|at| at <= now_ms)
+    }
+
+    /// The document stored in the messages container; fails when it would exceed Cosmos' limit.
+    pub fn to_document(&self, pk_field: &str) -> Result<Value, MessageError> {
+        let mut doc = Map::new();
+        doc.insert("id".into(), Value::String(self.id.clone()));
+        doc.insert(pk_field.into(), Value::String(self.partition_key.clone()));
+        match &self.body {
+            Body::Json(v) => doc.insert("body".into(), v.clone()),
+            Body::Bytes(b) => doc.insert(
+                "bodyBase64".into(),
+                Value::String(base64::engine::general_purpose::STANDARD.encode(b)),
+            ),
+        };
+        if let Some(ct) = &self.content_type {
+            doc.insert("contentType".into(), Value::String(ct.clone()));
+        }
+        if !self.metadata.is_empty() {
+            let meta = self
+                .metadata
+                .iter()
+                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                .collect();
+            doc.insert("metadata".into(), Value::Object(meta));
+        }
+        doc.insert("enqueuedAt".into(), self.enqueued_at.into());
+        if let Some(at) = self.visible_at {
+            doc.insert("visibleAt".into(), at.into());
+        }
+        if let Some(ttl) = self.ttl_secs {
+            doc.insert("ttl".into(), ttl.into());
+        }
+        let doc = Value::Object(doc);
+        let size = serde_json::to_vec(&doc)
+            .map(|b| b.len())
+            .unwrap_or(usize::MAX);
+        if size > MAX_DOCUMENT_BYTES {
+            return Err(MessageError::TooLarge { size });
+        }
+        Ok(doc)
+    }
+
+    /// Reads a document from the messages container. Anything that is not a message written
+    /// by a producer is reported with the reason, so a consumer can skip and log it.
+    pub fn from_document(doc: &Value, pk_field: &str) -> Result<Message, String> {
+        let obj = doc.as_object().ok_or("not a JSON object")?;
+        let text = |name: &str| obj.get(name).and_then(Value::as_str).map(str::to_owned);
+        let id = text("id").ok_or("no string id")?;
+        let partition_key = match obj.get(pk_field) {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+            None => return Err(format!("no partition key property {pk_field:?}")),
+        };
+        let body = match (obj.get("body"), obj.get("bodyBase64")) {
+            (Some(v), None) => Body::Json(v.clone()),
+            (None, Some(Value::String(b64))) => Body::Bytes(
+                base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|e| format!("bodyBase64 is not base64: {e}"))?,
+            ),
+            (None, None) => return Err("no body or bodyBase64".into()),
+            _ => return Err("both body and bodyBase64, or bodyBase64 not a string".into()),
+        };
+        let enqueued_at = obj
+            .get("enqueuedAt")
+            .and_then(Value::as_i64)
+            .ok_or("no numeric enqueuedAt")?;
+        let metadata = match obj.get("metadata") {
+            None | Some(Value::Null) => BTreeMap::new(),
+            Some(Value::Object(m)) => m
+                .iter()
+                .map(|(k, v)| {
+                    let v = v
+                        .as_str()
+                        .map(str::to_owned)
+                        .unwrap_or_else(|| v.to_string());
+                    (k.clone(), v)
+                })
+                .collect(),
+            Some(_) => return Err("metadata is not an object".into()),
+        };
+        Ok(Message {
+            id,
+            partition_key,
+            body,
+            content_type: text("contentType"),
+            metadata,
+            enqueued_at,
+            visible_at: obj.get("visibleAt").and_then(Value::as_i64),
+            ttl_secs: obj.get("ttl").and_then(Value::as_i64),
+        })
+    }
+}
+
+/// A message as producers write it in JSON (CLI input lines, the sidecar's enqueue API).
+///
+/// `{"id"?, "partitionKey"?, "body"? | "bodyBase64"?, "contentType"?, "metadata"?,
+///   "delay"? ("30s"), "scheduledAt"? (RFC 3339), "ttl"? ("1h")}`
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MessageInput {
+    pub id: Option<String>,
+    pub partition_key: Option<String>,
+    pub body: Option<Value>,
+    pub body_base64: Option<String>,
+    pub content_type: Option<String>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    pub delay: Option<String>,
+    pub scheduled_at: Option<String>,
+    pub ttl: Option<String>,
+}
+
+impl TryFrom<MessageInput> for NewMessage {
+    type Error = MessageError;
+
+    fn try_from(input: MessageInput) -> Result<Self, Self::Error> {
+        let body = match (input.body, input.body_base64) {
+            (Some(_), Some(_)) => return Err(MessageError::AmbiguousBody),
+            (Some(v), None) => Body::Json(v),
+            (None, Some(b64)) => Body::Bytes(
+                base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|e| MessageError::InvalidBase64(e.to_string()))?,
+            ),
+            (None, None) => Body::Json(Value::Null),
+        };
+        let duration = |field, text: Option<String>| -> Result<Option<Duration>, MessageError> {
+            text.map(|value| {
+                humantime::parse_duration(&value)
+                    .map_err(|_| MessageError::InvalidDuration { field, value })
+            })
+            .transpose()
+        };
+        let visible_at = input
+            .scheduled_at
+            .map(|t| {
+                humantime::parse_rfc3339_weak(&t)
+                    .map(|st| {
+                        st.duration_since(std::time::UNIX_EPOCH)
+                            .map(duration_ms)
+                            .unwrap_or(0)
+                    })
+                    .map_err(|_| MessageError::InvalidScheduledAt(t))
+            })
+            .transpose()?;
+        let ttl = duration("ttl", input.ttl)?;
+        Ok(NewMessage {
+            id: input.id,
+            partition_key: input.partition_key,
+            body,
+            content_type: input.content_type,
+            metadata: input.metadata,
+            visible_at,
+            delay: duration("delay", input.delay)?,
+            ttl,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn round_trips_json_and_bytes_bodies() {
+        for body in [
+            Body::Json(json!({"order": 7})),
+            Body::Bytes(vec![0, 159, 146, 150]),
+        ] {
+            let msg = NewMessage::with_body(body)
+                .with_id("m1")
+                .with_partition_key("tenant-a")
+                .with_metadata("source", "test")
+                .with_content_type("application/x")
+                .with_ttl(Duration::from_secs(60))
+                .into_message(1_000)
+                .unwrap();
+            let doc = msg.to_document("tenant").unwrap();
+            assert_eq!(doc["tenant"], "tenant-a");
+            assert_eq!(Message::from_document(&doc, "tenant").unwrap(), msg);
+        }
+    }
+
+    #[test]
+    fn defaults_spread_by_id_and_delay_sets_visibility() {
+        let msg = NewMessage::json(json!(1))
+            .with_delay(Duration::from_secs(5))
+            .into_message(10_000)
+            .unwrap();
+        assert_eq!(msg.partition_key, msg.id);
+        assert_eq!(msg.visible_at, Some(15_000));
+        assert!(!msg.is_visible(14_999));
+        assert!(msg.is_visible(15_000));
+        let past = NewMessage::json(json!(1))
+            .with_visible_at(5)
+            .into_message(10)
+            .unwrap();
+        assert_eq!(past.visible_at, None, "a time in the past is just visible");
+    }
+
+    #[test]
+    fn expiry_uses_message_ttl_over_retention() {
+        let msg = NewMessage::json(json!(1)).into_message(1_000).unwrap();
+        assert_eq!(msg.expires_at(Some(10)), Some(11_000));
+        assert_eq!(msg.expires_at(None), None);
+        let msg = NewMessage::json(json!(1))
+            .with_ttl(Duration::from_secs(2))
+            .into_message(1_000)
+            .unwrap();
+        assert_eq!(msg.expires_at(Some(10)), Some(3_000));
+    }
+
+    #[test]
+    fn rejects_oversized_documents_without_truncating() {
+        let big = "x".repeat(MAX_ITEM_BYTES);
+        let msg = NewMessage::json(json!(big)).into_message(0).unwrap();
+        let err = msg.to_document("pk").unwrap_err();
+        assert!(matches!(err, MessageError::TooLarge { size } if size > MAX_ITEM_BYTES));
+        assert!(err.to_string().contains("2 MB"));
+        let fits = "x".repeat(MAX_DOCUMENT_BYTES - 200);
+        let msg = NewMessage::json(json!(fits)).into_message(0).unwrap();
+        assert!(msg.to_document("pk").is_ok());
+    }
+
+    #[test]
+    fn rejects_invalid_ids_and_keys() {
+        for id in ["", "a/b", "a?b", "a#b", "a\\b"] {
+            let err = NewMessage::json(json!(1)).with_id(id).into_message(0);
+            assert!(matches!(err, Err(MessageError::InvalidId(_))), "{id:?}");
+        }
+        let err = NewMessage::json(json!(1))
+            .with_partition_key("k".repeat(3000))
+            .into_message(0);
+        assert_eq!(err, Err(MessageError::InvalidPartitionKey));
+    }
+
+    #[test]
+    fn malformed_documents_have_reasons() {
+        let cases = [
+            (json!("text"), "not a JSON object"),
+            (
+                json!({"pk": "a", "body": 1, "enqueuedAt": 1}),
+                "no string id",
+            ),
+            (
+                json!({"id": "a", "body": 1, "enqueuedAt": 1}),
+                "no partition key",
+            ),
+            (json!({"id": "a", "pk": "a", "enqueuedAt": 1}), "no body"),
+            (json!({"id": "a", "pk": "a", "body": 1}), "enqueuedAt"),
+            (
+                json!({"id": "a", "pk": "a", "bodyBase64": "%%%", "enqueuedAt": 1}),
+                "base64",
+            ),
+        ];
+        for (doc, reason) in cases {
+            let err = Message::from_document(&doc, "pk").unwrap_err();
+            assert!(err.contains(reason), "{doc}: {err}");
+        }
+    }
+
+    #[test]
+    fn parses_producer_json() {
+        let input: MessageInput = serde_json::from_value(json!({
+            "id": "o-1", "partitionKey": "c-9", "body": {"total": 3},
+            "metadata": {"k": "v"}, "delay": "30s", "ttl": "1h"
+        }))
+        .unwrap();
+        let msg = NewMessage::try_from(input)
+            .unwrap()
+            .into_message(0)
+            .unwrap();
+        assert_eq!(msg.visible_at, Some(30_000));
+        assert_eq!(msg.ttl_secs, Some(3600));
+        assert_eq!(msg.metadata["k"], "v");
+        let input: MessageInput =
+            serde_json::from_value(json!({"scheduledAt": "2030-01-01T00:00:00Z"})).unwrap();
+        let msg = NewMessage::try_from(input)
+            .unwrap()
+            .into_message(0)
+            .unwrap();
+        assert_eq!(msg.visible_at, Some(1_893_456_000_000));
+        let bad: Result<MessageInput, _> = serde_json::from_value(json!({"bdy": 1}));
+        assert!(bad.is_err(), "unknown fields are rejected, not ignored");
+        let input: MessageInput =
+            serde_json::from_value(json!({"body": 1, "bodyBase64": "AA=="})).unwrap();
+        assert_eq!(
+            NewMessage::try_from(input).unwrap_err(),
+            MessageError::AmbiguousBody
+        );
+    }
+}

@@ -1,0 +1,117 @@
+//! Creates what a queue needs, leaving whatever already exists alone.
+
+use azure_data_cosmos::models::{
+    ContainerProperties, IndexingPolicy, PartitionKeyDefinition, ThroughputProperties, TimeToLive,
+};
+use azure_data_cosmos::options::CreateContainerOptions;
+use azure_data_cosmos::CosmosClient;
+use serde_json::json;
+use tracing::info;
+
+use crate::config::{QueueConfig, Throughput};
+use crate::error::{status_of, QueueError, Result, CONFLICT};
+use crate::queue::Queue;
+
+/// What provisioning did, for status and Events.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Provisioned {
+    pub created_database: bool,
+    pub created_messages_container: bool,
+    pub created_lease_container: bool,
+}
+
+/// Creates the database, the messages container and the lease container if missing, then
+/// opens the queue. Existing resources are not modified (their settings are the owner's).
+pub async fn provision(
+    client: &CosmosClient,
+    config: &QueueConfig,
+) -> Result<(Queue, Provisioned)> {
+    config.validate()?;
+    let created_database = match client.create_database(&config.database, None).await {
+        Ok(_) => true,
+        Err(e) if status_of(&e) == CONFLICT => false,
+        Err(e) => return Err(QueueError::cosmos("create database")(e)),
+    };
+    let db = client.database_client(config.database.as_str());
+
+    let mut options = CreateContainerOptions::default();
+    if let Some(throughput) = config.throughput {
+        options = options.with_throughput(match throughput {
+            Throughput::Manual(ru) => ThroughputProperties::manual(u64::from(ru)),
+            Throughput::Autoscale(ru) => ThroughputProperties::autoscale(u64::from(ru), None),
+        });
+    }
+    let created_messages_container =
+        create_container(&db, messages_container(config), Some(options)).await?;
+    let created_lease_container = create_container(&db, lease_container(config), None).await?;
+    let provisioned = Provisioned {
+        created_database,
+        created_messages_container,
+        created_lease_container,
+    };
+    info!(
+        database = %config.database,
+        container = %config.container,
+        lease_container = %config.lease_container_name(),
+        ?provisioned,
+        "queue provisioned"
+    );
+    Ok((Queue::open(client, config.clone()).await?, provisioned))
+}
+
+async fn create_container(
+    db: &azure_data_cosmos::DatabaseClient,
+    properties: ContainerProperties,
+    options: Option<CreateContainerOptions>,
+) -> Result<bool> {
+    match db.create_container(properties, options).await {
+        Ok(_) => Ok(true),
+        Err(e) if status_of(&e) == CONFLICT => Ok(false),
+        Err(e) => Err(QueueError::cosmos("create container")(e)),
+    }
+}
+
+fn hash_key(path: &str) -> PartitionKeyDefinition {
+    serde_json::from_value(json!({"paths": [path], "kind": "Hash", "version": 2}))
+        .expect("a hash partition key definition is valid")
+}
+
+/// Messages: default TTL = retention; only the enqueue time is indexed, so bodies of any
+/// shape cost nothing to index and writes stay cheap.
+pub fn messages_container(config: &QueueConfig) -> ContainerProperties {
+    let indexing: IndexingPolicy = serde_json::from_value(json!({
+        "indexingMode": "consistent",
+        "automatic": true,
+        "includedPaths": [{"path": "/enqueuedAt/?"}],
+        "excludedPaths": [{"path": "/*"}]
+    }))
+    .expect("indexing policy is valid");
+    let ttl = match config.retention_secs() {
+        Some(secs) => TimeToLive::Seconds(u32::try_from(secs).unwrap_or(u32::MAX)),
+        None => TimeToLive::NoDefault,
+    };
+    ContainerProperties::new(
+        config.container.clone(),
+        hash_key(&config.partition_key_path),
+    )
+    .with_indexing_policy(indexing)
+    .with_default_ttl(ttl)
+}
+
+/// Leases and per-group message state: TTL enabled per item (state documents expire with the
+/// message they describe; leases never do); the fields the engine filters on are indexed.
+pub fn lease_container(config: &QueueConfig) -> ContainerProperties {
+    let indexing: IndexingPolicy = serde_json::from_value(json!({
+        "indexingMode": "consistent",
+        "automatic": true,
+        "includedPaths": [
+            {"path": "/type/?"}, {"path": "/group/?"}, {"path": "/state/?"},
+            {"path": "/due/?"}, {"path": "/enqueuedAt/?"}
+        ],
+        "excludedPaths": [{"path": "/*"}]
+    }))
+    .expect("indexing policy is valid");
+    ContainerProperties::new(config.lease_container_name(), hash_key("/pk"))
+        .with_indexing_policy(indexing)
+        .with_default_ttl(TimeToLive::NoDefault)
+}

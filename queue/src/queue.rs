@@ -1,0 +1,118 @@
+//! A handle on one provisioned queue.
+
+use std::sync::Arc;
+
+use azure_data_cosmos::{ContainerClient, CosmosClient};
+
+use crate::charge::RequestCharges;
+use crate::clock::Clock;
+use crate::config::{GroupConfig, QueueConfig};
+use crate::error::{QueueError, Result, NOT_FOUND};
+use crate::group::Group;
+use crate::message::Message;
+
+/// A queue: its messages container, its lease container, the clock and the RU counters.
+/// Cheap to clone; every clone shares the counters.
+#[derive(Clone)]
+pub struct Queue {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: QueueConfig,
+    messages: ContainerClient,
+    leases: ContainerClient,
+    clock: Clock,
+    charges: Arc<RequestCharges>,
+}
+
+impl Queue {
+    /// Opens a queue whose containers exist (see [`crate::provision`]).
+    pub async fn open(client: &CosmosClient, config: QueueConfig) -> Result<Self> {
+        Self::open_with_clock(client, config, Clock::system()).await
+    }
+
+    pub async fn open_with_clock(
+        client: &CosmosClient,
+        config: QueueConfig,
+        clock: Clock,
+    ) -> Result<Self> {
+        config.validate()?;
+        let db = client.database_client(config.database.as_str());
+        let messages = db
+            .container_client(config.container.as_str(), None)
+            .await
+            .map_err(QueueError::cosmos("open messages container"))?;
+        let leases = db
+            .container_client(config.lease_container_name().as_str(), None)
+            .await
+            .map_err(QueueError::cosmos("open lease container"))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                messages,
+                leases,
+                clock,
+                charges: Arc::default(),
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &QueueConfig {
+        &self.inner.config
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.config.container
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.inner.clock
+    }
+
+    pub fn charges(&self) -> &Arc<RequestCharges> {
+        &self.inner.charges
+    }
+
+    pub fn messages(&self) -> &ContainerClient {
+        &self.inner.messages
+    }
+
+    pub fn leases(&self) -> &ContainerClient {
+        &self.inner.leases
+    }
+
+    pub(crate) fn pk_field(&self) -> &str {
+        self.inner.config.partition_key_field()
+    }
+
+    /// A consumer group of this queue.
+    pub fn group(&self, config: GroupConfig) -> Result<Group> {
+        config.validate()?;
+        Ok(Group::new(self.clone(), config))
+    }
+
+    /// Reads one message by partition key and id; `None` when it is gone (TTL) or never was.
+    pub async fn read_message(&self, partition_key: &str, id: &str) -> Result<Option<Message>> {
+        let response = match self
+            .messages()
+            .read_item(partition_key.to_owned(), id, None)
+            .await
+        {
+            Ok(r) => r,
+            Err(e) if crate::error::status_of(&e) == NOT_FOUND => return Ok(None),
+            Err(e) => return Err(QueueError::cosmos("read message")(e)),
+        };
+        self.charges().record_item("read message", &response);
+        let doc: serde_json::Value = response
+            .into_model()
+            .map_err(QueueError::cosmos("read message"))?;
+        Message::from_document(&doc, self.pk_field())
+            .map(Some)
+            .map_err(|reason| QueueError::Malformed {
+                container: self.name().to_owned(),
+                id: id.to_owned(),
+                reason,
+            })
+    }
+}
