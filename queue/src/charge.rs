@@ -4,13 +4,15 @@
 //! so benchmarks, the demo and metrics can say what a message costs per group.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use azure_data_cosmos::models::ItemResponse;
+use azure_data_cosmos::diagnostics::DiagnosticsContext;
 
 #[derive(Debug, Default)]
 pub struct RequestCharges {
     by_operation: Mutex<BTreeMap<&'static str, OperationCharge>>,
+    throttled: AtomicU64,
 }
 
 /// Calls and request units spent on one kind of operation.
@@ -64,11 +66,27 @@ impl RequestCharges {
         entry.request_units += request_units.unwrap_or(0.0);
     }
 
-    pub(crate) fn record_item(&self, operation: &'static str, response: &ItemResponse) {
-        self.record(
-            operation,
-            response.headers().request_charge().map(|c| c.value()),
-        );
+    /// Records an operation from its diagnostics: the charge of every attempt the SDK made
+    /// (retries included), and each 429 it absorbed.
+    pub(crate) fn record_diagnostics(
+        &self,
+        operation: &'static str,
+        diagnostics: &DiagnosticsContext,
+    ) {
+        self.record(operation, Some(diagnostics.total_request_charge().value()));
+        let throttled = diagnostics
+            .requests()
+            .iter()
+            .filter(|r| u16::from(r.status().status_code()) == 429)
+            .count() as u64;
+        if throttled > 0 {
+            self.throttled.fetch_add(throttled, Ordering::Relaxed);
+        }
+    }
+
+    /// Requests the service answered with 429 (the SDK retried them).
+    pub fn throttled(&self) -> u64 {
+        self.throttled.load(Ordering::Relaxed)
     }
 
     pub fn snapshot(&self) -> ChargeSnapshot {

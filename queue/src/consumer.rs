@@ -416,10 +416,8 @@ impl FeedReader {
         let pages = self.pages.as_mut().expect("just set");
         match pages.next().await {
             Some(Ok(page)) => {
-                self.charges.record(
-                    "read change feed",
-                    page.headers().request_charge().map(|c| c.value()),
-                );
+                self.charges
+                    .record_diagnostics("read change feed", &page.diagnostics());
                 self.position = pages.to_continuation_token().ok();
                 Ok(page
                     .into_items()

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use azure_core::credentials::Secret;
 use azure_core::http::{Method, Request};
-use azure_data_cosmos::options::Region;
+use azure_data_cosmos::options::{ChangeFeedStartFrom, Region};
 use azure_data_cosmos::{
     AccountEndpoint, AccountReference, CosmosClient, CosmosClientBuilder, CosmosRuntimeBuilder,
-    FeedScope, Query, RoutingStrategy,
+    FeedScope, RoutingStrategy,
 };
 use azure_data_cosmos_driver::in_memory_emulator::{
     ConsistencyLevel, EmulatorStore, InMemoryEmulatorHttpClient, VirtualAccountConfig,
@@ -223,6 +223,7 @@ impl Emulator {
                 .map_err(QueueError::cosmos("list containers"))?;
             while let Some(props) = containers.next().await {
                 let props = props.map_err(QueueError::cosmos("list containers"))?;
+                debug!(database = %db_id, container = %props.id, ttl = ?props.default_ttl, "TTL sweep");
                 let default_ttl = match props.default_ttl {
                     azure_data_cosmos::models::TimeToLive::Forever => continue,
                     azure_data_cosmos::models::TimeToLive::NoDefault => None,
@@ -301,17 +302,32 @@ async fn sweep_container(
     default_ttl: Option<i64>,
     now: i64,
 ) -> Result<usize> {
-    let field = pk_path.trim_start_matches('/').replace('"', "");
-    let query = Query::from(format!(
-        "SELECT c.id, c._ts, c.ttl, c[\"{field}\"] AS pk FROM c"
-    ));
-    let mut items = container
-        .query_items::<Value>(query, FeedScope::full_container(), None)
+    // Every item's latest version, range by range, from the change feed.
+    let field = pk_path.trim_start_matches('/');
+    let mut items = Vec::new();
+    let ranges = container
+        .read_feed_ranges(None)
         .await
-        .map_err(QueueError::cosmos("TTL sweep query"))?;
+        .map_err(QueueError::cosmos("TTL sweep ranges"))?;
+    for range in ranges {
+        let mut pages = container
+            .query_change_feed::<Value>(
+                FeedScope::range(range),
+                ChangeFeedStartFrom::Beginning,
+                None,
+            )
+            .await
+            .map_err(QueueError::cosmos("TTL sweep read"))?;
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(QueueError::cosmos("TTL sweep read"))?;
+            if page.items().is_empty() {
+                break;
+            }
+            items.extend(page.items().iter().filter_map(|i| i.current().cloned()));
+        }
+    }
     let mut removed = 0;
-    while let Some(item) = items.next().await {
-        let item = item.map_err(QueueError::cosmos("TTL sweep query"))?;
+    for item in items {
         let ts = item
             .get("_ts")
             .and_then(Value::as_i64)
@@ -322,7 +338,7 @@ async fn sweep_container(
         }
         let (Some(id), Some(pk)) = (
             item.get("id").and_then(Value::as_str),
-            item.get("pk").and_then(Value::as_str),
+            item.get(field).and_then(Value::as_str),
         ) else {
             continue;
         };

@@ -521,7 +521,9 @@ impl Group {
         let pk = state_pk(self.name(), message_pk);
         match self.queue.leases().read_item(pk, message_id, None).await {
             Ok(response) => {
-                self.queue.charges().record_item("read state", &response);
+                self.queue
+                    .charges()
+                    .record_diagnostics("read state", &response.diagnostics());
                 Ok(Some(
                     response
                         .into_model()
@@ -566,14 +568,19 @@ impl Group {
     ) -> Result<Write> {
         match result {
             Ok(response) => {
-                self.queue.charges().record_item(op, &response);
+                self.queue
+                    .charges()
+                    .record_diagnostics(op, &response.diagnostics());
                 let mut doc = doc.clone();
                 doc.etag = response.headers().etag().map(|e| e.to_string());
                 Ok(Write::Done(doc))
             }
             Err(e) => match status_of(&e) {
                 CONFLICT | PRECONDITION_FAILED => {
-                    self.queue.charges().record(op, None);
+                    match e.diagnostics() {
+                        Some(d) => self.queue.charges().record_diagnostics(op, &d),
+                        None => self.queue.charges().record(op, None),
+                    }
                     Ok(Write::Lost)
                 }
                 NOT_FOUND => Ok(Write::Missing),

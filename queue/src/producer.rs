@@ -141,10 +141,8 @@ impl Queue {
             .execute_transactional_batch(batch, None)
             .await
             .map_err(QueueError::cosmos("enqueue batch"))?;
-        self.charges().record(
-            "enqueue batch",
-            response.headers().request_charge().map(|c| c.value()),
-        );
+        self.charges()
+            .record_diagnostics("enqueue batch", &response.diagnostics());
         Ok(response.status().status_code().is_success()
             && u16::from(response.status().status_code()) != 207)
     }
@@ -156,7 +154,8 @@ impl Queue {
             .await;
         match result {
             Ok(response) => {
-                self.charges().record_item("enqueue", &response);
+                self.charges()
+                    .record_diagnostics("enqueue", &response.diagnostics());
                 Ok(EnqueueOutcome::Enqueued {
                     id: message.id.clone(),
                     partition_key: message.partition_key.clone(),

@@ -103,7 +103,8 @@ impl Queue {
             Err(e) if crate::error::status_of(&e) == NOT_FOUND => return Ok(None),
             Err(e) => return Err(QueueError::cosmos("read message")(e)),
         };
-        self.charges().record_item("read message", &response);
+        self.charges()
+            .record_diagnostics("read message", &response.diagnostics());
         let doc: serde_json::Value = response
             .into_model()
             .map_err(QueueError::cosmos("read message"))?;

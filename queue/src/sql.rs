@@ -25,10 +25,7 @@ pub(crate) async fn collect<T: DeserializeOwned + Send + 'static>(
     let mut items = Vec::new();
     while let Some(page) = pages.next().await {
         let page = page.map_err(QueueError::cosmos(operation))?;
-        charges.record(
-            operation,
-            page.headers().request_charge().map(|c| c.value()),
-        );
+        charges.record_diagnostics(operation, &page.diagnostics());
         items.extend(page.into_items());
         if limit.is_some_and(|n| items.len() >= n) {
             items.truncate(limit.unwrap_or(usize::MAX));

@@ -1,0 +1,115 @@
+//! The emulator as a shared local account: over HTTP, with partitions and TTL.
+
+use std::time::Duration;
+
+use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_queue::{
+    provision, ClaimOutcome, ConnectionArgs, GroupConfig, NewMessage, QueueConfig, StartFrom,
+};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_clients_share_one_account_over_http() {
+    cosmosq_tests::init_tracing();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!(
+        "http://127.0.0.1:{}/",
+        listener.local_addr().unwrap().port()
+    );
+    let emulator = Emulator::new(
+        endpoint.parse().unwrap(),
+        EmulatorOptions {
+            partitions: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(emulator.serve(listener, shutdown.clone()));
+
+    let producer = ConnectionArgs::emulator(&endpoint).connect().await.unwrap();
+    let consumer = ConnectionArgs::emulator(&endpoint).connect().await.unwrap();
+    let config = QueueConfig::new("shared", "orders");
+    let (queue, created) = provision(&producer, &config).await.unwrap();
+    assert!(
+        created.created_database
+            && created.created_messages_container
+            && created.created_lease_container
+    );
+    let (_, again) = provision(&producer, &config).await.unwrap();
+    assert!(
+        !again.created_messages_container,
+        "provisioning twice changes nothing"
+    );
+
+    let ranges = queue.messages().read_feed_ranges(None).await.unwrap();
+    assert_eq!(
+        ranges.len(),
+        2,
+        "the partition count applies to containers created over HTTP"
+    );
+
+    queue
+        .enqueue(NewMessage::json(json!({"sku": 1})).with_id("o1"))
+        .await
+        .unwrap();
+    let other = cosmosq_queue::Queue::open(&consumer, config).await.unwrap();
+    let message = other
+        .read_message("o1", "o1")
+        .await
+        .unwrap()
+        .expect("visible to the other client");
+    let group = other
+        .group(GroupConfig::new("g").with_start_from(StartFrom::Beginning))
+        .unwrap();
+    let ClaimOutcome::Claimed(claim) = group.claim(&message, "h").await.unwrap() else {
+        panic!("claimable")
+    };
+    group.complete(&claim).await.unwrap();
+
+    shutdown.cancel();
+    server.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn ttl_sweep_expires_messages_after_retention() {
+    cosmosq_tests::init_tracing();
+    let emulator = Emulator::in_process(EmulatorOptions::default()).unwrap();
+    let client = emulator.client().await.unwrap();
+    let mut config = QueueConfig::new("db", "q");
+    config.retention = Some(Duration::from_secs(3600));
+    let (queue, _) = provision(&client, &config).await.unwrap();
+    queue
+        .enqueue(NewMessage::json(json!(1)).with_id("long"))
+        .await
+        .unwrap();
+    queue
+        .enqueue(
+            NewMessage::json(json!(2))
+                .with_id("short")
+                .with_ttl(Duration::from_secs(60)),
+        )
+        .await
+        .unwrap();
+    let now = cosmosq_queue::clock::system_now_ms() / 1000;
+
+    assert_eq!(emulator.sweep_ttl(&client, now).await.unwrap(), 0);
+    assert_eq!(
+        emulator.sweep_ttl(&client, now + 120).await.unwrap(),
+        1,
+        "per-message ttl first"
+    );
+    assert!(queue
+        .read_message("short", "short")
+        .await
+        .unwrap()
+        .is_none());
+    assert!(queue.read_message("long", "long").await.unwrap().is_some());
+    assert_eq!(
+        emulator.sweep_ttl(&client, now + 3700).await.unwrap(),
+        1,
+        "then retention"
+    );
+    assert!(queue.read_message("long", "long").await.unwrap().is_none());
+}

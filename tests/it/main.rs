@@ -1,0 +1,6 @@
+//! End-to-end tests through the Azure SDK against its in-memory emulator.
+//! One test binary on purpose: linking is the slow part here.
+
+mod consume;
+mod emulator;
+mod state_machine;
