@@ -47,7 +47,7 @@ impl Clock {
 pub fn system_now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| duration_ms(d))
+        .map(duration_ms)
         .unwrap_or(0)
 }
 

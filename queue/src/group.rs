@@ -176,7 +176,7 @@ pub struct Claim {
     pub locked_until: Option<i64>,
     pub enqueued_at: i64,
     /// The state document as this holder last wrote it (absent for a stream first delivery).
-    state: Option<StateDoc>,
+    state: Option<Box<StateDoc>>,
     expires_at: Option<i64>,
 }
 
@@ -218,7 +218,7 @@ pub struct Group {
 }
 
 pub(crate) enum Write {
-    Done(StateDoc),
+    Done(Box<StateDoc>),
     /// Conflict on create, or the ETag no longer matched on replace.
     Lost,
     /// The document does not exist (a replace after TTL removed it).
@@ -282,7 +282,7 @@ impl Group {
         doc.lock(holder, now, self.config.lock_duration);
         doc.refresh_ttl(now);
         match self.create(&doc, "claim").await? {
-            Write::Done(doc) => Ok(ClaimOutcome::Claimed(self.claim_from(doc))),
+            Write::Done(doc) => Ok(ClaimOutcome::Claimed(self.claim_from(*doc))),
             _ => self.claim_existing(message, holder).await,
         }
     }
@@ -345,7 +345,7 @@ impl Group {
                 if recovered {
                     info!(group = self.name(), message_id = %doc.id, attempt = doc.attempts, holder, "recovered a message whose lock expired");
                 }
-                Ok(ClaimOutcome::Claimed(self.claim_from(doc)))
+                Ok(ClaimOutcome::Claimed(self.claim_from(*doc)))
             }
             Write::Lost => Ok(ClaimOutcome::Held {
                 owner: None,
@@ -363,7 +363,7 @@ impl Group {
             locked_until: doc.due,
             enqueued_at: doc.enqueued_at,
             expires_at: doc.expires_at,
-            state: Some(doc),
+            state: Some(Box::new(doc)),
         }
     }
 
@@ -373,7 +373,7 @@ impl Group {
             return Ok(()); // stream first delivery: the lease fences it
         };
         let now = self.now();
-        let mut next = current.clone();
+        let mut next = StateDoc::clone(current);
         next.due = Some(now + duration_ms(self.config.lock_duration));
         let etag = current.etag.clone().unwrap_or_default();
         match self.replace(&next, &etag, "renew").await? {
@@ -391,7 +391,7 @@ impl Group {
         let Some(current) = &claim.state else {
             return Ok(()); // stream mode: the checkpoint records progress
         };
-        let mut next = current.clone();
+        let mut next = StateDoc::clone(current);
         next.settle(MessageState::Completed, self.now());
         next.last_error = None;
         self.settle_claim(claim, next, "complete").await
@@ -436,7 +436,7 @@ impl Group {
 
     /// The document a settlement writes: the claim's, or a new one for a stream first delivery.
     fn next_state(&self, claim: &Claim, now: i64) -> StateDoc {
-        claim.state.clone().unwrap_or_else(|| StateDoc {
+        claim.state.as_deref().cloned().unwrap_or_else(|| StateDoc {
             id: claim.message_id.clone(),
             pk: state_pk(self.name(), &claim.message_pk),
             doc_type: STATE_DOC_TYPE.into(),
@@ -573,7 +573,7 @@ impl Group {
                     .record_diagnostics(op, &response.diagnostics());
                 let mut doc = doc.clone();
                 doc.etag = response.headers().etag().map(|e| e.to_string());
-                Ok(Write::Done(doc))
+                Ok(Write::Done(Box::new(doc)))
             }
             Err(e) => match status_of(&e) {
                 CONFLICT | PRECONDITION_FAILED => {

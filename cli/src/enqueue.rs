@@ -1,0 +1,122 @@
+//! `cosmosq enqueue`: bulk input with a progress bar.
+
+use std::io::BufRead;
+use std::path::PathBuf;
+
+use clap::Args;
+use cosmosq_queue::message::MessageInput;
+use cosmosq_queue::NewMessage;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::args::QueueArgs;
+
+#[derive(Args, Debug)]
+pub struct EnqueueArgs {
+    #[command(flatten)]
+    pub queue: QueueArgs,
+    /// One message body (JSON); without it, messages are read as JSON lines
+    /// (`{"id":..,"partitionKey":..,"body":..,"delay":"30s",..}`) from --file or stdin.
+    #[arg(long)]
+    pub body: Option<String>,
+    /// File of JSON lines ("-" for stdin).
+    #[arg(long, short, default_value = "-")]
+    pub file: PathBuf,
+    /// Partition key for messages that do not name one.
+    #[arg(long)]
+    pub partition_key: Option<String>,
+    /// Messages per request round.
+    #[arg(long, default_value_t = 100)]
+    pub batch: usize,
+}
+
+/// Parses one input line; errors say which line and why.
+pub fn parse_line(
+    line_no: usize,
+    line: &str,
+    default_key: Option<&str>,
+) -> anyhow::Result<NewMessage> {
+    let input: MessageInput = serde_json::from_str(line)
+        .map_err(|e| anyhow::anyhow!("line {line_no}: not a message: {e}"))?;
+    let mut message =
+        NewMessage::try_from(input).map_err(|e| anyhow::anyhow!("line {line_no}: {e}"))?;
+    if message.partition_key.is_none() {
+        message.partition_key = default_key.map(str::to_owned);
+    }
+    Ok(message)
+}
+
+pub async fn run(args: EnqueueArgs) -> anyhow::Result<()> {
+    let queue = args.queue.open().await?;
+    let messages: Vec<NewMessage> = match &args.body {
+        Some(body) => {
+            let body = serde_json::from_str(body)
+                .map_err(|e| anyhow::anyhow!("--body is not JSON: {e}"))?;
+            let mut m = NewMessage::json(body);
+            m.partition_key = args.partition_key.clone();
+            vec![m]
+        }
+        None => {
+            let reader: Box<dyn BufRead> = if args.file.as_os_str() == "-" {
+                Box::new(std::io::stdin().lock())
+            } else {
+                Box::new(std::io::BufReader::new(std::fs::File::open(&args.file)?))
+            };
+            let mut out = Vec::new();
+            for (i, line) in reader.lines().enumerate() {
+                let line = line?;
+                if line.trim().is_empty() {
+                    continue;
+                }
+                out.push(parse_line(i + 1, &line, args.partition_key.as_deref())?);
+            }
+            out
+        }
+    };
+    let bar = ProgressBar::new(messages.len() as u64).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} messages, {per_sec}, eta {eta}")
+            .expect("static template"),
+    );
+    let (mut enqueued, mut duplicates, mut failed) = (0usize, 0usize, 0usize);
+    let mut chunk = Vec::with_capacity(args.batch.max(1));
+    let mut iter = messages.into_iter().peekable();
+    while iter.peek().is_some() {
+        chunk.extend(iter.by_ref().take(args.batch.max(1)));
+        for result in queue.enqueue_batch(std::mem::take(&mut chunk)).await {
+            match result {
+                Ok(o) if o.is_duplicate() => duplicates += 1,
+                Ok(_) => enqueued += 1,
+                Err(e) => {
+                    failed += 1;
+                    bar.suspend(|| eprintln!("not enqueued: {e}"));
+                }
+            }
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let ru = queue.charges().snapshot().total_request_units();
+    println!("enqueued {enqueued}, duplicates {duplicates}, failed {failed} ({ru:.1} RU)");
+    if failed > 0 {
+        anyhow::bail!("{failed} messages were not enqueued");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_get_the_default_key_and_errors_name_the_line() {
+        let m = parse_line(1, r#"{"body": {"a": 1}}"#, Some("k")).unwrap();
+        assert_eq!(m.partition_key.as_deref(), Some("k"));
+        let m = parse_line(1, r#"{"body": 1, "partitionKey": "own"}"#, Some("k")).unwrap();
+        assert_eq!(m.partition_key.as_deref(), Some("own"));
+        let err = parse_line(7, r#"{"body": 1, "delay": "soon"}"#, None).unwrap_err();
+        assert!(err.to_string().starts_with("line 7:"), "{err}");
+        assert!(parse_line(3, "not json", None)
+            .unwrap_err()
+            .to_string()
+            .contains("line 3"));
+    }
+}
