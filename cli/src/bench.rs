@@ -224,7 +224,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 r.what.clone(),
                 r.messages.to_string(),
                 format!("{:.0}", (r.messages * r.groups) as f64 / r.seconds),
-                format!("{:.2}", r.request_units / (r.messages * r.groups) as f64),
+                format!("{:.3}", r.request_units / (r.messages * r.groups) as f64),
             ]
         })
         .collect();
