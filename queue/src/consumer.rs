@@ -109,7 +109,7 @@ pub struct ConsumerStats {
 }
 
 impl ConsumerStats {
-    fn bump(counter: &AtomicU64) {
+    pub(crate) fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -255,16 +255,16 @@ impl<H: Handler> Consumer<H> {
     }
 }
 
-/// Everything one delivery task needs.
-struct Worker<H> {
-    group: Group,
-    handler: Arc<H>,
-    holder: String,
-    stats: Arc<ConsumerStats>,
+/// Everything one delivery task needs: claim, deliver with lock renewal, settle.
+pub(crate) struct Worker<H> {
+    pub(crate) group: Group,
+    pub(crate) handler: Arc<H>,
+    pub(crate) holder: String,
+    pub(crate) stats: Arc<ConsumerStats>,
 }
 
 impl<H: Handler> Worker<H> {
-    async fn process(&self, message: Message) {
+    pub(crate) async fn process(&self, message: Message) {
         match self.group.claim(&message, &self.holder).await {
             Ok(ClaimOutcome::Claimed(claim)) => self.deliver(message, claim).await,
             Ok(other) => debug!(message_id = %message.id, outcome = ?other, "not claimed"),
@@ -272,7 +272,7 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    async fn process_due(&self, doc: StateDoc) {
+    pub(crate) async fn process_due(&self, doc: StateDoc) {
         let (pk, id) = (doc.message_pk.clone(), doc.id.clone());
         let claim = match self.group.take_over(doc, &self.holder).await {
             Ok(ClaimOutcome::Claimed(claim)) => claim,

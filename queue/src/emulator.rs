@@ -171,7 +171,7 @@ impl Emulator {
     }
 
     /// Physical partition ids in EPK order, from the account's partition key ranges.
-    async fn partition_ids(&self, database: &str, container: &str) -> Result<Vec<u32>> {
+    pub async fn partition_ids(&self, database: &str, container: &str) -> Result<Vec<u32>> {
         let url = self
             .endpoint
             .join(&format!("dbs/{database}/colls/{container}/pkranges"))

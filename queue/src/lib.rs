@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backoff;
+pub mod balance;
 pub mod charge;
 pub mod clock;
 pub mod config;
@@ -20,6 +21,8 @@ pub mod deadletter;
 pub mod emulator;
 pub mod error;
 pub mod group;
+pub mod host;
+pub mod lease;
 pub mod message;
 pub mod producer;
 pub mod provision;

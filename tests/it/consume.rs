@@ -1,7 +1,6 @@
 //! Consumers running concurrently against the emulator: exclusivity, recovery, bad input, throttling.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cosmosq_queue::emulator::EmulatorOptions;
@@ -9,76 +8,9 @@ use cosmosq_queue::{
     Clock, Consumer, ConsumerOptions, Delivery, DeliveryMode, GroupConfig, NewMessage, Outcome,
     QueueConfig, StartFrom, Throughput,
 };
-use cosmosq_tests::Fixture;
+use cosmosq_tests::{recording, Fixture, Ledger};
 use serde_json::json;
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-
-/// What the app saw, per group: deliveries per message, and overlap violations.
-#[derive(Default)]
-struct Ledger {
-    deliveries: Mutex<HashMap<(String, String), Vec<u32>>>,
-    in_flight: Mutex<HashSet<(String, String)>>,
-    overlaps: Mutex<Vec<String>>,
-    done: Notify,
-}
-
-impl Ledger {
-    fn begin(&self, d: &Delivery) {
-        let key = (d.group.clone(), d.message.id.clone());
-        if !self.in_flight.lock().unwrap().insert(key.clone()) {
-            self.overlaps.lock().unwrap().push(format!("{key:?}"));
-        }
-        self.deliveries
-            .lock()
-            .unwrap()
-            .entry(key)
-            .or_default()
-            .push(d.delivery_count);
-    }
-
-    fn end(&self, d: &Delivery) {
-        self.in_flight
-            .lock()
-            .unwrap()
-            .remove(&(d.group.clone(), d.message.id.clone()));
-        self.done.notify_waiters();
-    }
-
-    fn delivered(&self, group: &str) -> usize {
-        self.deliveries
-            .lock()
-            .unwrap()
-            .keys()
-            .filter(|(g, _)| g == group)
-            .count()
-    }
-
-    fn counts(&self, group: &str) -> Vec<usize> {
-        self.deliveries
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|((g, _), _)| g == group)
-            .map(|(_, v)| v.len())
-            .collect()
-    }
-
-    /// Waits until `pred` holds, woken by each finished delivery (no polling sleeps).
-    async fn wait_until(&self, pred: impl Fn(&Ledger) -> bool) {
-        tokio::time::timeout(Duration::from_secs(120), async {
-            loop {
-                let notified = self.done.notified();
-                if pred(self) {
-                    return;
-                }
-                notified.await;
-            }
-        })
-        .await
-        .expect("the consumers finished in time");
-    }
-}
 
 fn options(holder: String) -> ConsumerOptions {
     ConsumerOptions {
@@ -107,21 +39,6 @@ where
         consumer.run(shutdown).await.expect("consumer runs");
         stats
     })
-}
-
-fn recording(
-    ledger: &Arc<Ledger>,
-) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, Outcome> + Send + Sync + 'static {
-    let ledger = Arc::clone(ledger);
-    move |d: Delivery| {
-        let ledger = Arc::clone(&ledger);
-        Box::pin(async move {
-            ledger.begin(&d);
-            tokio::task::yield_now().await;
-            ledger.end(&d);
-            Outcome::Complete
-        })
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,4 +3,5 @@
 
 mod consume;
 mod emulator;
+mod leases;
 mod state_machine;

@@ -1,7 +1,12 @@
 //! Shared fixtures for the end-to-end tests: an emulated account with a provisioned queue.
 #![forbid(unsafe_code)]
 
-use std::sync::{Arc, Once};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, Once};
+use std::time::Duration;
+
+use cosmosq_queue::{Delivery, Outcome};
+use tokio::sync::Notify;
 
 use azure_data_cosmos::CosmosClient;
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
@@ -77,5 +82,104 @@ impl Fixture {
 
     pub fn group(&self, config: GroupConfig) -> Group {
         self.queue.group(config).expect("valid group")
+    }
+}
+
+/// What the app saw, per group: deliveries per message, and overlap violations.
+#[derive(Default)]
+pub struct Ledger {
+    pub deliveries: Mutex<HashMap<(String, String), Vec<u32>>>,
+    pub in_flight: Mutex<HashSet<(String, String)>>,
+    pub overlaps: Mutex<Vec<String>>,
+    pub done: Notify,
+}
+
+impl Ledger {
+    pub fn begin(&self, d: &Delivery) {
+        let key = (d.group.clone(), d.message.id.clone());
+        if !self.in_flight.lock().unwrap().insert(key.clone()) {
+            self.overlaps.lock().unwrap().push(format!("{key:?}"));
+        }
+        self.deliveries
+            .lock()
+            .unwrap()
+            .entry(key)
+            .or_default()
+            .push(d.delivery_count);
+    }
+
+    pub fn end(&self, d: &Delivery) {
+        self.in_flight
+            .lock()
+            .unwrap()
+            .remove(&(d.group.clone(), d.message.id.clone()));
+        self.done.notify_waiters();
+    }
+
+    pub fn delivered(&self, group: &str) -> usize {
+        self.deliveries
+            .lock()
+            .unwrap()
+            .keys()
+            .filter(|(g, _)| g == group)
+            .count()
+    }
+
+    pub fn counts(&self, group: &str) -> Vec<usize> {
+        self.deliveries
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|((g, _), _)| g == group)
+            .map(|(_, v)| v.len())
+            .collect()
+    }
+
+    /// Waits until `pred` holds, woken by each finished delivery (no polling sleeps).
+    pub async fn wait_until(&self, pred: impl Fn(&Ledger) -> bool) {
+        tokio::time::timeout(Duration::from_secs(120), async {
+            loop {
+                let notified = self.done.notified();
+                if pred(self) {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await
+        .expect("the consumers finished in time");
+    }
+}
+
+/// A handler that records every delivery in `ledger` and completes it.
+pub fn recording(
+    ledger: &Arc<Ledger>,
+) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, Outcome> + Send + Sync + 'static {
+    let ledger = Arc::clone(ledger);
+    move |d: Delivery| {
+        let ledger = Arc::clone(&ledger);
+        Box::pin(async move {
+            ledger.begin(&d);
+            tokio::task::yield_now().await;
+            ledger.end(&d);
+            Outcome::Complete
+        })
+    }
+}
+
+/// Waits until `check` passes, re-checking every 50 ms, for state that several hosts converge
+/// on in the database (no single event announces it). Panics with `what` after `timeout`.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, check: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -1,0 +1,199 @@
+//! Which leases a host should take: equal distribution, free and expired leases first,
+//! stealing only what balance needs (the change feed processor's strategy, made stable).
+
+use std::collections::BTreeMap;
+
+/// A lease as the balancer sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseView {
+    pub id: String,
+    /// `None` when free.
+    pub owner: Option<String>,
+    /// The owner stopped renewing (timestamp older than the expiry interval).
+    pub expired: bool,
+}
+
+/// One lease to take, and whether that is a steal from a live owner.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Take {
+    pub lease_id: String,
+    pub steal_from: Option<String>,
+}
+
+/// The leases `me` should acquire now.
+///
+/// Live hosts are the owners of unexpired leases, plus `me`. With `L` leases over `n` hosts
+/// every host should hold `floor(L/n)` or `ceil(L/n)`. A host takes free or expired leases up
+/// to `ceil(L/n)`; below `floor(L/n)` it steals one lease per round from the host with the
+/// most, and only when that host has at least two more than it, so two hosts never trade a
+/// lease back and forth.
+pub fn plan(leases: &[LeaseView], me: &str) -> Vec<Take> {
+    if leases.is_empty() {
+        return Vec::new();
+    }
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    counts.insert(me, 0);
+    for lease in leases.iter().filter(|l| !l.expired) {
+        if let Some(owner) = &lease.owner {
+            *counts.entry(owner.as_str()).or_default() += 1;
+        }
+    }
+    let hosts = counts.len();
+    let total = leases.len();
+    let floor = total / hosts;
+    let ceil = total.div_ceil(hosts);
+    let mine = counts[me];
+
+    let available: Vec<&LeaseView> = leases
+        .iter()
+        .filter(|l| l.owner.is_none() || l.expired)
+        .collect();
+    if mine < ceil && !available.is_empty() {
+        return available
+            .into_iter()
+            .take(ceil - mine)
+            .map(|l| Take {
+                lease_id: l.id.clone(),
+                steal_from: None,
+            })
+            .collect();
+    }
+    if mine >= floor {
+        return Vec::new();
+    }
+    let Some((&victim, &most)) = counts
+        .iter()
+        .filter(|(host, _)| **host != me)
+        .max_by_key(|(host, count)| (**count, std::cmp::Reverse(**host)))
+    else {
+        return Vec::new();
+    };
+    if most < mine + 2 {
+        return Vec::new();
+    }
+    leases
+        .iter()
+        .find(|l| !l.expired && l.owner.as_deref() == Some(victim))
+        .map(|l| {
+            vec![Take {
+                lease_id: l.id.clone(),
+                steal_from: Some(victim.to_owned()),
+            }]
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(id: usize, owner: Option<&str>, expired: bool) -> LeaseView {
+        LeaseView {
+            id: format!("l{id}"),
+            owner: owner.map(str::to_owned),
+            expired,
+        }
+    }
+
+    /// Runs hosts in turn (each round: plan, apply) until nobody changes anything.
+    fn settle(mut leases: Vec<LeaseView>, hosts: &[&str]) -> (Vec<LeaseView>, usize) {
+        for round in 0..100 {
+            let mut changed = false;
+            for host in hosts {
+                for take in plan(&leases, host) {
+                    let l = leases.iter_mut().find(|l| l.id == take.lease_id).unwrap();
+                    l.owner = Some(host.to_string());
+                    l.expired = false;
+                    changed = true;
+                }
+            }
+            if !changed {
+                return (leases, round);
+            }
+        }
+        panic!("did not converge");
+    }
+
+    fn counts(leases: &[LeaseView], hosts: &[&str]) -> Vec<usize> {
+        hosts
+            .iter()
+            .map(|h| {
+                leases
+                    .iter()
+                    .filter(|l| l.owner.as_deref() == Some(h))
+                    .count()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn free_leases_spread_evenly_and_converge() {
+        let table = [(4, 3), (4, 2), (8, 3), (1, 3), (16, 5), (5, 5), (7, 2)];
+        for (total, host_count) in table {
+            let hosts: Vec<String> = (0..host_count).map(|h| format!("h{h}")).collect();
+            let hosts: Vec<&str> = hosts.iter().map(String::as_str).collect();
+            let leases = (0..total).map(|i| lease(i, None, false)).collect();
+            let (leases, _) = settle(leases, &hosts);
+            let c = counts(&leases, &hosts);
+            assert!(
+                leases.iter().all(|l| l.owner.is_some()),
+                "{total}/{host_count}: all owned"
+            );
+            let (min, max) = (*c.iter().min().unwrap(), *c.iter().max().unwrap());
+            assert!(
+                max - min <= 1,
+                "{total} leases over {host_count} hosts: {c:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_new_host_steals_only_what_balance_needs() {
+        let leases: Vec<_> = (0..8).map(|i| lease(i, Some("a"), false)).collect();
+        let takes = plan(&leases, "b");
+        assert_eq!(takes.len(), 1, "one steal per round");
+        assert_eq!(takes[0].steal_from.as_deref(), Some("a"));
+        let (leases, rounds) = settle(leases, &["a", "b"]);
+        assert_eq!(counts(&leases, &["a", "b"]), vec![4, 4]);
+        assert!(rounds <= 5);
+    }
+
+    #[test]
+    fn expired_leases_are_taken_before_stealing() {
+        let leases = vec![
+            lease(0, Some("a"), false),
+            lease(1, Some("a"), false),
+            lease(2, Some("dead"), true),
+            lease(3, Some("dead"), true),
+        ];
+        let takes = plan(&leases, "b");
+        assert_eq!(
+            takes,
+            vec![
+                Take {
+                    lease_id: "l2".into(),
+                    steal_from: None
+                },
+                Take {
+                    lease_id: "l3".into(),
+                    steal_from: None
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn balanced_hosts_do_nothing() {
+        let leases = vec![
+            lease(0, Some("a"), false),
+            lease(1, Some("a"), false),
+            lease(2, Some("b"), false),
+        ];
+        assert!(plan(&leases, "a").is_empty());
+        assert!(
+            plan(&leases, "b").is_empty(),
+            "1 vs 2 is balanced: no ping-pong"
+        );
+        assert!(plan(&[], "a").is_empty());
+    }
+}

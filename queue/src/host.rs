@@ -1,0 +1,586 @@
+//! The change-feed lease loop: a host holds leases on feed ranges of the messages container,
+//! reads each owned range from its checkpoint, hands messages to the handler through the
+//! group's state machine, and checkpoints the lowest unsettled position.
+//!
+//! Several hosts of one group balance the leases between them (`balance::plan`); a host that
+//! cannot renew a lease stops reading that range (fencing); a graceful stop drains, checkpoints
+//! and releases its leases at once so others take them without waiting for expiry.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use azure_data_cosmos::feed::{ChangeFeedPageIterator, ContinuationToken};
+use azure_data_cosmos::models::ChangeFeedItem;
+use azure_data_cosmos::options::{ChangeFeedOptions, ChangeFeedStartFrom, MaxItemCountHint};
+use azure_data_cosmos::FeedScope;
+use futures::StreamExt;
+use serde_json::Value;
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{debug, info, warn};
+
+use crate::balance::{self, LeaseView};
+use crate::clock::duration_ms;
+use crate::config::StartFrom;
+use crate::consumer::{AdaptivePoll, ConsumerStats, Handler, Worker};
+use crate::error::{QueueError, Result};
+use crate::group::Group;
+use crate::lease::{Lease, LeaseError, LeaseStore};
+use crate::message::Message;
+
+#[derive(Clone, Debug)]
+pub struct HostOptions {
+    /// This host's identity in leases and locks (the pod name).
+    pub name: String,
+    /// Deliveries in flight on this host at most.
+    pub max_concurrency: usize,
+    /// Messages read but not yet settled per range at most; reading a range pauses at this
+    /// many, and its checkpoint never passes the oldest of them.
+    pub max_in_flight_per_range: usize,
+    pub page_size: u32,
+    pub min_poll: Duration,
+    pub max_poll: Duration,
+    /// Look for expired locks and due retries this often.
+    pub sweep_interval: Duration,
+    /// Change feed processor defaults: renew 17 s, acquire 13 s, expire 60 s.
+    pub lease_renew: Duration,
+    pub lease_acquire: Duration,
+    pub lease_expire: Duration,
+    /// Write a moved checkpoint at most this often.
+    pub checkpoint_interval: Duration,
+}
+
+impl HostOptions {
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            max_concurrency: 64,
+            max_in_flight_per_range: 256,
+            page_size: 100,
+            min_poll: Duration::from_millis(100),
+            max_poll: Duration::from_secs(5),
+            sweep_interval: Duration::from_secs(5),
+            lease_renew: Duration::from_secs(17),
+            lease_acquire: Duration::from_secs(13),
+            lease_expire: Duration::from_secs(60),
+            checkpoint_interval: Duration::from_secs(1),
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.lease_renew >= self.lease_expire {
+            return Err(QueueError::Config(
+                "leaseRenew must be shorter than leaseExpire".into(),
+            ));
+        }
+        if self.max_concurrency == 0 || self.max_in_flight_per_range == 0 || self.page_size == 0 {
+            return Err(QueueError::Config(
+                "maxConcurrency, maxInFlightPerRange and pageSize must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How a range processor ended.
+#[derive(Debug)]
+enum RangeExit {
+    Released,
+    Lost,
+    Failed(QueueError),
+}
+
+/// A range processor this host runs. Dropping it aborts the processor and, with it, every
+/// delivery task it spawned: a host that dies takes all its work down with it.
+struct Running {
+    stop: CancellationToken,
+    task: AbortOnDropHandle<RangeExit>,
+}
+
+/// One consumer host of a group.
+pub struct Host<H> {
+    group: Group,
+    store: LeaseStore,
+    handler: Arc<H>,
+    options: HostOptions,
+    stats: Arc<ConsumerStats>,
+}
+
+impl<H: Handler> Host<H> {
+    pub fn new(group: Group, handler: H, options: HostOptions) -> Self {
+        let store = LeaseStore::new(group.queue().clone(), group.name());
+        Self {
+            group,
+            store,
+            handler: Arc::new(handler),
+            options,
+            stats: Arc::default(),
+        }
+    }
+
+    pub fn stats(&self) -> Arc<ConsumerStats> {
+        Arc::clone(&self.stats)
+    }
+
+    fn worker(&self) -> Arc<Worker<H>> {
+        Arc::new(Worker {
+            group: self.group.clone(),
+            handler: Arc::clone(&self.handler),
+            holder: self.options.name.clone(),
+            stats: Arc::clone(&self.stats),
+        })
+    }
+
+    fn now(&self) -> i64 {
+        self.group.queue().clock().now_ms()
+    }
+
+    /// Runs until `shutdown`; then stops reading, lets deliveries in flight settle,
+    /// checkpoints and releases every lease.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        self.options.validate()?;
+        let permits = Arc::new(Semaphore::new(self.options.max_concurrency));
+        let worker = self.worker();
+        let mut owned: HashMap<String, Running> = HashMap::new();
+        let mut sweeps = JoinSet::new();
+        let mut acquire = tokio::time::interval(self.options.lease_acquire);
+        let mut sweep = tokio::time::interval(self.options.sweep_interval);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        acquire.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            while sweeps.try_join_next().is_some() {}
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = acquire.tick() => {
+                    if let Err(e) = self.balance_round(&mut owned, &permits, &worker).await {
+                        ConsumerStats::bump(&self.stats.errors);
+                        warn!(group = self.group.name(), host = %self.options.name, error = %e, "lease round failed; trying again next interval");
+                    }
+                }
+                _ = sweep.tick() => self.sweep(&permits, &worker, &mut sweeps).await,
+            }
+        }
+        info!(group = self.group.name(), host = %self.options.name, leases = owned.len(), "stopping: draining and releasing leases");
+        for running in owned.values() {
+            running.stop.cancel();
+        }
+        for (_, running) in owned {
+            let _ = running.task.await;
+        }
+        while sweeps.join_next().await.is_some() {}
+        Ok(())
+    }
+
+    /// One acquire round: reap ended ranges, create/split leases, take what balance needs.
+    async fn balance_round(
+        &self,
+        owned: &mut HashMap<String, Running>,
+        permits: &Arc<Semaphore>,
+        worker: &Arc<Worker<H>>,
+    ) -> Result<()> {
+        let ended: Vec<String> = owned
+            .iter()
+            .filter(|(_, r)| r.task.is_finished())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ended {
+            if let Some(running) = owned.remove(&id) {
+                match running.task.await {
+                    Ok(RangeExit::Failed(e)) => {
+                        warn!(group = self.group.name(), lease = %id, error = %e, "range processor failed")
+                    }
+                    Ok(exit) => {
+                        debug!(group = self.group.name(), lease = %id, ?exit, "range processor ended")
+                    }
+                    Err(e) => {
+                        warn!(group = self.group.name(), lease = %id, error = %e, "range processor panicked")
+                    }
+                }
+            }
+        }
+        let now = self.now();
+        let expire = duration_ms(self.options.lease_expire);
+        let reconciled = self.store.reconcile(now, expire).await?;
+        for id in &reconciled.split_pending {
+            if let Some(running) = owned.get(id) {
+                info!(group = self.group.name(), lease = %id, "range split: handing the lease back so it can be split");
+                running.stop.cancel();
+            }
+        }
+        let views: Vec<LeaseView> = reconciled
+            .leases
+            .iter()
+            .map(|l| LeaseView {
+                id: l.id.clone(),
+                owner: l.owner.clone(),
+                // A lease in our name that this process does not run is left over from a
+                // previous life of this host (a restarted pod): take it back at once.
+                expired: (l.is_expired(now, expire)
+                    || l.owner.as_deref() == Some(self.options.name.as_str()))
+                    && !owned.contains_key(&l.id),
+            })
+            .collect();
+        for take in balance::plan(&views, &self.options.name) {
+            if owned.contains_key(&take.lease_id)
+                || reconciled.split_pending.contains(&take.lease_id)
+            {
+                continue;
+            }
+            let Some(lease) = reconciled.leases.iter().find(|l| l.id == take.lease_id) else {
+                continue;
+            };
+            match self.store.acquire(lease, &self.options.name, now).await {
+                Ok(lease) => {
+                    match &take.steal_from {
+                        Some(victim) => {
+                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %self.options.name, from = %victim, "lease stolen for balance")
+                        }
+                        None => {
+                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %self.options.name, "lease acquired")
+                        }
+                    }
+                    let stop = CancellationToken::new();
+                    let processor = RangeProcessor {
+                        store: self.store.clone(),
+                        group: self.group.clone(),
+                        worker: Arc::clone(worker),
+                        permits: Arc::clone(permits),
+                        options: self.options.clone(),
+                        stats: Arc::clone(&self.stats),
+                    };
+                    let id = lease.id.clone();
+                    let task =
+                        AbortOnDropHandle::new(tokio::spawn(processor.run(lease, stop.clone())));
+                    owned.insert(id, Running { stop, task });
+                }
+                Err(LeaseError::Lost) => {
+                    debug!(group = self.group.name(), lease = %take.lease_id, "another host took the lease first")
+                }
+                Err(LeaseError::Other(e)) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    async fn sweep(
+        &self,
+        permits: &Arc<Semaphore>,
+        worker: &Arc<Worker<H>>,
+        sweeps: &mut JoinSet<()>,
+    ) {
+        let limit = self
+            .options
+            .max_concurrency
+            .saturating_sub(sweeps.len())
+            .max(1);
+        match self.group.due(limit).await {
+            Ok(docs) => {
+                for doc in docs {
+                    let worker = Arc::clone(worker);
+                    let permits = Arc::clone(permits);
+                    sweeps.spawn(async move {
+                        let _permit = permits.acquire_owned().await.expect("never closed");
+                        worker.process_due(doc).await;
+                    });
+                }
+            }
+            Err(e) => {
+                ConsumerStats::bump(&self.stats.errors);
+                warn!(group = self.group.name(), error = %e, "sweep failed; trying again next interval");
+            }
+        }
+    }
+}
+
+/// Reads one leased range and keeps its lease: renewals, checkpoints, release.
+struct RangeProcessor<H> {
+    store: LeaseStore,
+    group: Group,
+    worker: Arc<Worker<H>>,
+    permits: Arc<Semaphore>,
+    options: HostOptions,
+    stats: Arc<ConsumerStats>,
+}
+
+/// A page of the feed whose messages are not all settled yet.
+struct PageSlot {
+    seq: u64,
+    /// The position after this page: where reading resumes once it and all before it settle.
+    token: Option<String>,
+    remaining: usize,
+}
+
+impl<H: Handler> RangeProcessor<H> {
+    fn now(&self) -> i64 {
+        self.group.queue().clock().now_ms()
+    }
+
+    async fn run(self, mut lease: Lease, stop: CancellationToken) -> RangeExit {
+        let label = lease.range_label();
+        let group = self.group.name().to_owned();
+        let range = match lease.feed_range() {
+            Ok(r) => r,
+            Err(e) => return RangeExit::Failed(e),
+        };
+        let mut reader = RangeReader {
+            container: self.group.queue().messages().clone(),
+            scope: range,
+            start: self.group.config().start_from,
+            page_size: self.options.page_size,
+            position: lease.continuation.clone(),
+            pages: None,
+            charges: Arc::clone(self.group.queue().charges()),
+        };
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<u64>();
+        let mut deliveries = JoinSet::new();
+        let mut window: VecDeque<PageSlot> = VecDeque::new();
+        let mut in_flight = 0usize;
+        let mut next_seq = 0u64;
+        let mut checkpoint = lease.continuation.clone();
+        let mut poll = AdaptivePoll::new(self.options.min_poll, self.options.max_poll);
+        let mut renew = tokio::time::interval(self.options.lease_renew);
+        renew.reset(); // acquiring just renewed it
+        let mut flush = tokio::time::interval(self.options.checkpoint_interval);
+        let mut reading = true;
+
+        loop {
+            let idle = in_flight == 0 && !reading;
+            if idle {
+                break;
+            }
+            tokio::select! {
+                biased;
+                _ = stop.cancelled(), if reading => {
+                    reading = false;
+                    debug!(%group, lease = %label, in_flight, "draining range");
+                }
+                Some(seq) = done_rx.recv() => {
+                    while deliveries.try_join_next().is_some() {}
+                    in_flight -= 1;
+                    if let Some(slot) = window.iter_mut().find(|s| s.seq == seq) {
+                        slot.remaining -= 1;
+                    }
+                    advance(&mut window, &mut checkpoint);
+                }
+                _ = renew.tick() => {
+                    match self.store.renew(&lease, self.now()).await {
+                        Ok(renewed) => lease = renewed,
+                        Err(LeaseError::Lost) => {
+                            // Fencing: another host owns the range now; read nothing more from it.
+                            warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease lost; stopped reading the range");
+                            // Deliveries in flight finish and settle under their own claims.
+                            deliveries.detach_all();
+                            return RangeExit::Lost;
+                        }
+                        Err(LeaseError::Other(e)) => {
+                            warn!(%group, lease = %label, error = %e, "lease renewal failed; retrying");
+                            if self.now() - lease.timestamp > duration_ms(self.options.lease_expire) {
+                                warn!(%group, lease = %label, "lease expired without renewal; stopped reading the range");
+                                deliveries.detach_all();
+                                return RangeExit::Lost;
+                            }
+                        }
+                    }
+                }
+                _ = flush.tick(), if checkpoint != lease.continuation => {
+                    if let Some(exit) = self.write_checkpoint(&mut lease, &checkpoint).await {
+                        deliveries.detach_all();
+                        return exit;
+                    }
+                }
+                _ = tokio::time::sleep(poll.delay()), if reading && in_flight < self.options.max_in_flight_per_range => {
+                    match reader.next_page().await {
+                        Ok((docs, token)) => {
+                            if docs.is_empty() {
+                                poll.idle();
+                            } else {
+                                poll.busy();
+                            }
+                            let seq = next_seq;
+                            next_seq += 1;
+                            let mut slot = PageSlot { seq, token, remaining: 0 };
+                            for doc in docs {
+                                let message = match Message::from_document(&doc, self.group.queue().config().partition_key_field()) {
+                                    Ok(m) => m,
+                                    Err(reason) => {
+                                        ConsumerStats::bump(&self.stats.malformed);
+                                        warn!(queue = self.group.queue().name(), id = ?doc.get("id"), %reason, "skipping a malformed document in the messages container");
+                                        continue;
+                                    }
+                                };
+                                slot.remaining += 1;
+                                in_flight += 1;
+                                let worker = Arc::clone(&self.worker);
+                                let permits = Arc::clone(&self.permits);
+                                let done = done_tx.clone();
+                                deliveries.spawn(async move {
+                                    let _permit = permits.acquire_owned().await.expect("never closed");
+                                    worker.process(message).await;
+                                    let _ = done.send(seq);
+                                });
+                            }
+                            window.push_back(slot);
+                            advance(&mut window, &mut checkpoint);
+                        }
+                        Err(e) => {
+                            ConsumerStats::bump(&self.stats.errors);
+                            poll.idle();
+                            warn!(%group, lease = %label, error = %e, "change feed read failed; retrying");
+                        }
+                    }
+                }
+            }
+        }
+        // Drained: record where we are and hand the lease back.
+        if checkpoint != lease.continuation {
+            if let Some(exit) = self.write_checkpoint(&mut lease, &checkpoint).await {
+                return exit;
+            }
+        }
+        match self.store.release(&lease).await {
+            Ok(()) => {
+                info!(%group, lease = %label, owner = %self.options.name, "lease released");
+                RangeExit::Released
+            }
+            Err(LeaseError::Lost) => RangeExit::Lost,
+            Err(LeaseError::Other(e)) => RangeExit::Failed(e),
+        }
+    }
+
+    /// `Some(exit)` when the lease is gone.
+    async fn write_checkpoint(
+        &self,
+        lease: &mut Lease,
+        checkpoint: &Option<String>,
+    ) -> Option<RangeExit> {
+        let token = checkpoint.clone()?;
+        match self.store.checkpoint(lease, token, self.now()).await {
+            Ok(written) => {
+                debug!(group = self.group.name(), lease = %lease.range_label(), "checkpoint");
+                *lease = written;
+                None
+            }
+            Err(LeaseError::Lost) => {
+                warn!(group = self.group.name(), lease = %lease.range_label(), "lease lost at checkpoint; stopped reading the range");
+                Some(RangeExit::Lost)
+            }
+            Err(LeaseError::Other(e)) => {
+                warn!(group = self.group.name(), lease = %lease.range_label(), error = %e, "checkpoint failed; retrying");
+                None
+            }
+        }
+    }
+}
+
+/// Pops the settled pages at the front of the window; the checkpoint becomes the position
+/// after the last of them — never past a page with an unsettled message.
+fn advance(window: &mut VecDeque<PageSlot>, checkpoint: &mut Option<String>) {
+    while window.front().is_some_and(|s| s.remaining == 0) {
+        let slot = window.pop_front().expect("checked");
+        if slot.token.is_some() {
+            *checkpoint = slot.token;
+        }
+    }
+}
+
+/// Reads one range of the change feed, resuming from a position after errors.
+struct RangeReader {
+    container: azure_data_cosmos::ContainerClient,
+    scope: azure_data_cosmos::feed::FeedRange,
+    start: StartFrom,
+    page_size: u32,
+    position: Option<String>,
+    pages: Option<ChangeFeedPageIterator<ChangeFeedItem<Value>>>,
+    charges: Arc<crate::charge::RequestCharges>,
+}
+
+impl RangeReader {
+    async fn next_page(&mut self) -> Result<(Vec<Value>, Option<String>)> {
+        if self.pages.is_none() {
+            let start = match self.start {
+                StartFrom::Beginning => ChangeFeedStartFrom::Beginning,
+                StartFrom::Now => ChangeFeedStartFrom::Now,
+            };
+            let hint = std::num::NonZeroU32::new(self.page_size)
+                .map(MaxItemCountHint::Limit)
+                .unwrap_or(MaxItemCountHint::ServerDecides);
+            let mut options = ChangeFeedOptions::default().with_max_item_count(hint);
+            if let Some(token) = &self.position {
+                options =
+                    options.with_continuation_token(ContinuationToken::from_string(token.clone()));
+            }
+            self.pages = Some(
+                self.container
+                    .query_change_feed::<Value>(
+                        FeedScope::range(self.scope.clone()),
+                        start,
+                        Some(options),
+                    )
+                    .await
+                    .map_err(QueueError::cosmos("read change feed"))?,
+            );
+        }
+        let pages = self.pages.as_mut().expect("just set");
+        match pages.next().await {
+            Some(Ok(page)) => {
+                self.charges
+                    .record_diagnostics("read change feed", &page.diagnostics());
+                let token = pages
+                    .to_continuation_token()
+                    .ok()
+                    .map(|t| t.as_str().to_owned());
+                if token.is_some() {
+                    self.position = token.clone();
+                }
+                let docs = page
+                    .into_items()
+                    .into_iter()
+                    .filter_map(|i| i.current().cloned())
+                    .collect();
+                Ok((docs, token))
+            }
+            Some(Err(e)) => {
+                self.pages = None;
+                Err(QueueError::cosmos("read change feed")(e))
+            }
+            None => {
+                self.pages = None;
+                Ok((Vec::new(), None))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(seq: u64, token: &str, remaining: usize) -> PageSlot {
+        PageSlot {
+            seq,
+            token: Some(token.into()),
+            remaining,
+        }
+    }
+
+    #[test]
+    fn checkpoint_never_passes_an_unsettled_page() {
+        let mut window: VecDeque<PageSlot> =
+            [slot(0, "t0", 1), slot(1, "t1", 0), slot(2, "t2", 0)].into();
+        let mut checkpoint = Some("start".to_string());
+        advance(&mut window, &mut checkpoint);
+        assert_eq!(
+            checkpoint.as_deref(),
+            Some("start"),
+            "page 0 still has a message out"
+        );
+        window[0].remaining = 0;
+        advance(&mut window, &mut checkpoint);
+        assert_eq!(checkpoint.as_deref(), Some("t2"));
+        assert!(window.is_empty());
+    }
+}

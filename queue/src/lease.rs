@@ -1,0 +1,495 @@
+//! Change-feed leases: one document per feed range per consumer group, in the lease container.
+//!
+//! The model is the change feed processor's lease that users know: owner, continuation,
+//! timestamp, ETag. Every change is a replace with `If-Match`, so an owner learns it lost a
+//! lease (stolen, or split away) on its next renew or checkpoint, and stops.
+
+use azure_core::http::Etag;
+use azure_data_cosmos::feed::FeedRange;
+use azure_data_cosmos::models::EffectivePartitionKey;
+use azure_data_cosmos::options::{ItemWriteOptions, Precondition, ReadFeedRangesOptions};
+use azure_data_cosmos::{FeedScope, PartitionKey};
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tracing::{info, warn};
+
+use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND, PRECONDITION_FAILED};
+use crate::queue::Queue;
+use crate::sql;
+
+pub const LEASE_DOC_TYPE: &str = "lease";
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Lease {
+    /// `lease|<group>|<min epk>|<max epk>`.
+    pub id: String,
+    /// `lease|<group>`: a group's leases share one logical partition, so listing them is cheap.
+    pub pk: String,
+    #[serde(rename = "type")]
+    pub doc_type: String,
+    pub group: String,
+    /// The feed range, as effective partition key bounds in hex (`""` .. `"FF"`).
+    pub min_epk: String,
+    pub max_epk: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// Where reading resumes (the SDK's change-feed continuation token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub continuation: Option<String>,
+    /// Last acquire, renew or checkpoint by the owner, epoch ms: the owner's heartbeat.
+    pub timestamp: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpointed_at: Option<i64>,
+    #[serde(rename = "_etag", default, skip_serializing)]
+    pub etag: Option<String>,
+}
+
+impl Lease {
+    pub fn new(
+        group: &str,
+        min_epk: &str,
+        max_epk: &str,
+        continuation: Option<String>,
+        now: i64,
+    ) -> Self {
+        Self {
+            id: format!("lease|{group}|{min_epk}|{max_epk}"),
+            pk: lease_pk(group),
+            doc_type: LEASE_DOC_TYPE.into(),
+            group: group.into(),
+            min_epk: min_epk.into(),
+            max_epk: max_epk.into(),
+            owner: None,
+            continuation,
+            timestamp: now,
+            checkpointed_at: None,
+            etag: None,
+        }
+    }
+
+    /// The range this lease reads.
+    pub fn feed_range(&self) -> Result<FeedRange> {
+        let bound = |hex: &str| {
+            EffectivePartitionKey::try_from(hex).map_err(|e| {
+                QueueError::Config(format!("lease {}: bad range bound {hex:?}: {e}", self.id))
+            })
+        };
+        FeedRange::new(bound(&self.min_epk)?, bound(&self.max_epk)?)
+            .map_err(|e| QueueError::Config(format!("lease {}: {e}", self.id)))
+    }
+
+    pub fn is_expired(&self, now: i64, expire_ms: i64) -> bool {
+        self.owner.is_none() || self.timestamp + expire_ms < now
+    }
+
+    /// A short name for logs: the range bounds.
+    pub fn range_label(&self) -> String {
+        format!("{}..{}", short(&self.min_epk), short(&self.max_epk))
+    }
+}
+
+fn short(hex: &str) -> &str {
+    if hex.is_empty() {
+        "00"
+    } else {
+        &hex[..hex.len().min(8)]
+    }
+}
+
+pub fn lease_pk(group: &str) -> String {
+    format!("lease|{group}")
+}
+
+/// Hex bounds of a feed range.
+pub fn range_bounds(range: &FeedRange) -> (String, String) {
+    (
+        range.min_inclusive().to_hex(),
+        range.max_exclusive().to_hex(),
+    )
+}
+
+/// Compares hex EPKs in key order ("" is the minimum, "FF" the maximum).
+pub fn epk_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    a.to_ascii_uppercase().cmp(&b.to_ascii_uppercase())
+}
+
+/// Narrows a continuation token of a parent range to one of its sub-ranges (a split child),
+/// keeping the parent's position: the child partition continues the parent's LSNs, as the
+/// change feed processor's child leases do. `None` if the token's format is not understood
+/// (the child then starts from the parent's token as is: at-least-once, nothing skipped).
+pub fn narrow_continuation(token: &str, min_epk: &str, max_epk: &str) -> Option<String> {
+    let body = token.strip_prefix("c1.")?;
+    let engine = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let mut state: Value = serde_json::from_slice(&engine.decode(body).ok()?).ok()?;
+    let active = state
+        .get_mut("root")?
+        .get_mut("active_tokens")?
+        .as_array_mut()?;
+    let mut narrowed = Vec::new();
+    for t in active.iter() {
+        let lo = t.get("min_epk")?.as_str()?;
+        let hi = t.get("max_epk")?.as_str()?;
+        // Keep the parts overlapping [min_epk, max_epk), clipped to it.
+        let new_lo = if epk_cmp(lo, min_epk).is_lt() {
+            min_epk
+        } else {
+            lo
+        };
+        let new_hi = if epk_cmp(hi, max_epk).is_gt() {
+            max_epk
+        } else {
+            hi
+        };
+        if epk_cmp(new_lo, new_hi).is_lt() {
+            let mut t = t.clone();
+            t["min_epk"] = json!(new_lo);
+            t["max_epk"] = json!(new_hi);
+            narrowed.push(t);
+        }
+    }
+    if narrowed.is_empty() {
+        return None;
+    }
+    *active = narrowed;
+    Some(format!(
+        "c1.{}",
+        engine.encode(serde_json::to_vec(&state).ok()?)
+    ))
+}
+
+/// The physical ranges that now cover `lease`'s range, when it split into two or more;
+/// empty otherwise (including when ranges merged: a lease keeps reading its EPK sub-range).
+pub fn split_children(lease: &Lease, physical: &[(String, String)]) -> Vec<(String, String)> {
+    let children: Vec<(String, String)> = physical
+        .iter()
+        .filter(|(min, max)| {
+            epk_cmp(min, &lease.min_epk).is_ge() && epk_cmp(max, &lease.max_epk).is_le()
+        })
+        .cloned()
+        .collect();
+    let covers = children.len() >= 2
+        && children.first().map(|c| c.0.as_str()) == Some(lease.min_epk.as_str())
+        && children.last().map(|c| c.1.as_str()) == Some(lease.max_epk.as_str());
+    if covers {
+        children
+    } else {
+        Vec::new()
+    }
+}
+
+/// What [`LeaseStore::reconcile`] found.
+#[derive(Clone, Debug)]
+pub struct Reconciled {
+    pub leases: Vec<Lease>,
+    pub split_pending: Vec<String>,
+}
+
+/// Reads and writes a group's leases.
+#[derive(Clone)]
+pub struct LeaseStore {
+    queue: Queue,
+    group: String,
+}
+
+impl LeaseStore {
+    pub fn new(queue: Queue, group: impl Into<String>) -> Self {
+        Self {
+            queue,
+            group: group.into(),
+        }
+    }
+
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// All of the group's leases, in range order.
+    pub async fn list(&self) -> Result<Vec<Lease>> {
+        let query = sql::query(
+            "SELECT * FROM c WHERE c.type = @type",
+            &[("@type", json!(LEASE_DOC_TYPE))],
+        )?;
+        let mut leases: Vec<Lease> = sql::collect(
+            self.queue.leases(),
+            query,
+            FeedScope::partition(PartitionKey::from(lease_pk(&self.group))),
+            None,
+            self.queue.charges(),
+            "list leases",
+        )
+        .await?;
+        leases.sort_by(|a, b| epk_cmp(&a.min_epk, &b.min_epk));
+        Ok(leases)
+    }
+
+    /// Makes sure every physical range of the messages container is covered by a lease:
+    /// creates the leases of a new group, and splits the lease of a range that split once
+    /// nobody holds it. Returns the leases and the ids of held leases whose range split (their
+    /// owners should hand them back so they can be split).
+    pub async fn reconcile(&self, now: i64, expire_ms: i64) -> Result<Reconciled> {
+        let ranges = self
+            .queue
+            .messages()
+            // Refreshed each round: the SDK's cached topology would hide a split.
+            .read_feed_ranges(Some(
+                ReadFeedRangesOptions::default().with_force_refresh(true),
+            ))
+            .await
+            .map_err(QueueError::cosmos("read feed ranges"))?;
+        let physical: Vec<(String, String)> = ranges.iter().map(range_bounds).collect();
+        let leases = self.list().await?;
+        if leases.is_empty() {
+            for (min, max) in &physical {
+                self.create(&Lease::new(&self.group, min, max, None, now))
+                    .await?;
+            }
+            info!(group = %self.group, leases = physical.len(), "created leases for a new group");
+            return Ok(Reconciled {
+                leases: self.list().await?,
+                split_pending: Vec::new(),
+            });
+        }
+        let mut split_pending = Vec::new();
+        let mut changed = false;
+        for lease in &leases {
+            let children = split_children(lease, &physical);
+            if children.is_empty() {
+                continue;
+            }
+            if lease.is_expired(now, expire_ms) {
+                self.split(lease, &children, now).await?;
+                changed = true;
+            } else {
+                split_pending.push(lease.id.clone());
+            }
+        }
+        let leases = if changed { self.list().await? } else { leases };
+        Ok(Reconciled {
+            leases,
+            split_pending,
+        })
+    }
+
+    /// Replaces a free lease whose range split by one lease per child range, each continuing
+    /// from the parent's position; the parent is removed last, `If-Match`, so two hosts
+    /// splitting at once converge on the same children.
+    async fn split(&self, parent: &Lease, children: &[(String, String)], now: i64) -> Result<()> {
+        for (min, max) in children {
+            let continuation = parent.continuation.as_deref().map(|t| {
+                narrow_continuation(t, min, max).unwrap_or_else(|| {
+                    warn!(group = %self.group, lease = %parent.id, "continuation format not understood; child resumes from the parent's token");
+                    t.to_owned()
+                })
+            });
+            self.create(&Lease::new(&self.group, min, max, continuation, now))
+                .await?;
+        }
+        match self.delete(parent).await {
+            Ok(()) | Err(LeaseError::Lost) => {}
+            Err(LeaseError::Other(e)) => return Err(e),
+        }
+        info!(group = %self.group, parent = %parent.range_label(), children = children.len(), "lease split: children continue from the parent's checkpoint");
+        Ok(())
+    }
+
+    async fn create(&self, lease: &Lease) -> Result<()> {
+        match self
+            .queue
+            .leases()
+            .create_item(lease.pk.clone(), &lease.id, lease, None)
+            .await
+        {
+            Ok(r) => {
+                self.queue
+                    .charges()
+                    .record_diagnostics("create lease", &r.diagnostics());
+                Ok(())
+            }
+            Err(e) if status_of(&e) == CONFLICT => Ok(()),
+            Err(e) => Err(QueueError::cosmos("create lease")(e)),
+        }
+    }
+
+    async fn delete(&self, lease: &Lease) -> Result<(), LeaseError> {
+        let options = ItemWriteOptions::default().with_precondition(Precondition::if_match(
+            Etag::from(lease.etag.clone().unwrap_or_default()),
+        ));
+        match self
+            .queue
+            .leases()
+            .delete_item(lease.pk.clone(), &lease.id, Some(options))
+            .await
+        {
+            Ok(r) => {
+                self.queue
+                    .charges()
+                    .record_diagnostics("delete lease", &r.diagnostics());
+                Ok(())
+            }
+            Err(e) if matches!(status_of(&e), PRECONDITION_FAILED | NOT_FOUND) => {
+                Err(LeaseError::Lost)
+            }
+            Err(e) => Err(LeaseError::Other(QueueError::cosmos("delete lease")(e))),
+        }
+    }
+
+    /// Writes `next` over the lease as last seen (`If-Match`); `Lost` when someone else changed
+    /// it since (stolen, split, or released).
+    pub async fn replace(&self, next: &Lease, op: &'static str) -> Result<Lease, LeaseError> {
+        let options = ItemWriteOptions::default().with_precondition(Precondition::if_match(
+            Etag::from(next.etag.clone().unwrap_or_default()),
+        ));
+        match self
+            .queue
+            .leases()
+            .replace_item(next.pk.clone(), &next.id, next, Some(options))
+            .await
+        {
+            Ok(r) => {
+                self.queue
+                    .charges()
+                    .record_diagnostics(op, &r.diagnostics());
+                let mut written = next.clone();
+                written.etag = r.headers().etag().map(|e| e.to_string());
+                Ok(written)
+            }
+            Err(e) if matches!(status_of(&e), PRECONDITION_FAILED | NOT_FOUND) => {
+                Err(LeaseError::Lost)
+            }
+            Err(e) => Err(LeaseError::Other(QueueError::cosmos(op)(e))),
+        }
+    }
+
+    /// Takes `lease` for `owner` (free, expired, or stolen: the caller decided).
+    pub async fn acquire(&self, lease: &Lease, owner: &str, now: i64) -> Result<Lease, LeaseError> {
+        let mut next = lease.clone();
+        next.owner = Some(owner.into());
+        next.timestamp = now;
+        self.replace(&next, "acquire lease").await
+    }
+
+    pub async fn renew(&self, lease: &Lease, now: i64) -> Result<Lease, LeaseError> {
+        let mut next = lease.clone();
+        next.timestamp = now;
+        self.replace(&next, "renew lease").await
+    }
+
+    pub async fn checkpoint(
+        &self,
+        lease: &Lease,
+        continuation: String,
+        now: i64,
+    ) -> Result<Lease, LeaseError> {
+        let mut next = lease.clone();
+        next.continuation = Some(continuation);
+        next.timestamp = now;
+        next.checkpointed_at = Some(now);
+        self.replace(&next, "checkpoint").await
+    }
+
+    /// Hands a lease back at once (graceful stop) so another host takes it without waiting
+    /// for expiry.
+    pub async fn release(&self, lease: &Lease) -> Result<(), LeaseError> {
+        let mut next = lease.clone();
+        next.owner = None;
+        self.replace(&next, "release lease").await.map(|_| ())
+    }
+}
+
+/// Why a lease write did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// Someone else changed the lease: it was stolen, split or released; stop using it.
+    #[error("lease lost")]
+    Lost,
+    #[error(transparent)]
+    Other(QueueError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn token(active: Value) -> String {
+        let state = json!({"op": "ChangeFeed", "rid": "r", "root": {"kind": "unordered_merge", "active_tokens": active, "start_from": {"kind": "beginning"}}});
+        format!(
+            "c1.{}",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .encode(serde_json::to_vec(&state).unwrap())
+        )
+    }
+
+    fn decode(token: &str) -> Value {
+        let body = token.strip_prefix("c1.").unwrap();
+        serde_json::from_slice(
+            &base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(body)
+                .unwrap(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn narrowing_keeps_the_parent_position_for_each_child() {
+        let parent =
+            token(json!([{"min_epk": "", "max_epk": "80", "server_continuation": "lsn-42"}]));
+        let left = decode(&narrow_continuation(&parent, "", "40").unwrap());
+        assert_eq!(
+            left["root"]["active_tokens"],
+            json!([{"min_epk": "", "max_epk": "40", "server_continuation": "lsn-42"}])
+        );
+        let right = decode(&narrow_continuation(&parent, "40", "80").unwrap());
+        assert_eq!(
+            right["root"]["active_tokens"],
+            json!([{"min_epk": "40", "max_epk": "80", "server_continuation": "lsn-42"}])
+        );
+        assert_eq!(right["root"]["start_from"], json!({"kind": "beginning"}));
+    }
+
+    #[test]
+    fn narrowing_picks_the_overlapping_parts() {
+        let parent = token(json!([
+            {"min_epk": "", "max_epk": "40", "server_continuation": "a"},
+            {"min_epk": "40", "max_epk": "FF", "server_continuation": "b"}
+        ]));
+        let child = decode(&narrow_continuation(&parent, "40", "80").unwrap());
+        assert_eq!(
+            child["root"]["active_tokens"],
+            json!([{"min_epk": "40", "max_epk": "80", "server_continuation": "b"}])
+        );
+        assert!(narrow_continuation("opaque-server-token", "", "40").is_none());
+    }
+
+    #[test]
+    fn split_children_cover_the_parent_exactly() {
+        let lease = Lease::new("g", "", "80", None, 0);
+        let physical = vec![
+            ("".to_string(), "40".to_string()),
+            ("40".into(), "80".into()),
+            ("80".into(), "FF".into()),
+        ];
+        assert_eq!(split_children(&lease, &physical), physical[..2].to_vec());
+        let whole = Lease::new("g", "", "FF", None, 0);
+        assert_eq!(split_children(&whole, &physical).len(), 3);
+        let same = Lease::new("g", "80", "FF", None, 0);
+        assert!(split_children(&same, &physical).is_empty(), "not split");
+        let merged = vec![("".to_string(), "FF".to_string())];
+        assert!(
+            split_children(&lease, &merged).is_empty(),
+            "a merge keeps the lease"
+        );
+    }
+
+    #[test]
+    fn expiry_and_ids() {
+        let mut lease = Lease::new("g", "", "FF", None, 1_000);
+        assert_eq!(lease.id, "lease|g||FF");
+        assert!(lease.is_expired(1_000, 60_000), "free leases are available");
+        lease.owner = Some("a".into());
+        assert!(!lease.is_expired(61_000, 60_000));
+        assert!(lease.is_expired(61_001, 60_000));
+        assert_eq!(lease.range_label(), "00..FF");
+    }
+}
