@@ -20,6 +20,7 @@ pub mod deadletter;
 #[cfg(feature = "emulator")]
 pub mod emulator;
 pub mod error;
+pub mod estimate;
 pub mod group;
 pub mod host;
 pub mod lease;

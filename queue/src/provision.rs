@@ -71,7 +71,7 @@ async fn create_container(
     }
 }
 
-fn hash_key(path: &str) -> PartitionKeyDefinition {
+pub(crate) fn hash_key(path: &str) -> PartitionKeyDefinition {
     serde_json::from_value(json!({"paths": [path], "kind": "Hash", "version": 2}))
         .expect("a hash partition key definition is valid")
 }

@@ -457,3 +457,115 @@ async fn kill_trial(seed: u64, mode: DeliveryMode) -> usize {
     let total: usize = ledger.counts("g").iter().sum();
     total - MESSAGES
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn estimator_matches_the_known_unsettled_work() {
+    let fixture = Fixture::new(2).await;
+    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
+    let group = fixture.group(config.clone());
+    let now_group = fixture.group(GroupConfig::new("late"));
+    for g in ["g", "late"] {
+        LeaseStore::new(fixture.queue.clone(), g)
+            .reconcile(0, 60_000)
+            .await
+            .unwrap();
+    }
+    enqueue(&fixture, 0..100).await;
+
+    // 1. Nothing read yet.
+    let estimate = group.estimate().await.unwrap();
+    assert_eq!(estimate.ranges.len(), 2);
+    assert_eq!(estimate.lag(), 100);
+    assert_eq!(estimate.backlog(), 100);
+    assert!(
+        estimate.ranges.iter().all(|r| r.lag.unwrap() > 0),
+        "both ranges have work: {estimate:?}"
+    );
+    let late = now_group.estimate().await.unwrap();
+    assert!(
+        late.ranges.iter().all(|r| r.lag.is_none()),
+        "no checkpoint, starts from now: unknown, not the whole container"
+    );
+    assert_eq!(late.backlog(), 0);
+
+    // 2. A host settles everything but ten messages that wait for a retry an hour away.
+    let ledger = Arc::new(Ledger::default());
+    let handler = {
+        let ledger = Arc::clone(&ledger);
+        move |d: Delivery| {
+            let ledger = Arc::clone(&ledger);
+            async move {
+                ledger.begin(&d);
+                ledger.end(&d);
+                let n: usize = d.message.id[1..].parse().unwrap();
+                if n % 10 == 0 {
+                    Outcome::Retry {
+                        error: "later".into(),
+                        delay: Some(Duration::from_secs(3600)),
+                    }
+                } else {
+                    Outcome::Complete
+                }
+            }
+        }
+    };
+    let host = start(&fixture, &config, fast("h"), handler);
+    ledger.wait_until(|l| l.delivered("g") == 100).await;
+    eventually(
+        "checkpoints reach the end of both ranges",
+        Duration::from_secs(5),
+        || async {
+            let e = group.estimate().await.unwrap();
+            e.lag() == 0 && e.ranges.iter().all(|r| r.checkpointed)
+        },
+    )
+    .await;
+    host.stop.cancel();
+    host.task.await.unwrap().unwrap();
+    let estimate = group.estimate().await.unwrap();
+    assert_eq!(
+        estimate.backlog(),
+        10,
+        "the retries are the backlog: {estimate:?}"
+    );
+    let oldest = fixture
+        .queue
+        .read_message("k0", "m0")
+        .await
+        .unwrap()
+        .unwrap()
+        .enqueued_at;
+    assert_eq!(estimate.oldest_unsettled_at(), Some(oldest));
+
+    // 3. More arrives while nobody reads.
+    enqueue(&fixture, 100..130).await;
+    let estimate = group.estimate().await.unwrap();
+    assert_eq!(estimate.lag(), 30);
+    assert_eq!(estimate.backlog(), 40);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
+    let fixture = Fixture::new(1).await;
+    let group = fixture.group(GroupConfig::new("g").with_start_from(StartFrom::Beginning));
+    LeaseStore::new(fixture.queue.clone(), "g")
+        .reconcile(0, 60_000)
+        .await
+        .unwrap();
+    let writes = (0..600).map(|i| {
+        let q = fixture.queue.clone();
+        async move { q.enqueue(NewMessage::json(json!(i))).await.unwrap() }
+    });
+    futures::future::join_all(writes).await;
+    let batch = (0..100)
+        .map(|i| NewMessage::json(json!(i)).with_partition_key("b"))
+        .collect();
+    assert!(fixture
+        .queue
+        .enqueue_batch(batch)
+        .await
+        .iter()
+        .all(|r| r.is_ok()));
+    // 700 messages in 601 writes: above the exact-count limit the estimate is the LSN distance.
+    assert_eq!(group.estimate().await.unwrap().lag(), 601);
+}

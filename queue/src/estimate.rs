@@ -1,0 +1,284 @@
+//! Remaining work per group per range: what the operator scales on and what metrics show.
+//!
+//! - **Lag** (unread by the group), as the change feed processor's estimator and KEDA compute
+//!   it: read one item from the lease's checkpoint; lag = the partition's LSN (page header) −
+//!   that item's LSN + 1, and 0 when nothing is there (304). The real service puts `_lsn` on
+//!   change-feed items; the emulator does not, so the item's LSN then comes from a point read
+//!   of it (`x-ms-item-lsn`). A lease that has no checkpoint yet is not reported as the whole
+//!   container: for a group that starts from now its lag is unknown (`None`) until the first
+//!   checkpoint; for one that starts from the beginning it is counted from the beginning.
+//!   LSNs count writes and a transactional batch is one write, so a small estimate (≤ 500,
+//!   where scale-from-zero and scale-in are decided) is refined by counting the unread items.
+//! - **Backlog** (not yet settled) = lag + messages the group has read and must still deliver:
+//!   state documents waiting for a retry or their scheduled time, and redeliveries in
+//!   progress (locked with more than one attempt). First deliveries in progress sit after the
+//!   checkpoint and are already in the lag.
+//! - **Oldest unsettled**: the earliest enqueue time among those, and the first unread message.
+
+use std::collections::BTreeMap;
+
+use azure_data_cosmos::feed::{ContinuationToken, FeedRange};
+use azure_data_cosmos::models::PartitionKeyDefinition;
+use azure_data_cosmos::options::{ChangeFeedOptions, ChangeFeedStartFrom, MaxItemCountHint};
+use azure_data_cosmos::{FeedScope, PartitionKey};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::config::StartFrom;
+use crate::error::{QueueError, Result};
+use crate::group::{Group, MessageState, STATE_DOC_TYPE};
+use crate::lease::{epk_cmp, Lease, LeaseStore};
+use crate::sql;
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RangeEstimate {
+    pub min_epk: String,
+    pub max_epk: String,
+    pub owner: Option<String>,
+    /// Messages not yet read by the group; `None` while unknown (no checkpoint, start from now).
+    pub lag: Option<u64>,
+    pub backlog: u64,
+    /// Enqueue time (epoch ms) of the oldest message not yet settled.
+    pub oldest_unsettled_at: Option<i64>,
+    pub checkpointed: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GroupEstimate {
+    pub group: String,
+    pub ranges: Vec<RangeEstimate>,
+}
+
+impl GroupEstimate {
+    pub fn lag(&self) -> u64 {
+        self.ranges.iter().filter_map(|r| r.lag).sum()
+    }
+
+    pub fn backlog(&self) -> u64 {
+        self.ranges.iter().map(|r| r.backlog).sum()
+    }
+
+    pub fn oldest_unsettled_at(&self) -> Option<i64> {
+        self.ranges
+            .iter()
+            .filter_map(|r| r.oldest_unsettled_at)
+            .min()
+    }
+}
+
+/// Below this LSN distance the lag is counted item by item instead of estimated.
+const EXACT_COUNT_LIMIT: u64 = 500;
+const EXACT_COUNT_PAGE: u32 = 1000;
+
+/// What the change feed says about one lease: unread count and the first unread message.
+#[derive(Debug, Default)]
+struct FeedLag {
+    lag: Option<u64>,
+    first_enqueued_at: Option<i64>,
+}
+
+/// A state document as the estimator reads it.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Pending {
+    message_pk: String,
+    state: MessageState,
+    attempts: u32,
+    enqueued_at: i64,
+}
+
+impl Group {
+    /// Estimates remaining work per lease of this group (see the module docs).
+    pub async fn estimate(&self) -> Result<GroupEstimate> {
+        let leases = LeaseStore::new(self.queue().clone(), self.name())
+            .list()
+            .await?;
+        let pending = self.pending_by_range(&leases).await?;
+        let mut ranges = Vec::with_capacity(leases.len());
+        for (i, lease) in leases.iter().enumerate() {
+            let feed = self.feed_lag(lease).await?;
+            let waiting = &pending[i];
+            let oldest = waiting
+                .iter()
+                .map(|p| p.enqueued_at)
+                .chain(feed.first_enqueued_at)
+                .min();
+            ranges.push(RangeEstimate {
+                min_epk: lease.min_epk.clone(),
+                max_epk: lease.max_epk.clone(),
+                owner: lease.owner.clone(),
+                lag: feed.lag,
+                backlog: feed.lag.unwrap_or(0) + waiting.len() as u64,
+                oldest_unsettled_at: oldest,
+                checkpointed: lease.continuation.is_some(),
+            });
+        }
+        Ok(GroupEstimate {
+            group: self.name().to_owned(),
+            ranges,
+        })
+    }
+
+    /// Messages read and not yet settled that the lag does not count, bucketed by lease.
+    async fn pending_by_range(&self, leases: &[Lease]) -> Result<Vec<Vec<Pending>>> {
+        let query = sql::query(
+            "SELECT c.messagePk, c.state, c.attempts, c.enqueuedAt FROM c WHERE c.type = @type \
+             AND c.group = @group AND (c.state = 'retry' OR c.state = 'scheduled' OR \
+             (c.state = 'locked' AND c.attempts > 1))",
+            &[
+                ("@type", json!(STATE_DOC_TYPE)),
+                ("@group", json!(self.name())),
+            ],
+        )?;
+        let docs: Vec<Pending> = sql::collect(
+            self.queue().leases(),
+            query,
+            FeedScope::full_container(),
+            None,
+            self.queue().charges(),
+            "estimate",
+        )
+        .await?;
+        let definition: PartitionKeyDefinition =
+            crate::provision::hash_key(&self.queue().config().partition_key_path);
+        let mut buckets: Vec<Vec<Pending>> = leases.iter().map(|_| Vec::new()).collect();
+        let mut key_to_lease: BTreeMap<String, Option<usize>> = BTreeMap::new();
+        for doc in docs {
+            let slot = *key_to_lease
+                .entry(doc.message_pk.clone())
+                .or_insert_with(|| {
+                    let range = FeedRange::for_partition(
+                        PartitionKey::from(doc.message_pk.clone()),
+                        &definition,
+                    );
+                    let epk = range.min_inclusive().to_hex();
+                    leases.iter().position(|l| {
+                        epk_cmp(&epk, &l.min_epk).is_ge() && epk_cmp(&epk, &l.max_epk).is_lt()
+                    })
+                });
+            if let Some(i) = slot {
+                buckets[i].push(doc);
+            }
+        }
+        Ok(buckets)
+    }
+
+    async fn feed_lag(&self, lease: &Lease) -> Result<FeedLag> {
+        if lease.continuation.is_none() && self.config().start_from == StartFrom::Now {
+            return Ok(FeedLag::default());
+        }
+        let mut options = ChangeFeedOptions::default()
+            .with_max_item_count(MaxItemCountHint::Limit(std::num::NonZeroU32::MIN));
+        if let Some(token) = &lease.continuation {
+            options =
+                options.with_continuation_token(ContinuationToken::from_string(token.clone()));
+        }
+        let messages = self.queue().messages();
+        let mut pages = messages
+            .query_change_feed::<Value>(
+                FeedScope::range(lease.feed_range()?),
+                ChangeFeedStartFrom::Beginning,
+                Some(options),
+            )
+            .await
+            .map_err(QueueError::cosmos("estimate lag"))?;
+        let Some(page) = pages.next().await else {
+            return Ok(FeedLag {
+                lag: Some(0),
+                first_enqueued_at: None,
+            });
+        };
+        let page = page.map_err(QueueError::cosmos("estimate lag"))?;
+        self.queue()
+            .charges()
+            .record_diagnostics("estimate", &page.diagnostics());
+        let partition_lsn = page.headers().lsn();
+        let Some(first) = page.items().first().and_then(|i| i.current().cloned()) else {
+            return Ok(FeedLag {
+                lag: Some(0),
+                first_enqueued_at: None,
+            });
+        };
+        let first_enqueued_at = first.get("enqueuedAt").and_then(Value::as_i64);
+        let item_lsn = match first.get("_lsn").and_then(Value::as_u64) {
+            Some(lsn) => Some(lsn),
+            None => self.item_lsn(&first).await?,
+        };
+        let lag = match (partition_lsn, item_lsn) {
+            (Some(session), Some(item)) => Some(session.saturating_sub(item) + 1),
+            _ => None,
+        };
+        // LSNs count writes, and a transactional batch is one write: when the estimate is
+        // small (where scale-from-zero and scale-in decisions are made), count exactly.
+        let lag = match lag {
+            Some(n) if n <= EXACT_COUNT_LIMIT => Some(self.count_unread(lease).await?),
+            other => other,
+        };
+        Ok(FeedLag {
+            lag,
+            first_enqueued_at,
+        })
+    }
+
+    /// Counts the messages after the lease's checkpoint by reading them (small lags only).
+    async fn count_unread(&self, lease: &Lease) -> Result<u64> {
+        let mut options = ChangeFeedOptions::default().with_max_item_count(
+            MaxItemCountHint::Limit(std::num::NonZeroU32::new(EXACT_COUNT_PAGE).expect("non-zero")),
+        );
+        if let Some(token) = &lease.continuation {
+            options =
+                options.with_continuation_token(ContinuationToken::from_string(token.clone()));
+        }
+        let mut pages = self
+            .queue()
+            .messages()
+            .query_change_feed::<Value>(
+                FeedScope::range(lease.feed_range()?),
+                ChangeFeedStartFrom::Beginning,
+                Some(options),
+            )
+            .await
+            .map_err(QueueError::cosmos("estimate lag"))?;
+        let mut count = 0u64;
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(QueueError::cosmos("estimate lag"))?;
+            self.queue()
+                .charges()
+                .record_diagnostics("estimate", &page.diagnostics());
+            if page.items().is_empty() || count > EXACT_COUNT_LIMIT * 100 {
+                break;
+            }
+            count += page.items().len() as u64;
+        }
+        Ok(count)
+    }
+
+    /// The LSN of a message from a point read (for feeds whose items carry no `_lsn`).
+    async fn item_lsn(&self, doc: &Value) -> Result<Option<u64>> {
+        let field = self.queue().config().partition_key_field();
+        let (Some(id), Some(pk)) = (
+            doc.get("id").and_then(Value::as_str),
+            doc.get(field).and_then(Value::as_str),
+        ) else {
+            return Ok(None);
+        };
+        match self
+            .queue()
+            .messages()
+            .read_item(pk.to_owned(), id, None)
+            .await
+        {
+            Ok(r) => {
+                self.queue()
+                    .charges()
+                    .record_diagnostics("estimate", &r.diagnostics());
+                Ok(r.headers().item_lsn())
+            }
+            Err(e) if crate::error::status_of(&e) == crate::error::NOT_FOUND => Ok(None),
+            Err(e) => Err(QueueError::cosmos("estimate lag")(e)),
+        }
+    }
+}
