@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 
 use crate::config::StartFrom;
 use crate::error::{QueueError, Result};
-use crate::group::{Group, MessageState, STATE_DOC_TYPE};
+use crate::group::{Group, STATE_DOC_TYPE};
 use crate::lease::{epk_cmp, Lease, LeaseStore};
 use crate::sql;
 
@@ -85,8 +85,6 @@ struct FeedLag {
 #[serde(rename_all = "camelCase")]
 struct Pending {
     message_pk: String,
-    state: MessageState,
-    attempts: u32,
     enqueued_at: i64,
 }
 
@@ -125,7 +123,7 @@ impl Group {
     /// Messages read and not yet settled that the lag does not count, bucketed by lease.
     async fn pending_by_range(&self, leases: &[Lease]) -> Result<Vec<Vec<Pending>>> {
         let query = sql::query(
-            "SELECT c.messagePk, c.state, c.attempts, c.enqueuedAt FROM c WHERE c.type = @type \
+            "SELECT c.messagePk, c.enqueuedAt FROM c WHERE c.type = @type \
              AND c.group = @group AND (c.state = 'retry' OR c.state = 'scheduled' OR \
              (c.state = 'locked' AND c.attempts > 1))",
             &[
