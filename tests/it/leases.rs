@@ -498,7 +498,7 @@ async fn estimator_matches_the_known_unsettled_work() {
                 ledger.begin(&d);
                 ledger.end(&d);
                 let n: usize = d.message.id[1..].parse().unwrap();
-                if n % 10 == 0 {
+                if n.is_multiple_of(10) {
                     Outcome::Retry {
                         error: "later".into(),
                         delay: Some(Duration::from_secs(3600)),
