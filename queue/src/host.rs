@@ -51,6 +51,9 @@ pub struct HostOptions {
     pub lease_expire: Duration,
     /// Write a moved checkpoint at most this often.
     pub checkpoint_interval: Duration,
+    /// Leases per physical partition when the group's leases are first created (finer
+    /// leases: more hosts than physical partitions can share the work).
+    pub leases_per_partition: u32,
 }
 
 impl HostOptions {
@@ -67,6 +70,7 @@ impl HostOptions {
             lease_acquire: Duration::from_secs(13),
             lease_expire: Duration::from_secs(60),
             checkpoint_interval: Duration::from_secs(1),
+            leases_per_partition: 1,
         }
     }
 
@@ -74,6 +78,11 @@ impl HostOptions {
         if self.lease_renew >= self.lease_expire {
             return Err(QueueError::Config(
                 "leaseRenew must be shorter than leaseExpire".into(),
+            ));
+        }
+        if !(1..=64).contains(&self.leases_per_partition) {
+            return Err(QueueError::Config(
+                "leasesPerPartition must be between 1 and 64".into(),
             ));
         }
         if self.max_concurrency == 0 || self.max_in_flight_per_range == 0 || self.page_size == 0 {
@@ -204,7 +213,10 @@ impl<H: Handler> Host<H> {
         }
         let now = self.now();
         let expire = duration_ms(self.options.lease_expire);
-        let reconciled = self.store.reconcile(now, expire).await?;
+        let reconciled = self
+            .store
+            .reconcile_with(now, expire, self.options.leases_per_partition)
+            .await?;
         for id in &reconciled.split_pending {
             if let Some(running) = owned.get(id) {
                 info!(group = self.group.name(), lease = %id, "range split: handing the lease back so it can be split");

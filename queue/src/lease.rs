@@ -159,6 +159,37 @@ pub fn narrow_continuation(token: &str, min_epk: &str, max_epk: &str) -> Option<
     ))
 }
 
+/// Hash v2 effective partition keys have their two top bits cleared: every key is below this.
+const HASH_V2_END: u128 = 0x40 << 120;
+
+/// Splits `[min, max)` into `parts` EPK sub-ranges holding equal shares of the keys (hex
+/// bounds, 16 bytes; `"FF"` ends the key space, which hash v2 fills only up to `40…`).
+pub fn subdivide(min: &str, max: &str, parts: u32) -> Vec<(String, String)> {
+    let value = |hex: &str| -> Option<u128> {
+        if hex.eq_ignore_ascii_case("FF") {
+            return Some(HASH_V2_END);
+        }
+        let padded = format!("{hex:0<32}");
+        u128::from_str_radix(padded.get(..32)?, 16).ok()
+    };
+    let (Some(lo), Some(hi)) = (value(min), value(max)) else {
+        return vec![(min.to_owned(), max.to_owned())];
+    };
+    if parts <= 1 || hi <= lo {
+        return vec![(min.to_owned(), max.to_owned())];
+    }
+    let step = (hi - lo) / u128::from(parts);
+    let mut bounds: Vec<String> = vec![min.to_owned()];
+    for i in 1..parts {
+        bounds.push(format!("{:032X}", lo + step * u128::from(i)));
+    }
+    bounds.push(max.to_owned());
+    bounds
+        .windows(2)
+        .map(|w| (w[0].clone(), w[1].clone()))
+        .collect()
+}
+
 /// The physical ranges that now cover `lease`'s range, when it split into two or more;
 /// empty otherwise (including when ranges merged: a lease keeps reading its EPK sub-range).
 pub fn split_children(lease: &Lease, physical: &[(String, String)]) -> Vec<(String, String)> {
@@ -229,6 +260,17 @@ impl LeaseStore {
     /// nobody holds it. Returns the leases and the ids of held leases whose range split (their
     /// owners should hand them back so they can be split).
     pub async fn reconcile(&self, now: i64, expire_ms: i64) -> Result<Reconciled> {
+        self.reconcile_with(now, expire_ms, 1).await
+    }
+
+    /// [`Self::reconcile`]; a new group gets `per_partition` leases per physical range (finer
+    /// leases, so more hosts than physical partitions can share the work).
+    pub async fn reconcile_with(
+        &self,
+        now: i64,
+        expire_ms: i64,
+        per_partition: u32,
+    ) -> Result<Reconciled> {
         let ranges = self
             .queue
             .messages()
@@ -241,11 +283,15 @@ impl LeaseStore {
         let physical: Vec<(String, String)> = ranges.iter().map(range_bounds).collect();
         let leases = self.list().await?;
         if leases.is_empty() {
+            let mut created = 0;
             for (min, max) in &physical {
-                self.create(&Lease::new(&self.group, min, max, None, now))
-                    .await?;
+                for (lo, hi) in subdivide(min, max, per_partition) {
+                    self.create(&Lease::new(&self.group, &lo, &hi, None, now))
+                        .await?;
+                    created += 1;
+                }
             }
-            info!(group = %self.group, leases = physical.len(), "created leases for a new group");
+            info!(group = %self.group, leases = created, "created leases for a new group");
             return Ok(Reconciled {
                 leases: self.list().await?,
                 split_pending: Vec::new(),
@@ -479,6 +525,31 @@ mod tests {
         assert!(
             split_children(&lease, &merged).is_empty(),
             "a merge keeps the lease"
+        );
+    }
+
+    #[test]
+    fn subdivides_into_contiguous_equal_ranges() {
+        let parts = subdivide("", "FF", 4);
+        assert_eq!(parts.len(), 4);
+        assert_eq!(parts[0].0, "");
+        assert_eq!(parts[3].1, "FF");
+        assert_eq!(
+            parts[1].0, "10000000000000000000000000000000",
+            "hash v2 keys end at 40…"
+        );
+        for w in parts.windows(2) {
+            assert_eq!(w[0].1, w[1].0, "contiguous");
+        }
+        let halves = subdivide(
+            "10000000000000000000000000000000",
+            "20000000000000000000000000000000",
+            2,
+        );
+        assert_eq!(halves[0].1, "18000000000000000000000000000000");
+        assert_eq!(
+            subdivide("", "FF", 1),
+            vec![("".to_string(), "FF".to_string())]
         );
     }
 

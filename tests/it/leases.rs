@@ -569,3 +569,96 @@ async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
     // 700 messages in 601 writes: above the exact-count limit the estimate is the LSN distance.
     assert_eq!(group.estimate().await.unwrap().lag(), 601);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merge_during_processing_keeps_each_lease_on_its_range() {
+    let fixture = Fixture::new(2).await;
+    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
+    let ledger = Arc::new(Ledger::default());
+    enqueue(&fixture, 0..400).await;
+    let a = start(&fixture, &config, fast("a"), recording(&ledger));
+    let b = start(&fixture, &config, fast("b"), recording(&ledger));
+    ledger.wait_until(|l| l.delivered("g") >= 100).await;
+
+    let ids = fixture.emulator.partition_ids("db", "q").await.unwrap();
+    fixture
+        .emulator
+        .store()
+        .merge_partitions_and_wait("db", "q", ids[0], ids[1], Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(
+        fixture
+            .emulator
+            .partition_ids("db", "q")
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    enqueue(&fixture, 400..700).await;
+
+    ledger.wait_until(|l| l.delivered("g") == 700).await;
+    // Both leases stay: each reads its half of the merged partition.
+    assert_eq!(owners(&fixture, "g").await.len(), 2);
+    for h in [&a, &b] {
+        h.stop.cancel();
+    }
+    let stats = [Arc::clone(&a.stats), Arc::clone(&b.stats)];
+    a.task.await.unwrap().unwrap();
+    b.task.await.unwrap().unwrap();
+    assert_eq!(completed(&[&stats[0], &stats[1]]), 700);
+    assert!(
+        ledger.counts("g").iter().all(|&n| n == 1),
+        "delivered twice across the merge"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finer_leases_let_more_hosts_than_partitions_share_the_work() {
+    let fixture = Fixture::new(1).await;
+    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
+    let ledger = Arc::new(Ledger::default());
+    let hosts: Vec<_> = (0..3)
+        .map(|h| {
+            start(
+                &fixture,
+                &config,
+                HostOptions {
+                    leases_per_partition: 3,
+                    ..fast(&format!("h{h}"))
+                },
+                recording(&ledger),
+            )
+        })
+        .collect();
+    eventually("one lease per host", Duration::from_secs(10), || async {
+        let owners = owners(&fixture, "g").await;
+        owners.len() == 3
+            && (0..3).all(|h| {
+                owners
+                    .iter()
+                    .any(|o| o.as_deref() == Some(&format!("h{h}")))
+            })
+    })
+    .await;
+    enqueue(&fixture, 0..600).await;
+    ledger.wait_until(|l| l.delivered("g") == 600).await;
+    let stats: Vec<_> = hosts.iter().map(|h| Arc::clone(&h.stats)).collect();
+    for h in &hosts {
+        h.stop.cancel();
+    }
+    for h in hosts {
+        h.task.await.unwrap().unwrap();
+    }
+    assert_eq!(completed(&stats.iter().collect::<Vec<_>>()), 600);
+    assert!(ledger.counts("g").iter().all(|&n| n == 1));
+    let per_host: Vec<u64> = stats
+        .iter()
+        .map(|s| s.completed.load(Ordering::Relaxed))
+        .collect();
+    assert!(
+        per_host.iter().all(|&n| n > 0),
+        "every host did part of the work: {per_host:?}"
+    );
+}
