@@ -140,6 +140,9 @@ pub struct GroupConfig {
     /// How long a claim is exclusive without renewal.
     pub lock_duration: Duration,
     pub retry: RetryPolicy,
+    /// FIFO per partition key: a key's next message waits until the previous one is settled
+    /// (failures are retried in place, holding the key). Default: unordered.
+    pub ordered: bool,
 }
 
 impl GroupConfig {
@@ -150,6 +153,7 @@ impl GroupConfig {
             start_from: StartFrom::Now,
             lock_duration: Duration::from_secs(60),
             retry: RetryPolicy::default(),
+            ordered: false,
         }
     }
 
@@ -165,6 +169,11 @@ impl GroupConfig {
 
     pub fn with_lock_duration(mut self, lock: Duration) -> Self {
         self.lock_duration = lock;
+        self
+    }
+
+    pub fn with_ordering(mut self, ordered: bool) -> Self {
+        self.ordered = ordered;
         self
     }
 

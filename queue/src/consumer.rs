@@ -265,11 +265,31 @@ pub(crate) struct Worker<H> {
 
 impl<H: Handler> Worker<H> {
     pub(crate) async fn process(&self, message: Message) {
-        match self.group.claim(&message, &self.holder).await {
-            Ok(ClaimOutcome::Claimed(claim)) => self.deliver(message, claim).await,
-            Ok(other) => debug!(message_id = %message.id, outcome = ?other, "not claimed"),
-            Err(e) => self.failed("claim", &message.id, e),
+        loop {
+            match self.group.claim(&message, &self.holder).await {
+                Ok(ClaimOutcome::Claimed(claim)) => return self.deliver(message, claim).await,
+                // Ordered groups hold the key: wait for the earlier holder's lock to expire or
+                // the message's time to come, then try again; the key's later messages wait.
+                Ok(ClaimOutcome::Held { until, .. }) if self.group.config().ordered => {
+                    self.wait_until(until.unwrap_or(0)).await
+                }
+                Ok(ClaimOutcome::NotYetDue { due }) if self.group.config().ordered => {
+                    self.wait_until(due).await
+                }
+                Ok(other) => {
+                    return debug!(message_id = %message.id, outcome = ?other, "not claimed")
+                }
+                Err(e) => return self.failed("claim", &message.id, e),
+            }
         }
+    }
+
+    /// Sleeps until `epoch_ms` by the queue's clock, but looks again within a second: the
+    /// holder usually settles long before its lock would expire.
+    async fn wait_until(&self, epoch_ms: i64) {
+        let now = self.group.queue().clock().now_ms();
+        let wait = (epoch_ms - now).clamp(50, 1_000);
+        tokio::time::sleep(Duration::from_millis(wait as u64)).await;
     }
 
     pub(crate) async fn process_due(&self, doc: StateDoc) {
@@ -305,29 +325,37 @@ impl<H: Handler> Worker<H> {
     }
 
     async fn deliver(&self, message: Message, mut claim: Claim) {
-        ConsumerStats::bump(&self.stats.delivered);
         let id = message.id.clone();
-        let delivery = Delivery {
-            message,
-            delivery_count: claim.attempt,
-            group: self.group.name().into(),
-            queue: self.group.queue().name().into(),
-        };
-        let outcome = {
-            let work = self.handler.handle(delivery);
-            tokio::pin!(work);
-            let renew_every = self.group.config().lock_duration / 3;
-            loop {
-                tokio::select! {
-                    outcome = &mut work => break outcome,
-                    _ = tokio::time::sleep(renew_every), if claim.locked_until.is_some() => {
-                        if let Err(e) = self.group.renew(&mut claim).await {
-                            // Keep working: the outcome is still worth trying to record, and
-                            // a lost lock is reported when settling.
-                            warn!(group = self.group.name(), message_id = %id, error = %e, "lock renewal failed");
-                        }
+        let outcome = loop {
+            ConsumerStats::bump(&self.stats.delivered);
+            let delivery = Delivery {
+                message: message.clone(),
+                delivery_count: claim.attempt,
+                group: self.group.name().into(),
+                queue: self.group.queue().name().into(),
+            };
+            let outcome = self
+                .holding(&mut claim, self.handler.handle(delivery))
+                .await;
+            // Ordered groups retry in place, keeping the key, until the attempts run out.
+            match outcome {
+                Outcome::Retry { error, delay }
+                    if self.group.config().ordered
+                        && !self.group.config().retry.exhausted(claim.attempt) =>
+                {
+                    let backoff = delay
+                        .unwrap_or_else(|| self.group.config().retry.backoff_random(claim.attempt));
+                    if let Err(e) = self
+                        .group
+                        .retry_in_place(&mut claim, &self.holder, &error)
+                        .await
+                    {
+                        return self.failed("retry", &id, e);
                     }
+                    ConsumerStats::bump(&self.stats.retried);
+                    self.holding(&mut claim, tokio::time::sleep(backoff)).await;
                 }
+                other => break other,
             }
         };
         let settled = match outcome {
@@ -354,6 +382,23 @@ impl<H: Handler> Worker<H> {
         match settled {
             Ok(counter) => ConsumerStats::bump(counter),
             Err(e) => self.failed("settle", &id, e),
+        }
+    }
+
+    /// Runs `work` while renewing the claim's lock, so the message stays ours however long
+    /// the app takes (a failed renewal is reported when settling).
+    async fn holding<T>(&self, claim: &mut Claim, work: impl Future<Output = T>) -> T {
+        tokio::pin!(work);
+        let renew_every = self.group.config().lock_duration / 3;
+        loop {
+            tokio::select! {
+                out = &mut work => return out,
+                _ = tokio::time::sleep(renew_every), if claim.locked_until.is_some() => {
+                    if let Err(e) = self.group.renew(claim).await {
+                        warn!(group = self.group.name(), message_id = %claim.message_id, error = %e, "lock renewal failed");
+                    }
+                }
+            }
         }
     }
 

@@ -422,6 +422,33 @@ impl Group {
         Ok(RetryOutcome::Scheduled { at })
     }
 
+    /// Records a failed delivery and keeps the message (ordered groups retry in place so the
+    /// key's next message keeps waiting): the attempt count grows and the lock is extended.
+    pub async fn retry_in_place(&self, claim: &mut Claim, holder: &str, error: &str) -> Result<()> {
+        let now = self.now();
+        let mut next = self.next_state(claim, now);
+        next.lock(holder, now, self.config.lock_duration);
+        next.attempts = claim.attempt + 1;
+        next.last_error = Some(truncate(error));
+        next.refresh_ttl(now);
+        let written = match &claim.state {
+            Some(current) => {
+                let etag = current.etag.clone().unwrap_or_default();
+                self.replace(&next, &etag, "retry").await?
+            }
+            None => self.create(&next, "retry").await?,
+        };
+        match written {
+            Write::Done(doc) => {
+                claim.attempt = doc.attempts;
+                claim.locked_until = doc.due;
+                claim.state = Some(doc);
+                Ok(())
+            }
+            Write::Lost | Write::Missing => Err(self.lock_lost(claim)),
+        }
+    }
+
     /// Moves the message to the group's dead letters with a reason and the last error.
     pub async fn dead_letter(&self, claim: &Claim, reason: &str, error: &str) -> Result<()> {
         let now = self.now();

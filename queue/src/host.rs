@@ -16,7 +16,7 @@ use azure_data_cosmos::options::{ChangeFeedOptions, ChangeFeedStartFrom, MaxItem
 use azure_data_cosmos::FeedScope;
 use futures::StreamExt;
 use serde_json::Value;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
@@ -93,6 +93,9 @@ impl HostOptions {
         Ok(())
     }
 }
+
+/// Keys remembered for FIFO ordering before settled ones are forgotten.
+const MAX_IDLE_CHAINS: usize = 4096;
 
 /// How a range processor ended.
 #[derive(Debug)]
@@ -358,6 +361,8 @@ impl<H: Handler> RangeProcessor<H> {
         renew.reset(); // acquiring just renewed it
         let mut flush = tokio::time::interval(self.options.checkpoint_interval);
         let mut reading = true;
+        let ordered = self.group.config().ordered;
+        let mut chains: HashMap<String, oneshot::Receiver<()>> = HashMap::new();
 
         loop {
             let idle = in_flight == 0 && !reading;
@@ -429,13 +434,27 @@ impl<H: Handler> RangeProcessor<H> {
                                 let worker = Arc::clone(&self.worker);
                                 let permits = Arc::clone(&self.permits);
                                 let done = done_tx.clone();
+                                // FIFO per key: each message waits for its key's previous one.
+                                let (settled, previous) = if ordered {
+                                    let (tx, rx) = oneshot::channel::<()>();
+                                    (Some(tx), chains.insert(message.partition_key.clone(), rx))
+                                } else {
+                                    (None, None)
+                                };
                                 deliveries.spawn(async move {
+                                    if let Some(previous) = previous {
+                                        let _ = previous.await;
+                                    }
                                     let _permit = permits.acquire_owned().await.expect("never closed");
                                     worker.process(message).await;
+                                    drop(settled);
                                     let _ = done.send(seq);
                                 });
                             }
                             window.push_back(slot);
+                            if chains.len() > MAX_IDLE_CHAINS {
+                                chains.retain(|_, rx| matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
+                            }
                             advance(&mut window, &mut checkpoint);
                         }
                         Err(e) => {

@@ -662,3 +662,100 @@ async fn finer_leases_let_more_hosts_than_partitions_share_the_work() {
         "every host did part of the work: {per_host:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_groups_deliver_each_key_in_order_even_across_retries() {
+    let fixture = Fixture::new(2).await;
+    let retry = cosmosq_queue::RetryPolicy {
+        initial_backoff: Duration::from_millis(20),
+        ..Default::default()
+    };
+    let config = GroupConfig::new("g")
+        .with_start_from(StartFrom::Beginning)
+        .with_ordering(true)
+        .with_retry(retry);
+    for n in 0..20 {
+        let batch = (0..8)
+            .map(|k| {
+                NewMessage::json(json!({"n": n}))
+                    .with_id(format!("k{k}-{n:02}"))
+                    .with_partition_key(format!("k{k}"))
+            })
+            .collect();
+        assert!(fixture
+            .queue
+            .enqueue_batch(batch)
+            .await
+            .iter()
+            .all(|r| r.is_ok()));
+    }
+    // Per key: messages completed, in order; and how many were in the app at once.
+    let seen: Arc<std::sync::Mutex<std::collections::HashMap<String, Vec<u32>>>> = Arc::default();
+    let busy: Arc<std::sync::Mutex<std::collections::HashSet<String>>> = Arc::default();
+    let overlaps = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let done = Arc::new(tokio::sync::Notify::new());
+    let handler = {
+        let (seen, busy, overlaps, done) = (
+            Arc::clone(&seen),
+            Arc::clone(&busy),
+            Arc::clone(&overlaps),
+            Arc::clone(&done),
+        );
+        move |d: Delivery| {
+            let (seen, busy, overlaps, done) = (
+                Arc::clone(&seen),
+                Arc::clone(&busy),
+                Arc::clone(&overlaps),
+                Arc::clone(&done),
+            );
+            async move {
+                let key = d.message.partition_key.clone();
+                if !busy.lock().unwrap().insert(key.clone()) {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(rand::random_range(0..3))).await;
+                let n = d.message.id[d.message.id.len() - 2..]
+                    .parse::<u32>()
+                    .unwrap();
+                busy.lock().unwrap().remove(&key);
+                if n % 5 == 2 && d.delivery_count == 1 {
+                    return Outcome::Retry {
+                        error: "transient".into(),
+                        delay: None,
+                    };
+                }
+                seen.lock().unwrap().entry(key).or_default().push(n);
+                done.notify_waiters();
+                Outcome::Complete
+            }
+        }
+    };
+    let hosts: Vec<_> = (0..2)
+        .map(|h| start(&fixture, &config, fast(&format!("h{h}")), handler.clone()))
+        .collect();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let notified = done.notified();
+            if seen.lock().unwrap().values().map(Vec::len).sum::<usize>() >= 160 {
+                break;
+            }
+            notified.await;
+        }
+    })
+    .await
+    .expect("all delivered");
+    for h in &hosts {
+        h.stop.cancel();
+    }
+    for h in hosts {
+        h.task.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "two messages of one key in the app at once"
+    );
+    for (key, order) in seen.lock().unwrap().iter() {
+        assert_eq!(order, &(0..20).collect::<Vec<u32>>(), "{key} out of order");
+    }
+}
