@@ -106,6 +106,11 @@ pub struct ConsumerStats {
     pub lock_lost: AtomicU64,
     pub malformed: AtomicU64,
     pub errors: AtomicU64,
+    /// Leases this host holds now (a gauge).
+    pub leases_owned: AtomicU64,
+    /// Leases taken (free, expired or stolen) and lost (stolen from us, or not renewed).
+    pub leases_acquired: AtomicU64,
+    pub leases_lost: AtomicU64,
 }
 
 impl ConsumerStats {

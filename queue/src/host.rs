@@ -184,6 +184,9 @@ impl<H: Handler> Host<H> {
             let _ = running.task.await;
         }
         while sweeps.join_next().await.is_some() {}
+        self.stats
+            .leases_owned
+            .store(0, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
@@ -201,7 +204,11 @@ impl<H: Handler> Host<H> {
             .collect();
         for id in ended {
             if let Some(running) = owned.remove(&id) {
-                match running.task.await {
+                let exit = running.task.await;
+                if matches!(exit, Ok(RangeExit::Lost)) {
+                    ConsumerStats::bump(&self.stats.leases_lost);
+                }
+                match exit {
                     Ok(RangeExit::Failed(e)) => {
                         warn!(group = self.group.name(), lease = %id, error = %e, "range processor failed")
                     }
@@ -271,6 +278,7 @@ impl<H: Handler> Host<H> {
                     let task =
                         AbortOnDropHandle::new(tokio::spawn(processor.run(lease, stop.clone())));
                     owned.insert(id, Running { stop, task });
+                    ConsumerStats::bump(&self.stats.leases_acquired);
                 }
                 Err(LeaseError::Lost) => {
                     debug!(group = self.group.name(), lease = %take.lease_id, "another host took the lease first")
@@ -278,6 +286,9 @@ impl<H: Handler> Host<H> {
                 Err(LeaseError::Other(e)) => return Err(e),
             }
         }
+        self.stats
+            .leases_owned
+            .store(owned.len() as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
@@ -414,6 +425,7 @@ impl<H: Handler> RangeProcessor<H> {
                         Ok((docs, token)) => {
                             if docs.is_empty() {
                                 poll.idle();
+                                tracing::trace!(%group, lease = %label, next_read_ms = poll.delay().as_millis() as u64, "feed idle; backing off");
                             } else {
                                 poll.busy();
                             }

@@ -166,11 +166,18 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
             .all(|o| o.as_deref() == Some("a"))
     })
     .await;
+    eventually("a reports four leases", Duration::from_secs(2), || async {
+        a.stats.leases_owned.load(Ordering::Relaxed) == 4
+    })
+    .await;
+    let a_stats = Arc::clone(&a.stats);
     let mut b_options = slow_to_expire.clone();
     b_options.name = "b".into();
     let b = start(&fixture, &config, b_options, recording(&ledger));
     a.stop.cancel();
     a.task.await.unwrap().unwrap();
+    assert_eq!(a_stats.leases_owned.load(Ordering::Relaxed), 0);
+    assert_eq!(a_stats.leases_lost.load(Ordering::Relaxed), 0, "released, not lost");
     // Released, not left to expire (expiry is an hour here): b takes them on its next rounds.
     eventually("b holds all leases", Duration::from_secs(3), || async {
         owners(&fixture, "g")
@@ -758,4 +765,48 @@ async fn ordered_groups_deliver_each_key_in_order_even_across_retries() {
     for (key, order) in seen.lock().unwrap().iter() {
         assert_eq!(order, &(0..20).collect::<Vec<u32>>(), "{key} out of order");
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_polling_backs_off_to_the_ceiling_and_work_resets_it() {
+    let fixture = Fixture::new(1).await;
+    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
+    let ledger = Arc::new(Ledger::default());
+    let options = HostOptions {
+        min_poll: Duration::from_millis(100),
+        max_poll: Duration::from_secs(5),
+        sweep_interval: Duration::from_secs(3600),
+        ..HostOptions::new("h")
+    };
+    let host = start(&fixture, &config, options, recording(&ledger));
+    let reads = || {
+        fixture
+            .queue
+            .charges()
+            .snapshot()
+            .by_operation
+            .get("read change feed")
+            .map_or(0, |c| c.calls)
+    };
+    // Warm up: the lease is taken and the feed found empty.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let before = reads();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let idle_reads = reads() - before;
+    assert!(
+        (11..=13).contains(&idle_reads),
+        "one read per 5 s ceiling while idle, got {idle_reads} a minute"
+    );
+
+    // New work is picked up within the ceiling, then reading speeds up again.
+    let started = tokio::time::Instant::now();
+    enqueue(&fixture, 0..300).await;
+    ledger.wait_until(|l| l.delivered("g") == 300).await;
+    assert!(
+        started.elapsed() <= Duration::from_secs(6),
+        "{:?}",
+        started.elapsed()
+    );
+    host.stop.cancel();
+    host.task.await.unwrap().unwrap();
 }
