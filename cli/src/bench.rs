@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_queue::host::{Host, HostOptions};
 use cosmosq_queue::{
-    provision, ClaimOutcome, Consumer, ConsumerOptions, Delivery, DeliveryMode, GroupConfig,
-    Message, NewMessage, Outcome, Queue, QueueConfig, StartFrom,
+    provision, ClaimOutcome, Delivery, DeliveryMode, GroupConfig, Message, NewMessage, Outcome,
+    Queue, QueueConfig, StartFrom,
 };
 use futures::{stream, StreamExt};
 use serde_json::json;
@@ -136,7 +137,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         .await;
     claims.into_iter().collect::<Result<Vec<_>, _>>()?;
     rows.push(Row {
-        what: "claim + complete (exclusive)".into(),
+        what: "SDK floor: claim + complete, tight loop".into(),
         messages: args.messages,
         seconds: started.elapsed().as_secs_f64(),
         request_units: queue
@@ -172,15 +173,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     .with_mode(mode)
                     .with_start_from(StartFrom::Beginning),
             )?;
-            let options = ConsumerOptions {
+            let options = HostOptions {
                 max_concurrency: args.concurrency,
                 page_size: 500,
                 min_poll: Duration::from_millis(5),
                 max_poll: Duration::from_millis(50),
-                ..ConsumerOptions::new(format!("host-{g}"))
+                lease_acquire: Duration::from_millis(100),
+                ..HostOptions::new(format!("host-{g}"))
             };
-            let consumer =
-                Consumer::new(group, |_d: Delivery| async { Outcome::Complete }, options);
+            let consumer = Host::new(group, |_d: Delivery| async { Outcome::Complete }, options);
             stats.push(consumer.stats());
             let token = shutdown.clone();
             tasks.push(tokio::spawn(async move { consumer.run(token).await }));
@@ -206,7 +207,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .sum();
         rows.push(Row {
             what: format!(
-                "consume {}, {groups} group{}",
+                "lease loop, no-op handler, {}, {groups} group{}",
                 format!("{mode:?}").to_lowercase(),
                 if groups > 1 { "s" } else { "" }
             ),

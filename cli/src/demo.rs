@@ -1,19 +1,21 @@
 //! `cosmosq demo`: the whole loop on the embedded emulator, with live figures.
 //!
 //! A burst of orders is enqueued; a `fulfilment` group (exclusive mode, several consumers
-//! racing on claims) and an `analytics` group (stream mode) consume it through the engine;
+//! sharing the feed ranges by leases) and an `analytics` group (stream mode) consume it;
 //! some deliveries fail and are retried with back-off, a few poison messages end up in the
 //! dead letters. It ends when both groups have settled every message.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_queue::host::{Host, HostOptions};
 use cosmosq_queue::{
-    provision, ChargeSnapshot, Consumer, ConsumerOptions, ConsumerStats, Delivery, DeliveryMode,
-    GroupConfig, NewMessage, Outcome, Queue, QueueConfig, RetryPolicy, StartFrom,
+    provision, ChargeSnapshot, ConsumerStats, Delivery, DeliveryMode, GroupConfig, NewMessage,
+    Outcome, Queue, QueueConfig, RetryPolicy, StartFrom,
 };
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -52,10 +54,13 @@ pub struct GroupSummary {
     pub name: &'static str,
     pub mode: DeliveryMode,
     pub consumers: usize,
-    pub delivered: u64,
+    /// Deliveries made, retries and redeliveries included.
+    pub deliveries: u64,
+    /// Distinct messages the app completed.
     pub completed: u64,
     pub retried: u64,
-    pub dead_lettered: u64,
+    /// Dead letters the group holds (listed from the database).
+    pub dead_letters: u64,
     pub request_units: f64,
 }
 
@@ -66,14 +71,17 @@ pub struct Summary {
     pub enqueue_request_units: f64,
     pub seconds: f64,
     pub groups: Vec<GroupSummary>,
-    pub dead_letters_listed: usize,
 }
 
 struct RunningGroup {
     name: &'static str,
     mode: DeliveryMode,
     queue: Queue,
+    /// The same group on the producer's handle, so estimates do not count as its cost.
+    estimator: cosmosq_queue::Group,
     stats: Vec<Arc<ConsumerStats>>,
+    app: Arc<AppLedger>,
+    dead_letters: u64,
     bar: ProgressBar,
 }
 
@@ -85,8 +93,9 @@ impl RunningGroup {
             .sum()
     }
 
+    /// Distinct messages done with: completed by the app, or in the dead letters.
     fn settled(&self) -> u64 {
-        self.sum(|s| &s.completed) + self.sum(|s| &s.dead_lettered)
+        AppLedger::count(&self.app.completed) + self.dead_letters
     }
 }
 
@@ -97,7 +106,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 }
 
 pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
-    let started = Instant::now();
     let emulator = Emulator::in_process(EmulatorOptions {
         partitions: args.partitions,
         ..Default::default()
@@ -148,10 +156,9 @@ pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
     let shutdown = CancellationToken::new();
     let mut groups = Vec::new();
     let mut tasks = Vec::new();
-    // Stream mode is fenced by range leases; until several hosts share ranges, one consumer.
-    for (name, mode, consumers) in [
-        ("fulfilment", DeliveryMode::Exclusive, args.consumers.max(1)),
-        ("analytics", DeliveryMode::Stream, 1),
+    for (name, mode) in [
+        ("fulfilment", DeliveryMode::Exclusive),
+        ("analytics", DeliveryMode::Stream),
     ] {
         let queue = Queue::open(&client, config.clone()).await?;
         let group = queue.group(
@@ -168,45 +175,72 @@ pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
         );
         bar.set_prefix(name);
         let mut stats = Vec::new();
-        for host in 0..consumers {
-            let options = ConsumerOptions {
+        let app = Arc::new(AppLedger::default());
+        for host in 0..args.consumers.max(1) {
+            // Short lease intervals so the hosts balance within the demo's few seconds.
+            let options = HostOptions {
                 min_poll: Duration::from_millis(10),
                 max_poll: Duration::from_millis(250),
                 sweep_interval: Duration::from_millis(100),
-                ..ConsumerOptions::new(format!("{name}-{host}"))
+                lease_acquire: Duration::from_millis(250),
+                lease_renew: Duration::from_secs(1),
+                lease_expire: Duration::from_secs(5),
+                checkpoint_interval: Duration::from_millis(100),
+                ..HostOptions::new(format!("{name}-{host}"))
             };
-            let consumer = Consumer::new(
+            let consumer = Host::new(
                 group.clone(),
-                sample_app(args.work, args.failure_rate),
+                sample_app(args.work, args.failure_rate, Arc::clone(&app)),
                 options,
             );
             stats.push(consumer.stats());
             let shutdown = shutdown.clone();
             tasks.push(tokio::spawn(async move { consumer.run(shutdown).await }));
         }
+        let estimator =
+            producer.group(GroupConfig::new(name).with_start_from(StartFrom::Beginning))?;
         groups.push(RunningGroup {
             name,
             mode,
             queue,
+            estimator,
             stats,
+            app,
+            dead_letters: 0,
             bar,
         });
     }
 
     let deadline = Instant::now() + Duration::from_secs(600);
     let target = args.messages as u64;
-    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    let mut tick = tokio::time::interval(Duration::from_millis(400));
     loop {
         tick.tick().await;
         let elapsed = enqueue_started.elapsed().as_secs_f64().max(0.001);
-        for g in &groups {
+        for g in groups.iter_mut() {
+            if let Ok(dead) = g.estimator.dead_letters(None).await {
+                g.dead_letters = dead.len() as u64;
+            }
             let settled = g.settled();
+            // The estimator is what the operator scales on: remaining work per range.
+            let backlog = match g.estimator.estimate().await {
+                Ok(e) => format!(
+                    "backlog {:>5} [{}]",
+                    e.backlog(),
+                    e.ranges
+                        .iter()
+                        .map(|r| r.backlog.to_string())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                ),
+                Err(e) => format!("backlog unknown ({e})"),
+            };
             g.bar.set_position(settled);
             g.bar.set_message(format!(
-                "{:>6.0} msg/s  retries {}  dead letters {}  {:.1} RU/msg",
+                "{:>6.0} msg/s  {backlog}  retries {}  dead {}  {:.1} RU/msg",
                 settled as f64 / elapsed,
                 g.sum(|s| &s.retried),
-                g.sum(|s| &s.dead_lettered),
+                g.dead_letters,
                 per_message(&g.queue.charges().snapshot(), settled)
             ));
         }
@@ -226,29 +260,21 @@ pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
         g.bar.finish();
     }
     let seconds = enqueue_started.elapsed().as_secs_f64();
-    let dead_letters_listed = groups[0]
-        .queue
-        .group(GroupConfig::new(groups[0].name))?
-        .dead_letters(None)
-        .await?
-        .len();
-    let _ = started;
     Ok(Summary {
         messages: args.messages,
         enqueue_seconds,
         enqueue_request_units,
         seconds,
-        dead_letters_listed,
         groups: groups
             .iter()
             .map(|g| GroupSummary {
                 name: g.name,
                 mode: g.mode,
                 consumers: g.stats.len(),
-                delivered: g.sum(|s| &s.delivered),
-                completed: g.sum(|s| &s.completed),
+                deliveries: g.sum(|s| &s.delivered),
+                completed: AppLedger::count(&g.app.completed),
                 retried: g.sum(|s| &s.retried),
-                dead_lettered: g.sum(|s| &s.dead_lettered),
+                dead_letters: g.dead_letters,
                 request_units: g.queue.charges().snapshot().total_request_units(),
             })
             .collect(),
@@ -260,12 +286,34 @@ fn per_message(charges: &ChargeSnapshot, messages: u64) -> f64 {
 }
 
 /// The sample app: a little work, some transient failures, poison messages that always fail.
+/// What the sample app saw: every message it got, and those it completed.
+#[derive(Default)]
+struct AppLedger {
+    delivered: Mutex<HashSet<String>>,
+    completed: Mutex<HashSet<String>>,
+}
+
+impl AppLedger {
+    fn count(set: &Mutex<HashSet<String>>) -> u64 {
+        set.lock().unwrap_or_else(|p| p.into_inner()).len() as u64
+    }
+}
+
+/// The sample app: a little work, some transient failures, poison messages that always fail.
 fn sample_app(
     work: Duration,
     failure_rate: f64,
+    ledger: Arc<AppLedger>,
 ) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, Outcome> + Send + Sync + 'static {
     move |delivery: Delivery| {
+        let ledger = Arc::clone(&ledger);
         Box::pin(async move {
+            let id = delivery.message.id.clone();
+            ledger
+                .delivered
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id.clone());
             let pause = work.mul_f64(rand::random::<f64>());
             tokio::time::sleep(pause).await;
             let poison = matches!(&delivery.message.body, cosmosq_queue::Body::Json(v) if v["poison"] == json!(true));
@@ -281,6 +329,11 @@ fn sample_app(
                     delay: None,
                 };
             }
+            ledger
+                .completed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id);
             Outcome::Complete
         })
     }
@@ -295,10 +348,10 @@ pub fn render(s: &Summary) -> String {
                 g.name.to_string(),
                 format!("{:?}", g.mode).to_lowercase(),
                 g.consumers.to_string(),
-                g.delivered.to_string(),
+                g.deliveries.to_string(),
                 g.completed.to_string(),
                 g.retried.to_string(),
-                g.dead_lettered.to_string(),
+                g.dead_letters.to_string(),
                 format!("{:.1}", g.request_units / s.messages.max(1) as f64),
             ]
         })
@@ -324,10 +377,10 @@ pub fn render(s: &Summary) -> String {
         ],
         &rows,
     ));
-    out.push_str(&format!(
-        "\n{} dead letters listed for fulfilment (`cosmosq dlq list` shows them on a served emulator).\n",
-        s.dead_letters_listed
-    ));
+    out.push_str(
+        "\nCOMPLETED counts distinct messages; DELIVERIES also counts retries and, in stream mode,\n\
+         redeliveries after a lease moved (at-least-once). Dead letters: `cosmosq dlq list`.\n",
+    );
     out
 }
 
@@ -348,11 +401,17 @@ mod tests {
         };
         let summary = run_demo(&args).await.unwrap();
         for g in &summary.groups {
-            assert_eq!(g.completed + g.dead_lettered, 200, "{g:?}");
-            assert_eq!(g.dead_lettered, 2, "{g:?}");
+            assert_eq!(g.completed + g.dead_letters, 200, "{g:?}");
+            assert_eq!(g.dead_letters, 2, "the poison messages: {g:?}");
             assert!(g.retried > 0, "{g:?}");
         }
-        assert_eq!(summary.dead_letters_listed, 2);
+        let exclusive = &summary.groups[0];
+        assert_eq!(exclusive.mode, DeliveryMode::Exclusive);
+        assert_eq!(
+            exclusive.deliveries,
+            exclusive.completed + exclusive.retried + 2,
+            "exclusive: one delivery per completion, retry and dead letter; no duplicates: {exclusive:?}"
+        );
         let text = render(&summary);
         assert!(
             text.contains("fulfilment") && text.contains("analytics"),

@@ -373,6 +373,7 @@ impl<H: Handler> RangeProcessor<H> {
         let mut flush = tokio::time::interval(self.options.checkpoint_interval);
         let mut reading = true;
         let ordered = self.group.config().ordered;
+        let stream = self.group.config().mode == crate::config::DeliveryMode::Stream;
         let mut chains: HashMap<String, oneshot::Receiver<()>> = HashMap::new();
 
         loop {
@@ -428,6 +429,13 @@ impl<H: Handler> RangeProcessor<H> {
                                 tracing::trace!(%group, lease = %label, next_read_ms = poll.delay().as_millis() as u64, "feed idle; backing off");
                             } else {
                                 poll.busy();
+                                // Stream mode has no claims to stop a second reader: check the
+                                // lease is still ours before handing out a page (1 RU a page).
+                                if stream && !self.still_owned(&lease).await {
+                                    warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease taken by another host; stopped reading the range");
+                                    deliveries.detach_all();
+                                    return RangeExit::Lost;
+                                }
                             }
                             let seq = next_seq;
                             next_seq += 1;
@@ -491,6 +499,15 @@ impl<H: Handler> RangeProcessor<H> {
             }
             Err(LeaseError::Lost) => RangeExit::Lost,
             Err(LeaseError::Other(e)) => RangeExit::Failed(e),
+        }
+    }
+
+    /// Whether the lease still names this host (a read error counts as yes: renewal decides).
+    async fn still_owned(&self, lease: &Lease) -> bool {
+        match self.store.read(&lease.id).await {
+            Ok(Some(current)) => current.owner.as_deref() == Some(self.options.name.as_str()),
+            Ok(None) => false,
+            Err(_) => true,
         }
     }
 

@@ -255,6 +255,27 @@ impl LeaseStore {
         Ok(leases)
     }
 
+    /// One lease as stored now.
+    pub async fn read(&self, id: &str) -> Result<Option<Lease>> {
+        match self
+            .queue
+            .leases()
+            .read_item(lease_pk(&self.group), id, None)
+            .await
+        {
+            Ok(r) => {
+                self.queue
+                    .charges()
+                    .record_diagnostics("read lease", &r.diagnostics());
+                Ok(Some(
+                    r.into_model().map_err(QueueError::cosmos("read lease"))?,
+                ))
+            }
+            Err(e) if status_of(&e) == NOT_FOUND => Ok(None),
+            Err(e) => Err(QueueError::cosmos("read lease")(e)),
+        }
+    }
+
     /// Makes sure every physical range of the messages container is covered by a lease:
     /// creates the leases of a new group, and splits the lease of a range that split once
     /// nobody holds it. Returns the leases and the ids of held leases whose range split (their

@@ -177,7 +177,11 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
     a.stop.cancel();
     a.task.await.unwrap().unwrap();
     assert_eq!(a_stats.leases_owned.load(Ordering::Relaxed), 0);
-    assert_eq!(a_stats.leases_lost.load(Ordering::Relaxed), 0, "released, not lost");
+    assert_eq!(
+        a_stats.leases_lost.load(Ordering::Relaxed),
+        0,
+        "released, not lost"
+    );
     // Released, not left to expire (expiry is an hour here): b takes them on its next rounds.
     eventually("b holds all leases", Duration::from_secs(3), || async {
         owners(&fixture, "g")
@@ -791,8 +795,14 @@ async fn idle_polling_backs_off_to_the_ceiling_and_work_resets_it() {
     // Warm up: the lease is taken and the feed found empty.
     tokio::time::sleep(Duration::from_secs(60)).await;
     let before = reads();
+    let spent_before = fixture.queue.charges().snapshot();
     tokio::time::sleep(Duration::from_secs(60)).await;
     let idle_reads = reads() - before;
+    let idle = fixture.queue.charges().snapshot().since(&spent_before);
+    println!(
+        "idle, one lease, default intervals except the hour-long sweep: {:.3} RU/s ({idle:?})",
+        idle.total_request_units() / 60.0
+    );
     assert!(
         (11..=13).contains(&idle_reads),
         "one read per 5 s ceiling while idle, got {idle_reads} a minute"
