@@ -24,9 +24,9 @@ pub struct Take {
 ///
 /// Live hosts are the owners of unexpired leases, plus `me`. With `L` leases over `n` hosts
 /// every host should hold `floor(L/n)` or `ceil(L/n)`. A host takes free or expired leases up
-/// to `ceil(L/n)`; below `floor(L/n)` it steals one lease per round from the host with the
-/// most, and only when that host has at least two more than it, so two hosts never trade a
-/// lease back and forth.
+/// to `ceil(L/n)`. It steals one lease per round from the host with the most when it is below
+/// `floor(L/n)` and that host has at least two more, or when that host has more than
+/// `ceil(L/n)`; so two hosts never trade a lease back and forth.
 pub fn plan(leases: &[LeaseView], me: &str) -> Vec<Take> {
     if leases.is_empty() {
         return Vec::new();
@@ -58,9 +58,6 @@ pub fn plan(leases: &[LeaseView], me: &str) -> Vec<Take> {
             })
             .collect();
     }
-    if mine >= floor {
-        return Vec::new();
-    }
     let Some((&victim, &most)) = counts
         .iter()
         .filter(|(host, _)| **host != me)
@@ -68,7 +65,11 @@ pub fn plan(leases: &[LeaseView], me: &str) -> Vec<Take> {
     else {
         return Vec::new();
     };
-    if most < mine + 2 {
+    // Steal when below the fair share and the victim is two ahead, or when the victim holds
+    // more than anyone should. Either way the victim stays at or above what we end up with.
+    let below_floor = mine < floor && most >= mine + 2;
+    let victim_over = mine < ceil && most > ceil;
+    if !(below_floor || victim_over) {
         return Vec::new();
     }
     leases

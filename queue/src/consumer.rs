@@ -10,19 +10,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use azure_data_cosmos::feed::{ChangeFeedPageIterator, ContinuationToken};
-use azure_data_cosmos::models::ChangeFeedItem;
-use azure_data_cosmos::options::{ChangeFeedOptions, ChangeFeedStartFrom, MaxItemCountHint};
 use azure_data_cosmos::FeedScope;
-use futures::StreamExt;
-use serde_json::Value;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 
-use crate::config::StartFrom;
 use crate::error::{QueueError, Result};
+use crate::feed::FeedReader;
 use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome, StateDoc};
 use crate::message::Message;
 
@@ -185,7 +180,14 @@ impl<H: Handler> Consumer<H> {
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let permits = Arc::new(Semaphore::new(self.options.max_concurrency.max(1)));
         let mut tasks = JoinSet::new();
-        let mut feed = FeedReader::new(&self.group, self.options.page_size);
+        let mut feed = FeedReader::new(
+            self.group.queue().messages().clone(),
+            FeedScope::full_container(),
+            self.group.config().start_from,
+            None,
+            self.options.page_size,
+            Arc::clone(self.group.queue().charges()),
+        );
         let mut poll = AdaptivePoll::new(self.options.min_poll, self.options.max_poll);
         let mut sweep = tokio::time::interval(self.options.sweep_interval);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -213,8 +215,8 @@ impl<H: Handler> Consumer<H> {
                 }
                 _ = tokio::time::sleep(poll.delay()) => {
                     match feed.next_page().await {
-                        Ok(docs) if docs.is_empty() => poll.idle(),
-                        Ok(docs) => {
+                        Ok((docs, _)) if docs.is_empty() => poll.idle(),
+                        Ok((docs, _)) => {
                             poll.busy();
                             for doc in docs {
                                 let message = match Message::from_document(&doc, self.group.queue().pk_field()) {
@@ -416,73 +418,6 @@ impl<H: Handler> Worker<H> {
             // The message stays where it was (unclaimed, or locked until expiry), so the
             // sweep or the feed brings it back: nothing is lost.
             warn!(group = self.group.name(), message_id, step, error = %e, "step failed; the message will be delivered again");
-        }
-    }
-}
-
-/// Reads the messages container's change feed from where the group starts, remembering the
-/// position so a failed read resumes instead of starting over.
-struct FeedReader {
-    container: azure_data_cosmos::ContainerClient,
-    start: StartFrom,
-    page_size: u32,
-    pages: Option<ChangeFeedPageIterator<ChangeFeedItem<Value>>>,
-    position: Option<ContinuationToken>,
-    charges: Arc<crate::charge::RequestCharges>,
-}
-
-impl FeedReader {
-    fn new(group: &Group, page_size: u32) -> Self {
-        Self {
-            container: group.queue().messages().clone(),
-            start: group.config().start_from,
-            page_size,
-            pages: None,
-            position: None,
-            charges: Arc::clone(group.queue().charges()),
-        }
-    }
-
-    async fn next_page(&mut self) -> Result<Vec<Value>> {
-        if self.pages.is_none() {
-            let start = match self.start {
-                StartFrom::Beginning => ChangeFeedStartFrom::Beginning,
-                StartFrom::Now => ChangeFeedStartFrom::Now,
-            };
-            let hint = std::num::NonZeroU32::new(self.page_size)
-                .map(MaxItemCountHint::Limit)
-                .unwrap_or(MaxItemCountHint::ServerDecides);
-            let mut options = ChangeFeedOptions::default().with_max_item_count(hint);
-            if let Some(token) = self.position.clone() {
-                options = options.with_continuation_token(token);
-            }
-            self.pages = Some(
-                self.container
-                    .query_change_feed::<Value>(FeedScope::full_container(), start, Some(options))
-                    .await
-                    .map_err(QueueError::cosmos("read change feed"))?,
-            );
-        }
-        let pages = self.pages.as_mut().expect("just set");
-        match pages.next().await {
-            Some(Ok(page)) => {
-                self.charges
-                    .record_diagnostics("read change feed", &page.diagnostics());
-                self.position = pages.to_continuation_token().ok();
-                Ok(page
-                    .into_items()
-                    .into_iter()
-                    .filter_map(|item| item.current().cloned())
-                    .collect())
-            }
-            Some(Err(e)) => {
-                self.pages = None;
-                Err(QueueError::cosmos("read change feed")(e))
-            }
-            None => {
-                self.pages = None;
-                Ok(Vec::new())
-            }
         }
     }
 }

@@ -17,9 +17,8 @@
 
 use std::collections::BTreeMap;
 
-use azure_data_cosmos::feed::{ContinuationToken, FeedRange};
+use azure_data_cosmos::feed::FeedRange;
 use azure_data_cosmos::models::PartitionKeyDefinition;
-use azure_data_cosmos::options::{ChangeFeedOptions, ChangeFeedStartFrom, MaxItemCountHint};
 use azure_data_cosmos::{FeedScope, PartitionKey};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -27,6 +26,7 @@ use serde_json::{json, Value};
 
 use crate::config::StartFrom;
 use crate::error::{QueueError, Result};
+use crate::feed;
 use crate::group::{Group, STATE_DOC_TYPE};
 use crate::lease::{epk_cmp, Lease, LeaseStore};
 use crate::sql;
@@ -168,21 +168,15 @@ impl Group {
         if lease.continuation.is_none() && self.config().start_from == StartFrom::Now {
             return Ok(FeedLag::default());
         }
-        let mut options = ChangeFeedOptions::default()
-            .with_max_item_count(MaxItemCountHint::Limit(std::num::NonZeroU32::MIN));
-        if let Some(token) = &lease.continuation {
-            options =
-                options.with_continuation_token(ContinuationToken::from_string(token.clone()));
-        }
-        let messages = self.queue().messages();
-        let mut pages = messages
-            .query_change_feed::<Value>(
-                FeedScope::range(lease.feed_range()?),
-                ChangeFeedStartFrom::Beginning,
-                Some(options),
-            )
-            .await
-            .map_err(QueueError::cosmos("estimate lag"))?;
+        let mut pages = feed::open(
+            self.queue().messages(),
+            FeedScope::range(lease.feed_range()?),
+            StartFrom::Beginning,
+            lease.continuation.as_deref(),
+            1,
+            "estimate lag",
+        )
+        .await?;
         let Some(page) = pages.next().await else {
             return Ok(FeedLag {
                 lag: Some(0),
@@ -223,23 +217,15 @@ impl Group {
 
     /// Counts the messages after the lease's checkpoint by reading them (small lags only).
     async fn count_unread(&self, lease: &Lease) -> Result<u64> {
-        let mut options = ChangeFeedOptions::default().with_max_item_count(
-            MaxItemCountHint::Limit(std::num::NonZeroU32::new(EXACT_COUNT_PAGE).expect("non-zero")),
-        );
-        if let Some(token) = &lease.continuation {
-            options =
-                options.with_continuation_token(ContinuationToken::from_string(token.clone()));
-        }
-        let mut pages = self
-            .queue()
-            .messages()
-            .query_change_feed::<Value>(
-                FeedScope::range(lease.feed_range()?),
-                ChangeFeedStartFrom::Beginning,
-                Some(options),
-            )
-            .await
-            .map_err(QueueError::cosmos("estimate lag"))?;
+        let mut pages = feed::open(
+            self.queue().messages(),
+            FeedScope::range(lease.feed_range()?),
+            StartFrom::Beginning,
+            lease.continuation.as_deref(),
+            EXACT_COUNT_PAGE,
+            "estimate lag",
+        )
+        .await?;
         let mut count = 0u64;
         while let Some(page) = pages.next().await {
             let page = page.map_err(QueueError::cosmos("estimate lag"))?;

@@ -10,12 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use azure_data_cosmos::feed::{ChangeFeedPageIterator, ContinuationToken};
-use azure_data_cosmos::models::ChangeFeedItem;
-use azure_data_cosmos::options::{ChangeFeedOptions, ChangeFeedStartFrom, MaxItemCountHint};
 use azure_data_cosmos::FeedScope;
-use futures::StreamExt;
-use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -24,9 +19,9 @@ use tracing::{debug, info, warn};
 
 use crate::balance::{self, LeaseView};
 use crate::clock::duration_ms;
-use crate::config::StartFrom;
 use crate::consumer::{AdaptivePoll, ConsumerStats, Handler, Worker};
 use crate::error::{QueueError, Result};
+use crate::feed::FeedReader;
 use crate::group::Group;
 use crate::lease::{Lease, LeaseError, LeaseStore};
 use crate::message::Message;
@@ -352,15 +347,14 @@ impl<H: Handler> RangeProcessor<H> {
             Ok(r) => r,
             Err(e) => return RangeExit::Failed(e),
         };
-        let mut reader = RangeReader {
-            container: self.group.queue().messages().clone(),
-            scope: range,
-            start: self.group.config().start_from,
-            page_size: self.options.page_size,
-            position: lease.continuation.clone(),
-            pages: None,
-            charges: Arc::clone(self.group.queue().charges()),
-        };
+        let mut reader = FeedReader::new(
+            self.group.queue().messages().clone(),
+            FeedScope::range(range),
+            self.group.config().start_from,
+            lease.continuation.clone(),
+            self.options.page_size,
+            Arc::clone(self.group.queue().charges()),
+        );
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<u64>();
         let mut deliveries = JoinSet::new();
         let mut window: VecDeque<PageSlot> = VecDeque::new();
@@ -543,74 +537,6 @@ fn advance(window: &mut VecDeque<PageSlot>, checkpoint: &mut Option<String>) {
         let slot = window.pop_front().expect("checked");
         if slot.token.is_some() {
             *checkpoint = slot.token;
-        }
-    }
-}
-
-/// Reads one range of the change feed, resuming from a position after errors.
-struct RangeReader {
-    container: azure_data_cosmos::ContainerClient,
-    scope: azure_data_cosmos::feed::FeedRange,
-    start: StartFrom,
-    page_size: u32,
-    position: Option<String>,
-    pages: Option<ChangeFeedPageIterator<ChangeFeedItem<Value>>>,
-    charges: Arc<crate::charge::RequestCharges>,
-}
-
-impl RangeReader {
-    async fn next_page(&mut self) -> Result<(Vec<Value>, Option<String>)> {
-        if self.pages.is_none() {
-            let start = match self.start {
-                StartFrom::Beginning => ChangeFeedStartFrom::Beginning,
-                StartFrom::Now => ChangeFeedStartFrom::Now,
-            };
-            let hint = std::num::NonZeroU32::new(self.page_size)
-                .map(MaxItemCountHint::Limit)
-                .unwrap_or(MaxItemCountHint::ServerDecides);
-            let mut options = ChangeFeedOptions::default().with_max_item_count(hint);
-            if let Some(token) = &self.position {
-                options =
-                    options.with_continuation_token(ContinuationToken::from_string(token.clone()));
-            }
-            self.pages = Some(
-                self.container
-                    .query_change_feed::<Value>(
-                        FeedScope::range(self.scope.clone()),
-                        start,
-                        Some(options),
-                    )
-                    .await
-                    .map_err(QueueError::cosmos("read change feed"))?,
-            );
-        }
-        let pages = self.pages.as_mut().expect("just set");
-        match pages.next().await {
-            Some(Ok(page)) => {
-                self.charges
-                    .record_diagnostics("read change feed", &page.diagnostics());
-                let token = pages
-                    .to_continuation_token()
-                    .ok()
-                    .map(|t| t.as_str().to_owned());
-                if token.is_some() {
-                    self.position = token.clone();
-                }
-                let docs = page
-                    .into_items()
-                    .into_iter()
-                    .filter_map(|i| i.current().cloned())
-                    .collect();
-                Ok((docs, token))
-            }
-            Some(Err(e)) => {
-                self.pages = None;
-                Err(QueueError::cosmos("read change feed")(e))
-            }
-            None => {
-                self.pages = None;
-                Ok((Vec::new(), None))
-            }
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod deadletter;
 pub mod emulator;
 pub mod error;
 pub mod estimate;
+mod feed;
 pub mod group;
 pub mod host;
 pub mod lease;

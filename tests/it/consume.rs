@@ -12,19 +12,25 @@ use cosmosq_tests::{recording, Fixture, Ledger};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-fn options(holder: String) -> ConsumerOptions {
+/// Fast polling; the sweep (a scan of state documents on the emulator) only as often as the
+/// test needs recovery.
+fn options(holder: String, sweep_interval: Duration) -> ConsumerOptions {
     ConsumerOptions {
         min_poll: Duration::from_millis(5),
         max_poll: Duration::from_millis(100),
-        sweep_interval: Duration::from_millis(100),
+        sweep_interval,
         ..ConsumerOptions::new(holder)
     }
 }
+
+const RARE_SWEEP: Duration = Duration::from_secs(2);
+const FAST_SWEEP: Duration = Duration::from_millis(100);
 
 fn spawn_consumer<F, Fut>(
     fixture: &Fixture,
     group: GroupConfig,
     holder: String,
+    sweep: Duration,
     handler: F,
     shutdown: &CancellationToken,
 ) -> tokio::task::JoinHandle<Arc<cosmosq_queue::ConsumerStats>>
@@ -32,7 +38,7 @@ where
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = Outcome> + Send + 'static,
 {
-    let consumer = Consumer::new(fixture.group(group), handler, options(holder));
+    let consumer = Consumer::new(fixture.group(group), handler, options(holder, sweep));
     let stats = consumer.stats();
     let shutdown = shutdown.clone();
     tokio::spawn(async move {
@@ -69,6 +75,7 @@ async fn eight_claimers_two_groups_each_message_completed_once_per_group() {
                 &fixture,
                 config,
                 format!("{group}-{host}"),
+                RARE_SWEEP,
                 recording(&ledger),
                 &shutdown,
             ));
@@ -130,6 +137,7 @@ async fn a_dead_consumers_messages_come_back_with_delivery_count_two() {
             &fixture,
             config.clone(),
             "dead".into(),
+            RARE_SWEEP,
             move |d: Delivery| {
                 let hung = Arc::clone(&hung);
                 async move {
@@ -150,6 +158,7 @@ async fn a_dead_consumers_messages_come_back_with_delivery_count_two() {
         &fixture,
         config,
         "alive".into(),
+        FAST_SWEEP,
         recording(&ledger),
         &shutdown,
     );
@@ -195,6 +204,7 @@ async fn malformed_documents_are_skipped_with_a_reason_not_a_crash() {
         &fixture,
         GroupConfig::new("g").with_start_from(StartFrom::Beginning),
         "h".into(),
+        RARE_SWEEP,
         recording(&ledger),
         &shutdown,
     );
@@ -243,6 +253,7 @@ async fn throttled_account_loses_nothing() {
             &fixture,
             GroupConfig::new("g").with_start_from(StartFrom::Beginning),
             format!("h{host}"),
+            RARE_SWEEP,
             recording(&ledger),
             &shutdown,
         ));
@@ -292,7 +303,14 @@ async fn stream_consumer_retries_failures_and_dead_letters_drops() {
     let config = GroupConfig::new("s")
         .with_mode(DeliveryMode::Stream)
         .with_start_from(StartFrom::Beginning);
-    let consumer = spawn_consumer(&fixture, config.clone(), "h".into(), handler, &shutdown);
+    let consumer = spawn_consumer(
+        &fixture,
+        config.clone(),
+        "h".into(),
+        FAST_SWEEP,
+        handler,
+        &shutdown,
+    );
     ledger
         .wait_until(|l| {
             l.delivered("s") == 100

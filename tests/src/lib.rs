@@ -137,7 +137,7 @@ impl Ledger {
 
     /// Waits until `pred` holds, woken by each finished delivery (no polling sleeps).
     pub async fn wait_until(&self, pred: impl Fn(&Ledger) -> bool) {
-        tokio::time::timeout(Duration::from_secs(120), async {
+        tokio::time::timeout(Duration::from_secs(300), async {
             loop {
                 let notified = self.done.notified();
                 if pred(self) {

@@ -1,0 +1,122 @@
+//! Reading the messages container's change feed.
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use azure_data_cosmos::feed::{ChangeFeedPageIterator, ContinuationToken};
+use azure_data_cosmos::models::ChangeFeedItem;
+use azure_data_cosmos::options::{ChangeFeedOptions, ChangeFeedStartFrom, MaxItemCountHint};
+use azure_data_cosmos::{ContainerClient, FeedScope};
+use futures::StreamExt;
+use serde_json::Value;
+
+use crate::charge::RequestCharges;
+use crate::config::StartFrom;
+use crate::error::{QueueError, Result};
+
+pub(crate) type Pages = ChangeFeedPageIterator<ChangeFeedItem<Value>>;
+
+/// Opens the feed of `scope` at `position` (a continuation token), or at `start` without one.
+pub(crate) async fn open(
+    container: &ContainerClient,
+    scope: FeedScope,
+    start: StartFrom,
+    position: Option<&str>,
+    page_size: u32,
+    operation: &'static str,
+) -> Result<Pages> {
+    let start = match start {
+        StartFrom::Beginning => ChangeFeedStartFrom::Beginning,
+        StartFrom::Now => ChangeFeedStartFrom::Now,
+    };
+    let hint = NonZeroU32::new(page_size)
+        .map(MaxItemCountHint::Limit)
+        .unwrap_or(MaxItemCountHint::ServerDecides);
+    let mut options = ChangeFeedOptions::default().with_max_item_count(hint);
+    if let Some(token) = position {
+        options = options.with_continuation_token(ContinuationToken::from_string(token.to_owned()));
+    }
+    container
+        .query_change_feed::<Value>(scope, start, Some(options))
+        .await
+        .map_err(QueueError::cosmos(operation))
+}
+
+/// Reads one scope page by page, remembering the position so that a failed read resumes
+/// where it was instead of starting over.
+pub(crate) struct FeedReader {
+    container: ContainerClient,
+    scope: FeedScope,
+    start: StartFrom,
+    page_size: u32,
+    position: Option<String>,
+    pages: Option<Pages>,
+    charges: Arc<RequestCharges>,
+}
+
+impl FeedReader {
+    pub(crate) fn new(
+        container: ContainerClient,
+        scope: FeedScope,
+        start: StartFrom,
+        position: Option<String>,
+        page_size: u32,
+        charges: Arc<RequestCharges>,
+    ) -> Self {
+        Self {
+            container,
+            scope,
+            start,
+            page_size,
+            position,
+            pages: None,
+            charges,
+        }
+    }
+
+    /// The next page's documents, and the position after it.
+    pub(crate) async fn next_page(&mut self) -> Result<(Vec<Value>, Option<String>)> {
+        let pages = match &mut self.pages {
+            Some(pages) => pages,
+            empty => {
+                let opened = open(
+                    &self.container,
+                    self.scope.clone(),
+                    self.start,
+                    self.position.as_deref(),
+                    self.page_size,
+                    "read change feed",
+                )
+                .await?;
+                empty.insert(opened)
+            }
+        };
+        match pages.next().await {
+            Some(Ok(page)) => {
+                self.charges
+                    .record_diagnostics("read change feed", &page.diagnostics());
+                let token = pages
+                    .to_continuation_token()
+                    .ok()
+                    .map(|t| t.as_str().to_owned());
+                if token.is_some() {
+                    self.position = token.clone();
+                }
+                let docs = page
+                    .into_items()
+                    .into_iter()
+                    .filter_map(|i| i.current().cloned())
+                    .collect();
+                Ok((docs, token))
+            }
+            Some(Err(e)) => {
+                self.pages = None;
+                Err(QueueError::cosmos("read change feed")(e))
+            }
+            None => {
+                self.pages = None;
+                Ok((Vec::new(), None))
+            }
+        }
+    }
+}
