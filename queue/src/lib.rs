@@ -31,6 +31,7 @@ pub mod provision;
 pub mod queue;
 mod sql;
 
+pub use azure_data_cosmos::CosmosClient;
 pub use backoff::RetryPolicy;
 pub use charge::{ChargeSnapshot, RequestCharges};
 pub use clock::Clock;

@@ -1,0 +1,166 @@
+//! The localhost API the app talks to: enqueue, health, readiness, metrics.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::extract::{rejection::JsonRejection, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use cosmosq_queue::message::MessageInput;
+use cosmosq_queue::{ConsumerStats, EnqueueOutcome, MessageError, NewMessage, Queue, QueueError};
+use serde_json::json;
+
+use crate::metrics::Metrics;
+
+/// What the API serves from.
+pub struct ApiState {
+    pub queue: Queue,
+    pub metrics: Arc<Metrics>,
+    pub stats: Arc<ConsumerStats>,
+    /// Connected, and the app answered: leases may be taken.
+    pub ready: AtomicBool,
+}
+
+pub fn router(state: Arc<ApiState>) -> Router {
+    Router::new()
+        .route("/v1/enqueue", post(enqueue))
+        .route("/v1/enqueue/batch", post(enqueue_batch))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+async fn readyz(State(state): State<Arc<ApiState>>) -> Response {
+    if state.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: waiting for the app or Cosmos DB",
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
+    state.metrics.sync(&state.stats, state.queue.charges());
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+fn error(status: StatusCode, message: String) -> Response {
+    (status, Json(json!({"error": message}))).into_response()
+}
+
+/// The HTTP status for an enqueue failure: the caller's fault (4xx) or ours to retry (5xx).
+fn failure(e: &QueueError) -> StatusCode {
+    match e {
+        QueueError::InvalidMessage(MessageError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
+        QueueError::InvalidMessage(_) => StatusCode::BAD_REQUEST,
+        e if e.status() == Some(429) => StatusCode::TOO_MANY_REQUESTS,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+fn outcome_json(outcome: &EnqueueOutcome) -> serde_json::Value {
+    json!({"id": outcome.id(), "duplicate": outcome.is_duplicate()})
+}
+
+async fn enqueue(
+    State(state): State<Arc<ApiState>>,
+    body: Result<Json<MessageInput>, JsonRejection>,
+) -> Response {
+    let Json(input) = match body {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
+    };
+    let message = match NewMessage::try_from(input) {
+        Ok(m) => m,
+        Err(e) => {
+            state
+                .metrics
+                .enqueued
+                .with_label_values(&["rejected"])
+                .inc();
+            return error(StatusCode::BAD_REQUEST, e.to_string());
+        }
+    };
+    match state.queue.enqueue(message).await {
+        Ok(outcome) => {
+            let (status, result) = if outcome.is_duplicate() {
+                (StatusCode::OK, "duplicate")
+            } else {
+                (StatusCode::CREATED, "enqueued")
+            };
+            state.metrics.enqueued.with_label_values(&[result]).inc();
+            (status, Json(outcome_json(&outcome))).into_response()
+        }
+        Err(e) => {
+            state
+                .metrics
+                .enqueued
+                .with_label_values(&["rejected"])
+                .inc();
+            error(failure(&e), e.to_string())
+        }
+    }
+}
+
+/// `[{message}, ...]` → `{"results": [{"id","duplicate"} | {"error"}, ...]}` in input order;
+/// 200 when all were taken, 207 when some were not.
+async fn enqueue_batch(
+    State(state): State<Arc<ApiState>>,
+    body: Result<Json<Vec<MessageInput>>, JsonRejection>,
+) -> Response {
+    let Json(inputs) = match body {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
+    };
+    let mut results: Vec<Option<serde_json::Value>> = vec![None; inputs.len()];
+    let mut valid = Vec::new();
+    let mut positions = Vec::new();
+    for (i, input) in inputs.into_iter().enumerate() {
+        match NewMessage::try_from(input) {
+            Ok(m) => {
+                valid.push(m);
+                positions.push(i);
+            }
+            Err(e) => results[i] = Some(json!({"error": e.to_string()})),
+        }
+    }
+    for (i, result) in positions
+        .into_iter()
+        .zip(state.queue.enqueue_batch(valid).await)
+    {
+        results[i] = Some(match result {
+            Ok(o) => outcome_json(&o),
+            Err(e) => json!({"error": e.to_string()}),
+        });
+    }
+    let results: Vec<serde_json::Value> =
+        results.into_iter().map(|r| r.unwrap_or_default()).collect();
+    let failed = results.iter().filter(|r| r.get("error").is_some()).count();
+    for r in &results {
+        let label = match (r.get("error"), r.get("duplicate").and_then(|d| d.as_bool())) {
+            (Some(_), _) => "rejected",
+            (None, Some(true)) => "duplicate",
+            _ => "enqueued",
+        };
+        state.metrics.enqueued.with_label_values(&[label]).inc();
+    }
+    let status = if failed == 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::MULTI_STATUS
+    };
+    (status, Json(json!({"results": results}))).into_response()
+}

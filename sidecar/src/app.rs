@@ -1,0 +1,395 @@
+//! The app contract (compatible with Dapr pub/sub over HTTP): what we send, how we read the
+//! answer. Pure functions; the HTTP calls live in `delivery`.
+
+use std::time::Duration;
+
+use base64::Engine as _;
+use cosmosq_queue::clock::format_ms;
+use cosmosq_queue::{Body, Delivery};
+use serde_json::{json, Value};
+
+/// How a message is put in the request body.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// A CloudEvents 1.0 structured event (`application/cloudevents+json`), message in `data`.
+    #[default]
+    Cloudevents,
+    /// The message body as it is.
+    Raw,
+}
+
+/// Header names, shared with the app's documentation.
+pub mod headers {
+    pub const MESSAGE_ID: &str = "cosmosq-message-id";
+    pub const DELIVERY_COUNT: &str = "cosmosq-delivery-count";
+    pub const ENQUEUED_TIME: &str = "cosmosq-enqueued-time";
+    pub const PARTITION_KEY: &str = "cosmosq-partition-key";
+    pub const QUEUE: &str = "cosmosq-queue";
+    pub const GROUP: &str = "cosmosq-group";
+    pub const METADATA_PREFIX: &str = "cosmosq-metadata-";
+    pub const TRACEPARENT: &str = "traceparent";
+}
+
+/// A request to the app, ready to send.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AppRequest {
+    pub content_type: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+/// The trace context of a message: the producer's (metadata `traceparent`) or a new one.
+pub fn traceparent(delivery: &Delivery) -> String {
+    delivery
+        .message
+        .metadata
+        .get("traceparent")
+        .filter(|t| is_traceparent(t))
+        .cloned()
+        .unwrap_or_else(|| {
+            let trace = uuid::Uuid::new_v4().simple().to_string();
+            let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
+            format!("00-{trace}-{span}-01")
+        })
+}
+
+fn is_traceparent(text: &str) -> bool {
+    let parts: Vec<&str> = text.split('-').collect();
+    parts.len() == 4
+        && [2, 32, 16, 2]
+            .iter()
+            .zip(&parts)
+            .all(|(len, p)| p.len() == *len && p.chars().all(|c| c.is_ascii_hexdigit()))
+}
+
+/// Header values must be visible ASCII; anything else is left out (it is in the event).
+fn header_safe(value: &str) -> bool {
+    value.bytes().all(|b| (0x20..0x7f).contains(&b))
+}
+
+pub fn build_request(delivery: &Delivery, format: Format, traceparent: &str) -> AppRequest {
+    let message = &delivery.message;
+    let mut headers = vec![
+        (headers::MESSAGE_ID.to_owned(), message.id.clone()),
+        (
+            headers::DELIVERY_COUNT.to_owned(),
+            delivery.delivery_count.to_string(),
+        ),
+        (
+            headers::ENQUEUED_TIME.to_owned(),
+            format_ms(message.enqueued_at),
+        ),
+        (
+            headers::PARTITION_KEY.to_owned(),
+            message.partition_key.clone(),
+        ),
+        (headers::QUEUE.to_owned(), delivery.queue.clone()),
+        (headers::GROUP.to_owned(), delivery.group.clone()),
+        (headers::TRACEPARENT.to_owned(), traceparent.to_owned()),
+    ];
+    for (key, value) in &message.metadata {
+        let name = format!("{}{}", headers::METADATA_PREFIX, key.to_ascii_lowercase());
+        let name_ok = name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if name_ok && header_safe(value) && key != "traceparent" {
+            headers.push((name, value.clone()));
+        }
+    }
+    headers.retain(|(_, v)| header_safe(v));
+    let body_content_type = message
+        .content_type
+        .clone()
+        .unwrap_or_else(|| match message.body {
+            Body::Json(_) => "application/json".into(),
+            Body::Bytes(_) => "application/octet-stream".into(),
+        });
+    match format {
+        Format::Raw => AppRequest {
+            content_type: body_content_type,
+            headers,
+            body: message.body.to_bytes(),
+        },
+        Format::Cloudevents => {
+            let mut event = json!({
+                "specversion": "1.0",
+                "id": message.id,
+                "source": format!("cosmosq/{}", delivery.queue),
+                "type": "io.cosmosq.message",
+                "datacontenttype": body_content_type,
+                "time": format_ms(message.enqueued_at),
+                "subject": message.partition_key,
+                "topic": delivery.queue,
+                "pubsubname": "cosmosq",
+                "traceparent": traceparent,
+            });
+            match &message.body {
+                Body::Json(v) => event["data"] = v.clone(),
+                Body::Bytes(b) => {
+                    event["data_base64"] =
+                        json!(base64::engine::general_purpose::STANDARD.encode(b))
+                }
+            }
+            AppRequest {
+                content_type: "application/cloudevents+json".into(),
+                headers,
+                body: serde_json::to_vec(&event).unwrap_or_default(),
+            }
+        }
+    }
+}
+
+/// What the app's answer means.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Answer {
+    Success,
+    /// Deliver again: after `after` when the app said so (`Retry-After`), else with back-off.
+    Retry {
+        reason: String,
+        after: Option<Duration>,
+    },
+    /// Dead-letter now.
+    Drop {
+        reason: String,
+    },
+}
+
+/// Maps an HTTP answer to an outcome, as Dapr does: 2xx with an empty body, a body that is not
+/// JSON, or `{"status":"SUCCESS"}` (or no status) is success; `RETRY` retries; `DROP`
+/// dead-letters; 429/503 honour `Retry-After`; everything else is retried, never dropped.
+pub fn classify(status: u16, retry_after: Option<&str>, body: &[u8]) -> Answer {
+    if (200..300).contains(&status) {
+        let trimmed = body.iter().filter(|b| !b.is_ascii_whitespace()).count();
+        if trimmed == 0 {
+            return Answer::Success;
+        }
+        let Ok(value) = serde_json::from_slice::<Value>(body) else {
+            return Answer::Success;
+        };
+        let status_field = value.get("status").and_then(Value::as_str).unwrap_or("");
+        return match status_field.to_ascii_uppercase().as_str() {
+            "" | "SUCCESS" => Answer::Success,
+            "RETRY" => Answer::Retry {
+                reason: "the app answered RETRY".into(),
+                after: None,
+            },
+            "DROP" => Answer::Drop {
+                reason: "the app answered DROP".into(),
+            },
+            other => Answer::Retry {
+                reason: format!("the app answered an unknown status {other:?}"),
+                after: None,
+            },
+        };
+    }
+    let after = match status {
+        429 | 503 => retry_after.and_then(parse_retry_after),
+        _ => None,
+    };
+    Answer::Retry {
+        reason: format!("the app answered HTTP {status}"),
+        after,
+    }
+}
+
+/// `Retry-After` in seconds (the HTTP-date form is treated as absent: back-off applies).
+fn parse_retry_after(value: &str) -> Option<Duration> {
+    value.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cosmosq_queue::NewMessage;
+
+    fn delivery(body: Body) -> Delivery {
+        let new = match body {
+            Body::Json(v) => NewMessage::json(v),
+            Body::Bytes(b) => NewMessage::bytes(b),
+        };
+        let message = new
+            .with_id("m-1")
+            .with_partition_key("tenant-7")
+            .with_metadata("source", "web")
+            .with_metadata("bad", "naïve")
+            .into_message(0)
+            .unwrap();
+        Delivery {
+            message,
+            delivery_count: 3,
+            group: "billing".into(),
+            queue: "orders".into(),
+        }
+    }
+
+    #[test]
+    fn answers_map_like_dapr() {
+        let cases: Vec<(u16, Option<&str>, &str, Answer)> = vec![
+            (200, None, "", Answer::Success),
+            (204, None, "  ", Answer::Success),
+            (200, None, r#"{"status":"SUCCESS"}"#, Answer::Success),
+            (200, None, r#"{"status":"success"}"#, Answer::Success),
+            (200, None, r#"{"ok":true}"#, Answer::Success),
+            (200, None, "not json at all", Answer::Success),
+            (
+                200,
+                None,
+                r#"{"status":"DROP"}"#,
+                Answer::Drop {
+                    reason: "the app answered DROP".into(),
+                },
+            ),
+            (
+                200,
+                None,
+                r#"{"status":"RETRY"}"#,
+                Answer::Retry {
+                    reason: "the app answered RETRY".into(),
+                    after: None,
+                },
+            ),
+            (
+                200,
+                None,
+                r#"{"status":"MAYBE"}"#,
+                Answer::Retry {
+                    reason: "the app answered an unknown status \"MAYBE\"".into(),
+                    after: None,
+                },
+            ),
+            (
+                500,
+                None,
+                "",
+                Answer::Retry {
+                    reason: "the app answered HTTP 500".into(),
+                    after: None,
+                },
+            ),
+            (
+                404,
+                None,
+                "",
+                Answer::Retry {
+                    reason: "the app answered HTTP 404".into(),
+                    after: None,
+                },
+            ),
+            (
+                429,
+                Some("7"),
+                "",
+                Answer::Retry {
+                    reason: "the app answered HTTP 429".into(),
+                    after: Some(Duration::from_secs(7)),
+                },
+            ),
+            (
+                503,
+                Some(" 2 "),
+                "",
+                Answer::Retry {
+                    reason: "the app answered HTTP 503".into(),
+                    after: Some(Duration::from_secs(2)),
+                },
+            ),
+            (
+                503,
+                Some("Wed, 21 Oct 2015 07:28:00 GMT"),
+                "",
+                Answer::Retry {
+                    reason: "the app answered HTTP 503".into(),
+                    after: None,
+                },
+            ),
+            (
+                500,
+                Some("9"),
+                "",
+                Answer::Retry {
+                    reason: "the app answered HTTP 500".into(),
+                    after: None,
+                },
+            ),
+        ];
+        for (status, retry_after, body, expected) in cases {
+            assert_eq!(
+                classify(status, retry_after, body.as_bytes()),
+                expected,
+                "{status} {body:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn cloudevents_carry_the_message_and_its_context() {
+        let d = delivery(Body::Json(json!({"sku": 42})));
+        let req = build_request(
+            &d,
+            Format::Cloudevents,
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        );
+        assert_eq!(req.content_type, "application/cloudevents+json");
+        let event: Value = serde_json::from_slice(&req.body).unwrap();
+        assert_eq!(event["specversion"], "1.0");
+        assert_eq!(event["id"], "m-1");
+        assert_eq!(event["source"], "cosmosq/orders");
+        assert_eq!(event["data"], json!({"sku": 42}));
+        assert_eq!(event["datacontenttype"], "application/json");
+        assert_eq!(event["time"], "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            event["traceparent"],
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        );
+        let header = |name: &str| {
+            req.headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(header(headers::MESSAGE_ID), Some("m-1"));
+        assert_eq!(header(headers::DELIVERY_COUNT), Some("3"));
+        assert_eq!(header(headers::PARTITION_KEY), Some("tenant-7"));
+        assert_eq!(header(headers::GROUP), Some("billing"));
+        assert_eq!(header("cosmosq-metadata-source"), Some("web"));
+        assert_eq!(
+            header("cosmosq-metadata-bad"),
+            None,
+            "non-ASCII stays out of headers"
+        );
+    }
+
+    #[test]
+    fn raw_mode_sends_the_body_as_it_is() {
+        let d = delivery(Body::Bytes(vec![1, 2, 3]));
+        let req = build_request(
+            &d,
+            Format::Raw,
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        );
+        assert_eq!(req.body, vec![1, 2, 3]);
+        assert_eq!(req.content_type, "application/octet-stream");
+        let event = build_request(&d, Format::Cloudevents, "x");
+        let event: Value = serde_json::from_slice(&event.body).unwrap();
+        assert_eq!(event["data_base64"], "AQID");
+    }
+
+    #[test]
+    fn traceparent_is_kept_or_made() {
+        let mut d = delivery(Body::Json(json!(1)));
+        let made = traceparent(&d);
+        assert!(is_traceparent(&made), "{made}");
+        d.message.metadata.insert(
+            "traceparent".into(),
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+        );
+        assert_eq!(
+            traceparent(&d),
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        );
+        d.message
+            .metadata
+            .insert("traceparent".into(), "garbage".into());
+        assert_ne!(traceparent(&d), "garbage");
+    }
+}

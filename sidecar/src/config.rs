@@ -1,0 +1,247 @@
+//! Configuration by flags and environment (the operator sets the environment).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use cosmosq_queue::host::HostOptions;
+use cosmosq_queue::{
+    ConnectionArgs, DeliveryMode, GroupConfig, QueueConfig, RetryPolicy, StartFrom,
+};
+
+use crate::app::Format;
+use crate::error::SidecarError;
+
+fn duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| e.to_string())
+}
+
+#[derive(Parser, Clone, Debug)]
+#[command(
+    name = "cosmosq-sidecar",
+    version,
+    about = "Delivers a cosmosq queue to the app next to it",
+    args_override_self = true
+)]
+pub struct Config {
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+    #[arg(long, env = "COSMOSQ_DATABASE")]
+    pub database: String,
+    #[arg(long, env = "COSMOSQ_QUEUE")]
+    pub queue: String,
+    #[arg(long, env = "COSMOSQ_PARTITION_KEY_PATH", default_value = "/pk")]
+    pub partition_key_path: String,
+    /// The consumer group this pod belongs to.
+    #[arg(long, env = "COSMOSQ_GROUP")]
+    pub group: String,
+    #[arg(long, env = "COSMOSQ_DELIVERY_MODE", value_enum, default_value_t = DeliveryMode::Exclusive)]
+    pub mode: DeliveryMode,
+    #[arg(long, env = "COSMOSQ_START_FROM", value_enum, default_value_t = StartFrom::Now)]
+    pub start_from: StartFrom,
+    /// FIFO per partition key.
+    #[arg(long, env = "COSMOSQ_ORDERED", default_value_t = false)]
+    pub ordered: bool,
+    /// The app's port on localhost.
+    #[arg(long, env = "COSMOSQ_APP_PORT")]
+    pub app_port: u16,
+    /// The path messages are POSTed to.
+    #[arg(long, env = "COSMOSQ_APP_PATH", default_value = "/")]
+    pub app_path: String,
+    #[arg(long, env = "COSMOSQ_APP_FORMAT", value_enum, default_value_t = Format::Cloudevents)]
+    pub app_format: Format,
+    /// Longest the app may take with one message; the lock is renewed meanwhile.
+    #[arg(long, env = "COSMOSQ_APP_TIMEOUT", default_value = "60s", value_parser = duration)]
+    pub app_timeout: Duration,
+    /// A path answering 2xx when the app is ready; without it, a TCP connect is the check.
+    #[arg(long, env = "COSMOSQ_APP_HEALTH_PATH")]
+    pub app_health_path: Option<String>,
+    /// Deliveries in flight at once.
+    #[arg(long, env = "COSMOSQ_MAX_CONCURRENCY", default_value_t = 16)]
+    pub max_concurrency: usize,
+    #[arg(long, env = "COSMOSQ_MAX_DELIVERY_ATTEMPTS", default_value_t = 10)]
+    pub max_delivery_attempts: u32,
+    #[arg(long, env = "COSMOSQ_RETRY_INITIAL_BACKOFF", default_value = "1s", value_parser = duration)]
+    pub retry_initial_backoff: Duration,
+    #[arg(long, env = "COSMOSQ_RETRY_MAX_BACKOFF", default_value = "5m", value_parser = duration)]
+    pub retry_max_backoff: Duration,
+    #[arg(long, env = "COSMOSQ_LOCK_DURATION", default_value = "60s", value_parser = duration)]
+    pub lock_duration: Duration,
+    #[arg(long, env = "COSMOSQ_LEASE_RENEW", default_value = "17s", value_parser = duration)]
+    pub lease_renew: Duration,
+    #[arg(long, env = "COSMOSQ_LEASE_ACQUIRE", default_value = "13s", value_parser = duration)]
+    pub lease_acquire: Duration,
+    #[arg(long, env = "COSMOSQ_LEASE_EXPIRE", default_value = "60s", value_parser = duration)]
+    pub lease_expire: Duration,
+    #[arg(long, env = "COSMOSQ_LEASES_PER_PARTITION", default_value_t = 1)]
+    pub leases_per_partition: u32,
+    #[arg(long, env = "COSMOSQ_MAX_POLL", default_value = "5s", value_parser = duration)]
+    pub max_poll: Duration,
+    /// The localhost API (enqueue, health, metrics); loopback addresses only.
+    #[arg(long, env = "COSMOSQ_LISTEN", default_value = "127.0.0.1:3500")]
+    pub listen: SocketAddr,
+    /// Time to finish in-flight work after SIGTERM (keep it under the pod's grace period).
+    #[arg(long, env = "COSMOSQ_GRACE_PERIOD", default_value = "25s", value_parser = duration)]
+    pub grace_period: Duration,
+    /// This pod (downward API); names the host in leases and locks.
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub pod_namespace: Option<String>,
+    /// Mark the pod with a higher `controller.kubernetes.io/pod-deletion-cost` while busy
+    /// (only in Kubernetes).
+    #[arg(long, env = "COSMOSQ_POD_DELETION_COST", default_value_t = true, action = clap::ArgAction::Set)]
+    pub pod_deletion_cost: bool,
+}
+
+impl Config {
+    /// Every check that can run without connecting; the error names the setting.
+    pub fn validate(&self) -> Result<(), SidecarError> {
+        let bad =
+            |setting: &str, why: String| Err(SidecarError::Config(format!("{setting}: {why}")));
+        self.connection
+            .validate()
+            .map_err(|e| SidecarError::Config(e.to_string()))?;
+        self.queue_config()
+            .validate()
+            .map_err(|e| SidecarError::Config(e.to_string()))?;
+        self.group_config()
+            .validate()
+            .map_err(|e| SidecarError::Config(e.to_string()))?;
+        self.host_options()
+            .validate()
+            .map_err(|e| SidecarError::Config(e.to_string()))?;
+        if self.app_port == 0 {
+            return bad("--app-port (COSMOSQ_APP_PORT)", "must be 1-65535".into());
+        }
+        if !self.app_path.starts_with('/') {
+            return bad(
+                "--app-path (COSMOSQ_APP_PATH)",
+                format!("{:?} must start with '/'", self.app_path),
+            );
+        }
+        if let Some(path) = &self.app_health_path {
+            if !path.starts_with('/') {
+                return bad(
+                    "--app-health-path (COSMOSQ_APP_HEALTH_PATH)",
+                    format!("{path:?} must start with '/'"),
+                );
+            }
+        }
+        if self.app_timeout.is_zero() {
+            return bad(
+                "--app-timeout (COSMOSQ_APP_TIMEOUT)",
+                "must be more than 0".into(),
+            );
+        }
+        if self.max_concurrency == 0 {
+            return bad(
+                "--max-concurrency (COSMOSQ_MAX_CONCURRENCY)",
+                "must be at least 1".into(),
+            );
+        }
+        if !self.listen.ip().is_loopback() {
+            return bad(
+                "--listen (COSMOSQ_LISTEN)",
+                format!(
+                    "{} is not a loopback address; the API is for the app next to it only",
+                    self.listen
+                ),
+            );
+        }
+        if self.listen.port() == self.app_port {
+            return bad("--listen (COSMOSQ_LISTEN)", "uses the app's port".into());
+        }
+        Ok(())
+    }
+
+    pub fn host_name(&self) -> String {
+        self.pod_name.clone().unwrap_or_else(|| {
+            format!(
+                "sidecar-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            )
+        })
+    }
+
+    pub fn queue_config(&self) -> QueueConfig {
+        let mut config = QueueConfig::new(self.database.clone(), self.queue.clone());
+        config.partition_key_path = self.partition_key_path.clone();
+        config
+    }
+
+    pub fn group_config(&self) -> GroupConfig {
+        GroupConfig::new(self.group.clone())
+            .with_mode(self.mode)
+            .with_start_from(self.start_from)
+            .with_ordering(self.ordered)
+            .with_lock_duration(self.lock_duration)
+            .with_retry(RetryPolicy {
+                max_delivery_attempts: self.max_delivery_attempts,
+                initial_backoff: self.retry_initial_backoff,
+                max_backoff: self.retry_max_backoff,
+                ..RetryPolicy::default()
+            })
+    }
+
+    pub fn host_options(&self) -> HostOptions {
+        HostOptions {
+            max_concurrency: self.max_concurrency,
+            lease_renew: self.lease_renew,
+            lease_acquire: self.lease_acquire,
+            lease_expire: self.lease_expire,
+            leases_per_partition: self.leases_per_partition,
+            max_poll: self.max_poll,
+            ..HostOptions::new(self.host_name())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Result<Config, clap::Error> {
+        let mut args = vec![
+            "sidecar",
+            "--database",
+            "db",
+            "--queue",
+            "orders",
+            "--group",
+            "billing",
+            "--app-port",
+            "8080",
+        ];
+        args.extend_from_slice(extra);
+        Config::try_parse_from(args)
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let config = parse(&[]).unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.lock_duration, Duration::from_secs(60));
+        assert_eq!(config.host_options().lease_renew, Duration::from_secs(17));
+        assert_eq!(config.listen.to_string(), "127.0.0.1:3500");
+    }
+
+    #[test]
+    fn each_invalid_setting_is_named() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--listen", "0.0.0.0:3500"], "--listen"),
+            (&["--app-path", "messages"], "--app-path"),
+            (&["--max-delivery-attempts", "0"], "maxDeliveryAttempts"),
+            (&["--group", "a|b"], "group name"),
+            (&["--lease-renew", "90s"], "leaseRenew"),
+            (&["--auth", "key"], "--key"),
+            (&["--listen", "127.0.0.1:8080"], "--listen"),
+        ];
+        for (args, setting) in cases {
+            let err = parse(args).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains(setting), "{args:?}: {err}");
+        }
+        let err = parse(&["--app-timeout", "soon"]).unwrap_err().to_string();
+        assert!(err.contains("--app-timeout"), "{err}");
+    }
+}

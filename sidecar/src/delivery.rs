@@ -1,0 +1,196 @@
+//! Delivering messages to the app over localhost HTTP, and what its answers become.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cosmosq_queue::{Delivery, Handler, Outcome};
+use tracing::{debug, warn};
+
+use crate::app::{self, Answer, Format};
+use crate::breaker::{Breaker, Permit};
+use crate::metrics::Metrics;
+
+/// The most of an answer's body we read: enough for `{"status": ...}`; a 10 MB answer is cut
+/// here (and, not being JSON then, counts like any non-JSON 2xx body).
+const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+/// The app behind localhost, as a [`Handler`].
+pub struct AppClient {
+    http: reqwest::Client,
+    url: String,
+    format: Format,
+    timeout: Duration,
+    breaker: Mutex<Breaker>,
+    metrics: Arc<Metrics>,
+}
+
+impl AppClient {
+    pub fn new(
+        port: u16,
+        path: &str,
+        format: Format,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            http: reqwest::Client::builder()
+                .no_proxy()
+                .pool_idle_timeout(Duration::from_secs(30))
+                .build()
+                .expect("a plain HTTP client builds"),
+            url: format!("http://127.0.0.1:{port}{path}"),
+            format,
+            timeout,
+            breaker: Mutex::new(Breaker::new(
+                5,
+                Duration::from_secs(1),
+                Duration::from_secs(30),
+            )),
+            metrics,
+        }
+    }
+
+    /// Waits until the breaker lets a delivery through; `true` if this one is the probe.
+    async fn admitted(&self) -> bool {
+        loop {
+            let permit = self
+                .breaker
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .permit(tokio::time::Instant::now());
+            match permit {
+                Permit::Go => return false,
+                Permit::Probe => return true,
+                Permit::Wait(d) => tokio::time::sleep(d.max(Duration::from_millis(10))).await,
+            }
+        }
+    }
+
+    fn record(&self, hard_failure: bool) {
+        self.breaker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .record(hard_failure, tokio::time::Instant::now());
+    }
+
+    /// The app's answer, and whether it means the app could not take work at all
+    /// (unreachable, timing out, 5xx without `Retry-After`): what the circuit breaker counts.
+    async fn call(&self, delivery: &Delivery) -> (Answer, bool) {
+        let traceparent = app::traceparent(delivery);
+        let request = app::build_request(delivery, self.format, &traceparent);
+        let mut builder = self
+            .http
+            .post(&self.url)
+            .timeout(self.timeout)
+            .header(reqwest::header::CONTENT_TYPE, request.content_type)
+            .body(request.body);
+        for (name, value) in &request.headers {
+            builder = builder.header(name.as_str(), value.as_str());
+        }
+        let started = std::time::Instant::now();
+        let result = builder.send().await;
+        let answer = match result {
+            Ok(mut response) => {
+                let status = response.status().as_u16();
+                let retry_after = response
+                    .headers()
+                    .get(reqwest::header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+                let mut body = Vec::new();
+                loop {
+                    match tokio::time::timeout(self.timeout, response.chunk()).await {
+                        Ok(Ok(Some(chunk))) if body.len() < MAX_ANSWER_BYTES => {
+                            body.extend_from_slice(&chunk)
+                        }
+                        Ok(Ok(Some(_))) => break, // enough: the rest is dropped with the connection
+                        _ => break,
+                    }
+                }
+                body.truncate(MAX_ANSWER_BYTES);
+                let answer = app::classify(status, retry_after.as_deref(), &body);
+                let hard = status >= 500 && !matches!(answer, Answer::Retry { after: Some(_), .. });
+                if hard {
+                    self.metrics.app_errors.with_label_values(&["status"]).inc();
+                }
+                (answer, hard)
+            }
+            Err(e) if e.is_timeout() => {
+                self.metrics
+                    .app_errors
+                    .with_label_values(&["timeout"])
+                    .inc();
+                let reason = format!("the app did not answer within {:?}", self.timeout);
+                (
+                    Answer::Retry {
+                        reason,
+                        after: None,
+                    },
+                    true,
+                )
+            }
+            Err(e) if e.is_connect() => {
+                self.metrics
+                    .app_errors
+                    .with_label_values(&["connect"])
+                    .inc();
+                let reason = "the app refused the connection".to_owned();
+                (
+                    Answer::Retry {
+                        reason,
+                        after: None,
+                    },
+                    true,
+                )
+            }
+            Err(e) => {
+                self.metrics
+                    .app_errors
+                    .with_label_values(&["transport"])
+                    .inc();
+                let reason = format!("the request to the app failed: {e}");
+                (
+                    Answer::Retry {
+                        reason,
+                        after: None,
+                    },
+                    true,
+                )
+            }
+        };
+        self.metrics
+            .app_latency
+            .observe(started.elapsed().as_secs_f64());
+        answer
+    }
+}
+
+impl Handler for AppClient {
+    async fn handle(&self, delivery: Delivery) -> Outcome {
+        let probe = self.admitted().await;
+        self.metrics.in_flight.inc();
+        let (answer, hard) = self.call(&delivery).await;
+        self.metrics.in_flight.dec();
+        self.record(hard);
+        if probe {
+            debug!(message_id = %delivery.message.id, recovered = !hard, "probe delivery to a failing app");
+        }
+        let now = cosmosq_queue::clock::system_now_ms();
+        let waited = (now - delivery.message.enqueued_at).max(0) as f64 / 1000.0;
+        self.metrics.end_to_end.observe(waited);
+        match answer {
+            Answer::Success => Outcome::Complete,
+            Answer::Retry { reason, after } => {
+                warn!(message_id = %delivery.message.id, delivery_count = delivery.delivery_count, %reason, "delivery failed; retrying");
+                Outcome::Retry {
+                    error: reason,
+                    delay: after,
+                }
+            }
+            Answer::Drop { reason } => Outcome::DeadLetter {
+                reason: "DroppedByApp".into(),
+                error: reason,
+            },
+        }
+    }
+}

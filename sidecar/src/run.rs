@@ -1,0 +1,185 @@
+//! Wiring: connect, wait for the app, serve the local API, run the lease loop, drain.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cosmosq_queue::host::Host;
+use cosmosq_queue::{CosmosClient, Delivery, Handler, Outcome, Queue};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::api::{self, ApiState};
+use crate::config::Config;
+use crate::deletion_cost::{self, PodPatcher};
+use crate::delivery::AppClient;
+use crate::error::SidecarError;
+use crate::metrics::Metrics;
+
+/// The app client shared between the lease loop (as its handler) and readiness.
+struct SharedApp(Arc<AppClient>);
+
+impl Handler for SharedApp {
+    async fn handle(&self, delivery: Delivery) -> Outcome {
+        self.0.handle(delivery).await
+    }
+}
+
+/// Connects with the configured account and runs until `shutdown` has been drained.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), SidecarError> {
+    config.validate()?;
+    let client = config.connection.connect().await?;
+    run_with_client(config, client, shutdown).await
+}
+
+/// [`run`] on a client made elsewhere (tests use the emulator's in-process client).
+pub async fn run_with_client(
+    config: Config,
+    client: CosmosClient,
+    shutdown: CancellationToken,
+) -> Result<(), SidecarError> {
+    config.validate()?;
+    let queue = Queue::open(&client, config.queue_config())
+        .await
+        .map_err(|e| {
+            SidecarError::Config(format!(
+                "queue {}/{} (is it provisioned? the operator creates it): {e}",
+                config.database, config.queue
+            ))
+        })?;
+    let group = queue.group(config.group_config())?;
+    let metrics = Arc::new(Metrics::new(&config.queue, &config.group));
+    let options = config.host_options();
+    let host_name = options.name.clone();
+    let app = Arc::new(AppClient::new(
+        config.app_port,
+        &config.app_path,
+        config.app_format,
+        config.app_timeout,
+        Arc::clone(&metrics),
+    ));
+    let host = Host::new(group.clone(), SharedApp(Arc::clone(&app)), options);
+    let state = Arc::new(ApiState {
+        queue: queue.clone(),
+        metrics: Arc::clone(&metrics),
+        stats: host.stats(),
+        ready: false.into(),
+    });
+
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| {
+            SidecarError::Config(format!("--listen (COSMOSQ_LISTEN) {}: {e}", config.listen))
+        })?;
+    let api_stop = CancellationToken::new();
+    let server = {
+        let stop = api_stop.clone();
+        let router = api::router(Arc::clone(&state));
+        tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+        })
+    };
+    info!(listen = %config.listen, queue = %config.queue, group = %config.group, host = %host_name, "sidecar started; waiting for the app");
+
+    let background = CancellationToken::new();
+    if !wait_for_app(&config, &shutdown).await {
+        api_stop.cancel();
+        let _ = server.await;
+        return Ok(());
+    }
+    state.ready.store(true, Ordering::Relaxed);
+    info!(
+        app_port = config.app_port,
+        "the app is ready; taking leases"
+    );
+
+    let estimates = {
+        let (group, metrics, stop, host) = (
+            group.clone(),
+            Arc::clone(&metrics),
+            background.clone(),
+            host_name.clone(),
+        );
+        tokio::spawn(async move { estimate_loop(group, metrics, host, stop).await })
+    };
+    if config.pod_deletion_cost {
+        if let (Some(namespace), Some(pod)) = (&config.pod_namespace, &config.pod_name) {
+            match PodPatcher::in_cluster(namespace, pod) {
+                Ok(Some(patcher)) => {
+                    tokio::spawn(deletion_cost::run(
+                        patcher,
+                        metrics.in_flight.clone(),
+                        background.clone(),
+                    ));
+                }
+                Ok(None) => {}
+                Err(e) => warn!(error = %e, "pod deletion cost disabled"),
+            }
+        }
+    }
+
+    let result = host.run(shutdown.clone()).await;
+    state.ready.store(false, Ordering::Relaxed);
+    background.cancel();
+    let _ = estimates.await;
+    api_stop.cancel();
+    let _ = server.await;
+    info!("sidecar drained: deliveries settled, leases released");
+    result.map_err(SidecarError::from)
+}
+
+/// Waits until the app answers (its health path with 2xx, or a TCP connect). `false` if
+/// shut down first.
+async fn wait_for_app(config: &Config, shutdown: &CancellationToken) -> bool {
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("plain client");
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let ready = match &config.app_health_path {
+            Some(path) => http
+                .get(format!("http://127.0.0.1:{}{path}", config.app_port))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success()),
+            None => tokio::net::TcpStream::connect(("127.0.0.1", config.app_port))
+                .await
+                .is_ok(),
+        };
+        if ready {
+            return true;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return false,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Publishes the group's remaining work (lag per owned range, backlog, dead letters).
+async fn estimate_loop(
+    group: cosmosq_queue::Group,
+    metrics: Arc<Metrics>,
+    host: String,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(Duration::from_secs(15));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        match group.estimate().await {
+            Ok(estimate) => metrics.record_estimate(&estimate, &host),
+            Err(e) => warn!(error = %e, "estimating the backlog failed"),
+        }
+        if let Ok(dead) = group.dead_letters(None).await {
+            metrics.dead_letters.set(dead.len() as i64);
+        }
+    }
+}
