@@ -14,6 +14,9 @@ use serde_json::json;
 
 use crate::metrics::Metrics;
 
+/// Largest request body taken (a batch of messages).
+const MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
+
 /// What the API serves from.
 pub struct ApiState {
     pub queue: Queue,
@@ -30,6 +33,8 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        // Room for a message at Cosmos' 2 MB limit in JSON; the engine gives the exact error.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         .with_state(state)
 }
 
@@ -81,7 +86,7 @@ async fn enqueue(
 ) -> Response {
     let Json(input) = match body {
         Ok(b) => b,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
+        Err(e) => return error(e.status(), e.body_text()),
     };
     let message = match NewMessage::try_from(input) {
         Ok(m) => m,
@@ -123,7 +128,7 @@ async fn enqueue_batch(
 ) -> Response {
     let Json(inputs) = match body {
         Ok(b) => b,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
+        Err(e) => return error(e.status(), e.body_text()),
     };
     let mut results: Vec<Option<serde_json::Value>> = vec![None; inputs.len()];
     let mut valid = Vec::new();

@@ -75,8 +75,12 @@ pub struct Config {
     pub lease_expire: Duration,
     #[arg(long, env = "COSMOSQ_LEASES_PER_PARTITION", default_value_t = 1)]
     pub leases_per_partition: u32,
+    /// Longest wait between reads of an idle feed range.
     #[arg(long, env = "COSMOSQ_MAX_POLL", default_value = "5s", value_parser = duration)]
     pub max_poll: Duration,
+    /// How often expired locks and due retries are looked for.
+    #[arg(long, env = "COSMOSQ_SWEEP_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub sweep_interval: Duration,
     /// The localhost API (enqueue, health, metrics); loopback addresses only.
     #[arg(long, env = "COSMOSQ_LISTEN", default_value = "127.0.0.1:3500")]
     pub listen: SocketAddr,
@@ -192,6 +196,7 @@ impl Config {
             lease_expire: self.lease_expire,
             leases_per_partition: self.leases_per_partition,
             max_poll: self.max_poll,
+            sweep_interval: self.sweep_interval,
             ..HostOptions::new(self.host_name())
         }
     }

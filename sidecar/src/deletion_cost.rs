@@ -134,3 +134,96 @@ pub async fn run(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// Namespace, pod, body and authorization of each patch received.
+    type Patches = Arc<Mutex<Vec<(String, String, String, String)>>>;
+
+    /// A stand-in Kubernetes API that records the pod patches it gets.
+    async fn api_server() -> (String, Patches) {
+        let seen: Patches = Arc::default();
+        let record = Arc::clone(&seen);
+        let router = axum::Router::new().route(
+            "/api/v1/namespaces/{ns}/pods/{pod}",
+            axum::routing::patch(
+                move |axum::extract::Path((ns, pod)): axum::extract::Path<(String, String)>,
+                      headers: axum::http::HeaderMap,
+                      body: String| {
+                    let record = Arc::clone(&record);
+                    async move {
+                        let header = |n: &str| {
+                            headers
+                                .get(n)
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or_default()
+                                .to_owned()
+                        };
+                        assert_eq!(header("authorization"), "Bearer t0ken");
+                        assert_eq!(header("content-type"), "application/merge-patch+json");
+                        record
+                            .lock()
+                            .unwrap()
+                            .push((ns, pod, body, header("authorization")));
+                        "{}"
+                    }
+                },
+            ),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        (url, seen)
+    }
+
+    #[tokio::test]
+    async fn busy_pods_cost_more_to_delete_and_idle_ones_less() {
+        let (url, seen) = api_server().await;
+        let patcher = PodPatcher::new(&url, "t0ken".into(), None, "shop", "worker-1").unwrap();
+        let in_flight = prometheus::IntGauge::new("in_flight", "x").unwrap();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(run(patcher, in_flight.clone(), stop.clone()));
+        let wait_for = |n: usize| {
+            let seen = Arc::clone(&seen);
+            async move {
+                tokio::time::timeout(Duration::from_secs(10), async {
+                    while seen.lock().unwrap().len() < n {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                })
+                .await
+                .expect("patched in time");
+            }
+        };
+        wait_for(1).await; // idle at start
+        in_flight.set(3);
+        wait_for(2).await;
+        in_flight.set(0);
+        wait_for(3).await;
+        stop.cancel();
+        task.await.unwrap();
+        let patches = seen.lock().unwrap().clone();
+        let costs: Vec<String> = patches
+            .iter()
+            .map(|(ns, pod, body, _)| {
+                assert_eq!((ns.as_str(), pod.as_str()), ("shop", "worker-1"));
+                let v: serde_json::Value = serde_json::from_str(body).unwrap();
+                v["metadata"]["annotations"][ANNOTATION]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        assert_eq!(costs, vec!["0", "1000", "0"], "patched only on transitions");
+    }
+
+    #[test]
+    fn outside_kubernetes_there_is_nothing_to_patch() {
+        if std::env::var_os("KUBERNETES_SERVICE_HOST").is_none() {
+            assert!(PodPatcher::in_cluster("ns", "pod").unwrap().is_none());
+        }
+    }
+}

@@ -4,4 +4,5 @@
 mod consume;
 mod emulator;
 mod leases;
+mod sidecar;
 mod state_machine;

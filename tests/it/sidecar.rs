@@ -1,0 +1,611 @@
+//! The sidecar end to end: the emulator behind it, a real HTTP app on localhost in front.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use clap::Parser;
+use cosmosq_queue::lease::LeaseStore;
+use cosmosq_queue::{GroupConfig, MessageState, NewMessage};
+use cosmosq_sidecar::config::Config;
+use cosmosq_tests::{eventually, Fixture};
+use serde_json::json;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// What the test app does with one delivery.
+#[derive(Clone, Debug)]
+enum Act {
+    Answer(u16, &'static str),
+    Hang,
+    Sleep(Duration, u16),
+    Wait, // until released
+}
+
+type Script = Arc<dyn Fn(&str, u32) -> Act + Send + Sync>;
+
+/// A real HTTP app on localhost that records every request it gets.
+#[derive(Clone)]
+struct TestApp {
+    seen: Arc<Mutex<Vec<(String, u32, String)>>>, // id, delivery count, group
+    waiting: Arc<Mutex<usize>>,
+    release: Arc<Notify>,
+    changed: Arc<Notify>,
+}
+
+impl TestApp {
+    fn new() -> Self {
+        Self {
+            seen: Arc::default(),
+            waiting: Arc::default(),
+            release: Arc::new(Notify::new()),
+            changed: Arc::new(Notify::new()),
+        }
+    }
+
+    async fn serve(
+        &self,
+        listener: tokio::net::TcpListener,
+        script: Script,
+    ) -> tokio::task::JoinHandle<()> {
+        let app = self.clone();
+        let router = axum::Router::new()
+            .route("/health", axum::routing::get(|| async { "ok" }))
+            .route(
+                "/messages",
+                axum::routing::post(move |headers: HeaderMap, body: String| {
+                    let app = app.clone();
+                    let script = Arc::clone(&script);
+                    async move { app.answer(headers, body, script).await }
+                }),
+            );
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        })
+    }
+
+    async fn answer(
+        &self,
+        headers: HeaderMap,
+        body: String,
+        script: Script,
+    ) -> axum::response::Response {
+        let header = |n: &str| {
+            headers
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let id = header("cosmosq-message-id");
+        let count: u32 = header("cosmosq-delivery-count").parse().unwrap_or(0);
+        let event: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        assert_eq!(
+            event["id"],
+            id.as_str(),
+            "the CloudEvent carries the message id"
+        );
+        self.seen
+            .lock()
+            .unwrap()
+            .push((id.clone(), count, header("cosmosq-group")));
+        self.changed.notify_waiters();
+        let act = script(&id, count);
+        let (status, text) = match act {
+            Act::Answer(status, text) => (status, text),
+            Act::Hang => {
+                std::future::pending::<()>().await;
+                unreachable!()
+            }
+            Act::Sleep(d, status) => {
+                tokio::time::sleep(d).await;
+                (status, "")
+            }
+            Act::Wait => {
+                *self.waiting.lock().unwrap() += 1;
+                self.changed.notify_waiters();
+                self.release.notified().await;
+                (200, "")
+            }
+        };
+        let mut response = (StatusCode::from_u16(status).unwrap(), text.to_owned()).into_response();
+        if status == 429 {
+            response
+                .headers_mut()
+                .insert("retry-after", "0".parse().unwrap());
+        }
+        response
+    }
+
+    fn deliveries(&self, id: &str) -> Vec<u32> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(i, _, _)| i == id)
+            .map(|(_, c, _)| *c)
+            .collect()
+    }
+
+    async fn wait_for(&self, what: &str, check: impl Fn(&TestApp) -> bool) {
+        tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let notified = self.changed.notified();
+                if check(self) {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for: {what}"));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn config(group: &str, app_port: u16, api_port: u16, extra: &[&str]) -> Config {
+    let app_port = app_port.to_string();
+    let listen = format!("127.0.0.1:{api_port}");
+    let mut args = vec![
+        "sidecar",
+        "--database",
+        "db",
+        "--queue",
+        "q",
+        "--group",
+        group,
+        "--start-from",
+        "beginning",
+        "--app-port",
+        &app_port,
+        "--app-path",
+        "/messages",
+        "--listen",
+        &listen,
+        "--app-timeout",
+        "1500ms",
+        "--lock-duration",
+        "1s",
+        "--max-delivery-attempts",
+        "3",
+        "--retry-initial-backoff",
+        "50ms",
+        "--retry-max-backoff",
+        "200ms",
+        "--lease-acquire",
+        "100ms",
+        "--lease-renew",
+        "300ms",
+        "--lease-expire",
+        "2s",
+        "--max-poll",
+        "100ms",
+        "--sweep-interval",
+        "100ms",
+        "--pod-deletion-cost",
+        "false",
+    ];
+    args.extend_from_slice(extra);
+    Config::try_parse_from(args).unwrap()
+}
+
+struct RunningSidecar {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), cosmosq_sidecar::error::SidecarError>>,
+    api: String,
+}
+
+fn start_sidecar(fixture: &Fixture, config: Config) -> RunningSidecar {
+    let api = format!("http://{}", config.listen);
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(cosmosq_sidecar::run::run_with_client(
+        config,
+        fixture.client.clone(),
+        stop.clone(),
+    ));
+    RunningSidecar { stop, task, api }
+}
+
+async fn state(fixture: &Fixture, group: &str, id: &str) -> Option<MessageState> {
+    let g = fixture.group(GroupConfig::new(group));
+    g.read_state(id, id).await.unwrap().map(|s| s.state)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_answer_settles_as_the_contract_says() {
+    let fixture = Fixture::new(2).await;
+    let app = TestApp::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app_port = listener.local_addr().unwrap().port();
+    let script: Script = Arc::new(|id: &str, count: u32| match (id, count) {
+        ("ok", _) => Act::Answer(204, ""),
+        ("ok-json", _) => Act::Answer(200, r#"{"status":"SUCCESS"}"#),
+        ("retry-then-ok", 1) => Act::Answer(200, r#"{"status":"RETRY"}"#),
+        ("retry-then-ok", _) => Act::Answer(200, ""),
+        ("drop", _) => Act::Answer(200, r#"{"status":"DROP"}"#),
+        ("fails", _) => Act::Answer(500, "boom"),
+        ("throttled-then-ok", 1) => Act::Answer(429, ""),
+        ("throttled-then-ok", _) => Act::Answer(200, ""),
+        ("hangs-once", 1) => Act::Hang,
+        ("hangs-once", _) => Act::Answer(200, ""),
+        ("slow", _) => Act::Sleep(Duration::from_millis(1300), 200),
+        ("garbage", _) => Act::Answer(200, "<html>not json</html>"),
+        ("unknown-status", 1) => Act::Answer(200, r#"{"status":"MAYBE"}"#),
+        ("unknown-status", _) => Act::Answer(200, ""),
+        _ => Act::Answer(200, ""),
+    });
+    app.serve(listener, script).await;
+    let ids = [
+        "ok",
+        "ok-json",
+        "retry-then-ok",
+        "drop",
+        "fails",
+        "throttled-then-ok",
+        "hangs-once",
+        "slow",
+        "garbage",
+        "unknown-status",
+    ];
+    for id in ids {
+        fixture
+            .queue
+            .enqueue(NewMessage::json(json!({"case": id})).with_id(id))
+            .await
+            .unwrap();
+    }
+    let sidecar = start_sidecar(&fixture, config("g", app_port, free_port(), &[]));
+
+    let expected: HashMap<&str, (MessageState, Vec<u32>)> = HashMap::from([
+        ("ok", (MessageState::Completed, vec![1])),
+        ("ok-json", (MessageState::Completed, vec![1])),
+        ("retry-then-ok", (MessageState::Completed, vec![1, 2])),
+        ("drop", (MessageState::DeadLettered, vec![1])),
+        ("fails", (MessageState::DeadLettered, vec![1, 2, 3])),
+        ("throttled-then-ok", (MessageState::Completed, vec![1, 2])),
+        ("hangs-once", (MessageState::Completed, vec![1, 2])),
+        ("slow", (MessageState::Completed, vec![1])),
+        ("garbage", (MessageState::Completed, vec![1])),
+        ("unknown-status", (MessageState::Completed, vec![1, 2])),
+    ]);
+    for (id, (final_state, _)) in &expected {
+        eventually(
+            &format!("{id} settles"),
+            Duration::from_secs(30),
+            || async { state(&fixture, "g", id).await == Some(*final_state) },
+        )
+        .await;
+    }
+    for (id, (_, counts)) in &expected {
+        assert_eq!(
+            &app.deliveries(id),
+            counts,
+            "{id}: delivery counts the app saw"
+        );
+    }
+    let dead = fixture
+        .group(GroupConfig::new("g"))
+        .dead_letters(None)
+        .await
+        .unwrap();
+    let reasons: HashMap<String, Option<String>> = dead
+        .iter()
+        .map(|d| (d.message_id.clone(), d.reason.clone()))
+        .collect();
+    assert_eq!(reasons["drop"].as_deref(), Some("DroppedByApp"));
+    assert_eq!(
+        reasons["fails"].as_deref(),
+        Some("MaxDeliveryAttemptsExceeded")
+    );
+
+    // The metrics say what the app saw.
+    let text = reqwest::get(format!("{}/metrics", sidecar.api))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let samples = parse_prometheus(&text);
+    let get = |series: &str| {
+        *samples
+            .get(series)
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    };
+    assert_eq!(
+        get(r#"cosmosq_deliveries_total{group="g",outcome="completed",queue="q"}"#),
+        8.0
+    );
+    assert_eq!(
+        get(r#"cosmosq_deliveries_total{group="g",outcome="dead_lettered",queue="q"}"#),
+        2.0
+    );
+    let app_seen = app.seen.lock().unwrap().len() as f64;
+    assert_eq!(
+        get(r#"cosmosq_app_request_duration_seconds_count{group="g",queue="q"}"#),
+        app_seen
+    );
+    assert!(get(r#"cosmosq_request_units_total{group="g",operation="claim",queue="q"}"#) > 0.0);
+
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+}
+
+/// Parses Prometheus text exposition: every sample line must be `name{labels} value`.
+fn parse_prometheus(text: &str) -> HashMap<String, f64> {
+    let mut samples = HashMap::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad sample line {line:?}"));
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        let (name, labels) = series.split_once('{').unwrap_or((series, "}"));
+        assert!(
+            name.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad name in {line:?}"
+        );
+        let mut labels: Vec<&str> = labels
+            .trim_end_matches('}')
+            .split(',')
+            .filter(|l| !l.is_empty())
+            .collect();
+        assert!(
+            labels.iter().all(|l| l.contains("=\"") && l.ends_with('"')),
+            "bad labels in {line:?}"
+        );
+        labels.sort();
+        let key = if labels.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{name}{{{}}}", labels.join(","))
+        };
+        samples.insert(key, value);
+    }
+    samples
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_waits_for_an_app_that_starts_late() {
+    let fixture = Fixture::new(1).await;
+    let app_port = free_port();
+    let api_port = free_port();
+    let sidecar = start_sidecar(
+        &fixture,
+        config("g", app_port, api_port, &["--app-health-path", "/health"]),
+    );
+    fixture
+        .queue
+        .enqueue(NewMessage::json(json!(1)).with_id("early"))
+        .await
+        .unwrap();
+    let api = format!("http://127.0.0.1:{api_port}");
+    eventually("the API answers", Duration::from_secs(5), || async {
+        reqwest::get(format!("{api}/healthz")).await.is_ok()
+    })
+    .await;
+    let ready = reqwest::get(format!("{api}/readyz"))
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(ready, 503, "not ready before the app is");
+
+    let app = TestApp::new();
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", app_port))
+        .await
+        .unwrap();
+    app.serve(listener, Arc::new(|_: &str, _: u32| Act::Answer(200, "")))
+        .await;
+    app.wait_for("the message", |a| !a.deliveries("early").is_empty())
+        .await;
+    assert_eq!(
+        app.deliveries("early"),
+        vec![1],
+        "no delivery was wasted on a closed port"
+    );
+    assert_eq!(
+        reqwest::get(format!("{api}/readyz"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_fifty_in_flight_loses_nothing_and_releases_leases() {
+    let fixture = Fixture::new(2).await;
+    let app = TestApp::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app_port = listener.local_addr().unwrap().port();
+    app.serve(listener, Arc::new(|_: &str, _: u32| Act::Wait))
+        .await;
+    let batch = (0..50)
+        .map(|i| NewMessage::json(json!(i)).with_id(format!("m{i}")))
+        .collect();
+    assert!(fixture
+        .queue
+        .enqueue_batch(batch)
+        .await
+        .iter()
+        .all(|r| r.is_ok()));
+    let sidecar = start_sidecar(
+        &fixture,
+        config(
+            "g",
+            app_port,
+            free_port(),
+            &[
+                "--max-concurrency",
+                "64",
+                "--lock-duration",
+                "10s",
+                "--app-timeout",
+                "30s",
+            ],
+        ),
+    );
+    app.wait_for("50 in flight", |a| *a.waiting.lock().unwrap() == 50)
+        .await;
+
+    sidecar.stop.cancel(); // what SIGTERM does
+    tokio::time::sleep(Duration::from_millis(200)).await; // the app is still busy for a while
+    app.release.notify_waiters();
+    sidecar.task.await.unwrap().unwrap();
+
+    for i in 0..50 {
+        let id = format!("m{i}");
+        assert_eq!(
+            state(&fixture, "g", &id).await,
+            Some(MessageState::Completed),
+            "{id}"
+        );
+        assert_eq!(app.deliveries(&id), vec![1]);
+    }
+    let leases = LeaseStore::new(fixture.queue.clone(), "g")
+        .list()
+        .await
+        .unwrap();
+    assert!(
+        leases.iter().all(|l| l.owner.is_none()),
+        "released: {leases:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_through_one_sidecar_consume_through_another() {
+    let fixture = Fixture::new(2).await;
+    let app = TestApp::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app_port = listener.local_addr().unwrap().port();
+    app.serve(listener, Arc::new(|_: &str, _: u32| Act::Answer(200, "")))
+        .await;
+    let producer = start_sidecar(
+        &fixture,
+        config("producers", app_port, free_port(), &["--start-from", "now"]),
+    );
+    let consumer = start_sidecar(&fixture, config("workers", app_port, free_port(), &[]));
+    let http = reqwest::Client::new();
+    eventually(
+        "the producer sidecar is up",
+        Duration::from_secs(5),
+        || async {
+            http.get(format!("{}/readyz", producer.api))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        },
+    )
+    .await;
+
+    let post = |path: &str, body: serde_json::Value| {
+        http.post(format!("{}{path}", producer.api))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+    };
+    let r = post("/v1/enqueue", json!({"id": "one", "body": {"n": 1}}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let r = post("/v1/enqueue", json!({"id": "one", "body": {"n": 1}}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let answer: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(answer["duplicate"], true);
+    let r = post("/v1/enqueue", json!({"bdy": 1})).await.unwrap();
+    assert_eq!(r.status(), 422, "unknown fields are rejected");
+    let r = post("/v1/enqueue", json!({"id": "a/b", "body": 1}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400, "an invalid id is named");
+    assert!(r.text().await.unwrap().contains("message id"));
+    let r = post("/v1/enqueue", json!({"body": "x".repeat(2_100_000)}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let batch: Vec<_> = (0..20)
+        .map(|i| json!({"id": format!("b{i}"), "partitionKey": "k", "body": i}))
+        .chain([json!({"id": "bad/id"})])
+        .collect();
+    let r = post("/v1/enqueue/batch", json!(batch)).await.unwrap();
+    assert_eq!(r.status(), 207);
+    let answer: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    let results = answer["results"].as_array().unwrap().clone();
+    assert_eq!(results.len(), 21);
+    assert!(results[20].get("error").is_some());
+
+    app.wait_for("the consumer got everything", |a| {
+        a.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, _, g)| g == "workers")
+            .count()
+            == 21
+    })
+    .await;
+    let seen = app.seen.lock().unwrap().clone();
+    let workers: Vec<_> = seen.iter().filter(|(_, _, g)| g == "workers").collect();
+    assert!(workers.iter().all(|(_, count, _)| *count == 1));
+    for s in [producer, consumer] {
+        s.stop.cancel();
+        s.task.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test]
+async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
+    let fixture = Fixture::new(1).await;
+    let config = config("g", 8080, free_port(), &["--listen", "0.0.0.0:9999"]);
+    let err = cosmosq_sidecar::run::run_with_client(
+        config,
+        fixture.client.clone(),
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("--listen"), "{err}");
+    let missing = Config::try_parse_from([
+        "sidecar",
+        "--database",
+        "db",
+        "--queue",
+        "q",
+        "--group",
+        "g",
+    ])
+    .unwrap_err();
+    assert!(missing.to_string().contains("--app-port"), "{missing}");
+    // A queue nobody provisioned.
+    let mut config = config_for_missing_queue();
+    config.queue = "nope".into();
+    let err = cosmosq_sidecar::run::run_with_client(
+        config,
+        fixture.client.clone(),
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("provisioned"), "{err}");
+}
+
+fn config_for_missing_queue() -> Config {
+    config("g", 8080, free_port(), &[])
+}
