@@ -140,9 +140,15 @@ impl AdaptivePoll {
         self.current
     }
 
-    /// A page came back with work: read again at once.
-    pub fn busy(&mut self) {
-        self.current = Duration::ZERO;
+    /// A page came back with `items` of at most `page_size`: read again at once while pages
+    /// come back full (more is waiting), shortly after a partial page (caught up), and back
+    /// off while they come back empty.
+    pub fn observed(&mut self, items: usize, page_size: usize) {
+        self.current = match items {
+            0 => return self.idle(),
+            n if n >= page_size => Duration::ZERO,
+            _ => self.min,
+        };
     }
 
     /// A page came back empty: wait longer, up to the ceiling.
@@ -217,7 +223,7 @@ impl<H: Handler> Consumer<H> {
                     match feed.next_page().await {
                         Ok((docs, _)) if docs.is_empty() => poll.idle(),
                         Ok((docs, _)) => {
-                            poll.busy();
+                            poll.observed(docs.len(), self.options.page_size as usize);
                             for doc in docs {
                                 let message = match Message::from_document(&doc, self.group.queue().pk_field()) {
                                     Ok(m) => m,
@@ -432,11 +438,23 @@ mod tests {
         assert_eq!(poll.delay(), Duration::ZERO);
         let mut seen = Vec::new();
         for _ in 0..6 {
-            poll.idle();
+            poll.observed(0, 100);
             seen.push(poll.delay().as_millis());
         }
         assert_eq!(seen, vec![100, 200, 400, 800, 1000, 1000]);
-        poll.busy();
-        assert_eq!(poll.delay(), Duration::ZERO);
+        poll.observed(100, 100);
+        assert_eq!(
+            poll.delay(),
+            Duration::ZERO,
+            "a full page: read again at once"
+        );
+        poll.observed(3, 100);
+        assert_eq!(
+            poll.delay(),
+            Duration::from_millis(100),
+            "a partial page: caught up"
+        );
+        poll.observed(0, 100);
+        assert_eq!(poll.delay(), Duration::from_millis(200));
     }
 }

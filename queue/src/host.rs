@@ -58,7 +58,7 @@ impl HostOptions {
             max_concurrency: 64,
             max_in_flight_per_range: 256,
             page_size: 100,
-            min_poll: Duration::from_millis(100),
+            min_poll: Duration::from_millis(20),
             max_poll: Duration::from_secs(5),
             sweep_interval: Duration::from_secs(5),
             lease_renew: Duration::from_secs(17),
@@ -422,7 +422,7 @@ impl<H: Handler> RangeProcessor<H> {
                                 poll.idle();
                                 tracing::trace!(%group, lease = %label, next_read_ms = poll.delay().as_millis() as u64, "feed idle; backing off");
                             } else {
-                                poll.busy();
+                                poll.observed(docs.len(), self.options.page_size as usize);
                                 // Stream mode has no claims to stop a second reader: check the
                                 // lease is still ours before handing out a page (1 RU a page).
                                 if stream && !self.still_owned(&lease).await {
