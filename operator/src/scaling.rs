@@ -1,0 +1,367 @@
+//! How many workers a consumer group should run: a pure function of the remaining work, the
+//! observed processing rate, the policy and what was decided before.
+//!
+//! - Target replicas = the most of `ceil(backlog / targetBacklogPerReplica)` and, when rates are
+//!   known, `ceil(arrival rate / rate one replica sustains)`; clamped to `[min, max]` and capped
+//!   by the number of leases (a replica without a lease has nothing to read).
+//! - Scale up at once; scale down only to the highest recommendation seen during the
+//!   stabilization window (the HPA's behaviour), so a dip does not flap the group.
+//! - From zero, only when the backlog reaches the activation threshold; to zero, only after the
+//!   backlog has been empty for the cool-down.
+//! - When the estimate failed, keep the current replicas: never scale down, let alone to zero,
+//!   on an error (what KEDA users complain about).
+
+use std::collections::VecDeque;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    pub min_replicas: u32,
+    pub max_replicas: u32,
+    pub target_backlog_per_replica: u64,
+    pub scale_down_stabilization_ms: i64,
+    pub scale_to_zero_cooldown_ms: i64,
+    pub activation_threshold: u64,
+}
+
+/// What the operator saw this round.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observation {
+    pub now_ms: i64,
+    /// `None` when the estimate failed.
+    pub backlog: Option<u64>,
+    /// Messages arriving per second, and settled per second per replica, when measured.
+    pub arrival_rate: Option<f64>,
+    pub rate_per_replica: Option<f64>,
+    pub leases: u32,
+    pub current_replicas: u32,
+}
+
+/// What the decision remembers between rounds.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct History {
+    /// Recent recommendations (time, replicas), for the stabilization window.
+    recommendations: VecDeque<(i64, u32)>,
+    /// The last time the backlog was not empty.
+    last_active_ms: Option<i64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// The estimate failed: replicas kept as they are.
+    EstimateFailed,
+    ScaleUp,
+    ScaleDown,
+    /// A lower count is recommended but the stabilization window holds the higher one.
+    Stabilizing,
+    /// Woken from zero by a backlog at the activation threshold.
+    Activated,
+    /// Idle for the cool-down: scaled to zero.
+    ScaledToZero,
+    /// Idle, waiting out the cool-down before scaling to zero.
+    CoolingDown,
+    Steady,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub replicas: u32,
+    pub reason: Reason,
+}
+
+impl Reason {
+    /// For status and Events.
+    pub fn describe(self, d: &Decision, backlog: Option<u64>) -> String {
+        let backlog = backlog.map_or("unknown".to_owned(), |b| b.to_string());
+        match self {
+            Reason::EstimateFailed => format!("estimate failed; keeping {} replicas", d.replicas),
+            Reason::ScaleUp => format!("backlog {backlog}: scaling up to {}", d.replicas),
+            Reason::ScaleDown => format!("backlog {backlog}: scaling down to {}", d.replicas),
+            Reason::Stabilizing => format!(
+                "backlog {backlog}: holding {} during the stabilization window",
+                d.replicas
+            ),
+            Reason::Activated => format!(
+                "backlog {backlog} reached the activation threshold: starting {}",
+                d.replicas
+            ),
+            Reason::ScaledToZero => "idle for the cool-down: scaled to zero".to_owned(),
+            Reason::CoolingDown => format!("idle: keeping {} until the cool-down ends", d.replicas),
+            Reason::Steady => format!("backlog {backlog}: {} replicas", d.replicas),
+        }
+    }
+}
+
+fn div_ceil_f(a: f64, b: f64) -> u32 {
+    if b <= 0.0 || !a.is_finite() {
+        return 0;
+    }
+    (a / b).ceil().clamp(0.0, u32::MAX as f64) as u32
+}
+
+pub fn decide(policy: &Policy, obs: &Observation, history: &mut History) -> Decision {
+    let current = obs.current_replicas;
+    let Some(backlog) = obs.backlog else {
+        return Decision {
+            replicas: current,
+            reason: Reason::EstimateFailed,
+        };
+    };
+    // An operator that just started knows nothing of the past: count from now, so a restart
+    // never scales a group to zero at once.
+    let last_active = history.last_active_ms.get_or_insert(obs.now_ms);
+    if backlog > 0 {
+        *last_active = obs.now_ms;
+    }
+    let idle_for = obs.now_ms.saturating_sub(*last_active);
+    let by_backlog = backlog
+        .div_ceil(policy.target_backlog_per_replica.max(1))
+        .min(u32::MAX as u64) as u32;
+    let by_rate = match (obs.arrival_rate, obs.rate_per_replica) {
+        (Some(arrival), Some(per_replica)) => div_ceil_f(arrival, per_replica),
+        _ => 0,
+    };
+    let cap = obs.leases.max(policy.min_replicas).max(1);
+    let mut target = by_backlog
+        .max(by_rate)
+        .clamp(
+            policy.min_replicas,
+            policy.max_replicas.max(policy.min_replicas),
+        )
+        .min(cap);
+
+    // From zero: only a backlog at the activation threshold wakes the group.
+    if current == 0 {
+        if backlog >= policy.activation_threshold && target == 0 {
+            target = 1;
+        }
+        if backlog < policy.activation_threshold {
+            target = policy.min_replicas;
+        }
+        if target > 0 {
+            history.recommendations.clear();
+            history.recommendations.push_back((obs.now_ms, target));
+            return Decision {
+                replicas: target,
+                reason: Reason::Activated,
+            };
+        }
+        return Decision {
+            replicas: 0,
+            reason: Reason::Steady,
+        };
+    }
+
+    // To zero: only after the cool-down with nothing to do; until then one replica stays.
+    let cooling = target == 0;
+    if cooling {
+        if idle_for >= policy.scale_to_zero_cooldown_ms {
+            history.recommendations.clear();
+            return Decision {
+                replicas: 0,
+                reason: Reason::ScaledToZero,
+            };
+        }
+        target = 1;
+    }
+
+    // Stabilization: scale down only to the highest recommendation within the window.
+    history.recommendations.push_back((obs.now_ms, target));
+    let window_start = obs.now_ms - policy.scale_down_stabilization_ms;
+    while history
+        .recommendations
+        .front()
+        .is_some_and(|(t, _)| *t < window_start)
+    {
+        history.recommendations.pop_front();
+    }
+    let stable = history
+        .recommendations
+        .iter()
+        .map(|(_, r)| *r)
+        .max()
+        .unwrap_or(target);
+    match target.cmp(&current) {
+        std::cmp::Ordering::Greater => Decision {
+            replicas: target,
+            reason: Reason::ScaleUp,
+        },
+        std::cmp::Ordering::Less if stable < current => Decision {
+            replicas: stable,
+            reason: Reason::ScaleDown,
+        },
+        std::cmp::Ordering::Less => Decision {
+            replicas: current,
+            reason: Reason::Stabilizing,
+        },
+        std::cmp::Ordering::Equal if cooling => Decision {
+            replicas: current,
+            reason: Reason::CoolingDown,
+        },
+        std::cmp::Ordering::Equal => Decision {
+            replicas: current,
+            reason: Reason::Steady,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> Policy {
+        Policy {
+            min_replicas: 0,
+            max_replicas: 10,
+            target_backlog_per_replica: 100,
+            scale_down_stabilization_ms: 300_000,
+            scale_to_zero_cooldown_ms: 600_000,
+            activation_threshold: 5,
+        }
+    }
+
+    fn obs(now_s: i64, backlog: Option<u64>, current: u32) -> Observation {
+        Observation {
+            now_ms: now_s * 1000,
+            backlog,
+            arrival_rate: None,
+            rate_per_replica: None,
+            leases: 8,
+            current_replicas: current,
+        }
+    }
+
+    /// Runs rounds of (time s, backlog, current replicas) → expected (replicas, reason).
+    fn run(policy: &Policy, rounds: &[(i64, Option<u64>, u32, u32, Reason)]) {
+        let mut history = History::default();
+        for (i, &(t, backlog, current, replicas, reason)) in rounds.iter().enumerate() {
+            let d = decide(policy, &obs(t, backlog, current), &mut history);
+            assert_eq!(
+                (d.replicas, d.reason),
+                (replicas, reason),
+                "round {i} (t={t}s, backlog {backlog:?}, {current} running)"
+            );
+        }
+    }
+
+    #[test]
+    fn a_burst_scales_up_at_once_and_drains_down_after_the_window() {
+        run(
+            &policy(),
+            &[
+                (0, Some(0), 1, 1, Reason::CoolingDown), // just started: no instant scale to zero
+                (10, Some(750), 1, 8, Reason::ScaleUp),  // ceil(750/100) = 8 (= leases)
+                (20, Some(5_000), 8, 8, Reason::Steady), // capped by 8 leases, not 10
+                (30, Some(250), 8, 8, Reason::Stabilizing), // wants 3; 8 was recommended 10 s ago
+                (320, Some(250), 8, 8, Reason::Stabilizing), // 8 still inside the 300 s window (t=20)
+                (331, Some(250), 8, 3, Reason::ScaleDown),
+                (400, Some(0), 3, 3, Reason::Stabilizing), // idle wants 1; 3 is in the window
+                (632, Some(0), 3, 1, Reason::ScaleDown),
+                (900, Some(0), 1, 1, Reason::CoolingDown), // last active t=331: 569 s idle
+                (932, Some(0), 1, 0, Reason::ScaledToZero), // 601 s idle
+            ],
+        );
+    }
+
+    #[test]
+    fn activation_from_zero_needs_the_threshold() {
+        run(
+            &policy(),
+            &[
+                (0, Some(0), 0, 0, Reason::Steady),
+                (10, Some(4), 0, 0, Reason::Steady), // below the activation threshold
+                (20, Some(5), 0, 1, Reason::Activated),
+                (30, Some(5), 1, 1, Reason::Steady),
+                (40, Some(900), 0, 8, Reason::Activated), // straight to what the backlog needs
+            ],
+        );
+    }
+
+    #[test]
+    fn errors_never_scale_down() {
+        run(
+            &policy(),
+            &[
+                (0, Some(800), 0, 8, Reason::Activated),
+                (10, None, 8, 8, Reason::EstimateFailed),
+                (20, None, 8, 8, Reason::EstimateFailed),
+                (10_000, None, 8, 8, Reason::EstimateFailed), // however long the outage
+                (10_010, None, 0, 0, Reason::EstimateFailed), // and never wakes on a guess either
+            ],
+        );
+    }
+
+    #[test]
+    fn min_and_max_bound_everything() {
+        let p = Policy {
+            min_replicas: 2,
+            max_replicas: 4,
+            ..policy()
+        };
+        run(
+            &p,
+            &[
+                (0, Some(0), 2, 2, Reason::Steady),
+                (10, Some(100_000), 2, 4, Reason::ScaleUp),
+                (400, Some(0), 4, 2, Reason::ScaleDown), // never below min, no scale to zero
+                (2_000, Some(0), 2, 2, Reason::Steady),
+            ],
+        );
+    }
+
+    #[test]
+    fn observed_rates_scale_for_throughput_as_well_as_backlog() {
+        let mut history = History::default();
+        let o = Observation {
+            arrival_rate: Some(450.0),
+            rate_per_replica: Some(100.0),
+            ..obs(0, Some(10), 1)
+        };
+        let d = decide(&policy(), &o, &mut history);
+        assert_eq!(
+            (d.replicas, d.reason),
+            (5, Reason::ScaleUp),
+            "450 msg/s at 100 per replica"
+        );
+    }
+
+    #[test]
+    fn flapping_backlog_does_not_flap_replicas() {
+        let mut history = History::default();
+        let mut replicas = 1;
+        let mut changes = 0;
+        for step in 0..60 {
+            let backlog = if step % 2 == 0 { 600 } else { 50 };
+            let d = decide(
+                &policy(),
+                &obs(step * 10, Some(backlog), replicas),
+                &mut history,
+            );
+            if d.replicas != replicas {
+                changes += 1;
+            }
+            replicas = d.replicas;
+        }
+        assert_eq!(changes, 1, "up once to 6, then held");
+        assert_eq!(replicas, 6);
+    }
+
+    #[test]
+    fn reasons_read_well() {
+        let d = Decision {
+            replicas: 3,
+            reason: Reason::ScaleDown,
+        };
+        assert_eq!(
+            d.reason.describe(&d, Some(250)),
+            "backlog 250: scaling down to 3"
+        );
+        let d = Decision {
+            replicas: 8,
+            reason: Reason::EstimateFailed,
+        };
+        assert_eq!(
+            d.reason.describe(&d, None),
+            "estimate failed; keeping 8 replicas"
+        );
+    }
+}
