@@ -109,6 +109,7 @@ async fn main() {
             ("COSMOSQ_START_FROM", "beginning"),
             ("COSMOSQ_APP_PORT", &app_port.to_string()),
             ("COSMOSQ_LISTEN", &format!("127.0.0.1:{api_port}")),
+            ("COSMOSQ_PROBE_LISTEN", ""),
             ("COSMOSQ_MAX_CONCURRENCY", "64"),
             ("COSMOSQ_LEASE_ACQUIRE", "500ms"),
             ("POD_NAME", "bench-0"),

@@ -26,6 +26,17 @@ pub struct ApiState {
     pub ready: AtomicBool,
 }
 
+/// Health, readiness and metrics only, for the kubelet's probes and Prometheus, which reach the
+/// pod's IP, not its loopback. Nothing here changes anything.
+pub fn probe_router(state: Arc<ApiState>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// The full local API for the app next to the sidecar (loopback only).
 pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
         .route("/v1/enqueue", post(enqueue))

@@ -84,6 +84,10 @@ pub struct Config {
     /// The localhost API (enqueue, health, metrics); loopback addresses only.
     #[arg(long, env = "COSMOSQ_LISTEN", default_value = "127.0.0.1:3500")]
     pub listen: SocketAddr,
+    /// Health, readiness and metrics for the kubelet and Prometheus (read-only; the enqueue API
+    /// stays on --listen). Empty to turn off.
+    #[arg(long, env = "COSMOSQ_PROBE_LISTEN", default_value = "0.0.0.0:9464")]
+    pub probe_listen: String,
     /// Time to finish in-flight work after SIGTERM (keep it under the pod's grace period).
     #[arg(long, env = "COSMOSQ_GRACE_PERIOD", default_value = "25s", value_parser = duration)]
     pub grace_period: Duration,
@@ -153,10 +157,30 @@ impl Config {
                 ),
             );
         }
+        let probe = self.probe_addr()?;
+        if probe.is_some_and(|p| p.port() == self.listen.port() || p.port() == self.app_port) {
+            return bad(
+                "--probe-listen (COSMOSQ_PROBE_LISTEN)",
+                "must use its own port".into(),
+            );
+        }
         if self.listen.port() == self.app_port {
             return bad("--listen (COSMOSQ_LISTEN)", "uses the app's port".into());
         }
         Ok(())
+    }
+
+    /// Where the probe endpoints listen; `None` when turned off.
+    pub fn probe_addr(&self) -> Result<Option<SocketAddr>, SidecarError> {
+        if self.probe_listen.trim().is_empty() {
+            return Ok(None);
+        }
+        self.probe_listen.trim().parse().map(Some).map_err(|_| {
+            SidecarError::Config(format!(
+                "--probe-listen (COSMOSQ_PROBE_LISTEN): {:?} is not an address such as 0.0.0.0:9464",
+                self.probe_listen
+            ))
+        })
     }
 
     pub fn host_name(&self) -> String {
@@ -241,6 +265,8 @@ mod tests {
             (&["--lease-renew", "90s"], "leaseRenew"),
             (&["--auth", "key"], "--key"),
             (&["--listen", "127.0.0.1:8080"], "--listen"),
+            (&["--probe-listen", "0.0.0.0:3500"], "--probe-listen"),
+            (&["--probe-listen", "nowhere"], "--probe-listen"),
         ];
         for (args, setting) in cases {
             let err = parse(args).unwrap().validate().unwrap_err().to_string();

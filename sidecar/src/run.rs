@@ -81,12 +81,30 @@ pub async fn run_with_client(
                 .await
         })
     };
+    let probes = match config.probe_addr()? {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+                SidecarError::Config(format!("--probe-listen (COSMOSQ_PROBE_LISTEN) {addr}: {e}"))
+            })?;
+            let stop = api_stop.clone();
+            let router = api::probe_router(Arc::clone(&state));
+            Some(tokio::spawn(async move {
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(stop.cancelled_owned())
+                    .await
+            }))
+        }
+        None => None,
+    };
     info!(listen = %config.listen, queue = %config.queue, group = %config.group, host = %host_name, "sidecar started; waiting for the app");
 
     let background = CancellationToken::new();
     if !wait_for_app(&config, &shutdown).await {
         api_stop.cancel();
         let _ = server.await;
+        if let Some(probes) = probes {
+            let _ = probes.await;
+        }
         return Ok(());
     }
     state.ready.store(true, Ordering::Relaxed);
@@ -126,6 +144,9 @@ pub async fn run_with_client(
     let _ = estimates.await;
     api_stop.cancel();
     let _ = server.await;
+    if let Some(probes) = probes {
+        let _ = probes.await;
+    }
     info!("sidecar drained: deliveries settled, leases released");
     result.map_err(SidecarError::from)
 }

@@ -63,6 +63,10 @@ async fn sigterm_drains_and_a_second_signal_exits_at_once() {
                 ("COSMOSQ_GROUP", "g"),
                 ("COSMOSQ_APP_PORT", &app_port.to_string()),
                 ("COSMOSQ_LISTEN", &format!("127.0.0.1:{}", free_port())),
+                (
+                    "COSMOSQ_PROBE_LISTEN",
+                    &format!("127.0.0.1:{}", free_port()),
+                ),
                 ("RUST_LOG", "warn"),
             ])
             .stdout(Stdio::null())

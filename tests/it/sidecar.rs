@@ -155,6 +155,7 @@ fn free_port() -> u16 {
 fn config(group: &str, app_port: u16, api_port: u16, extra: &[&str]) -> Config {
     let app_port = app_port.to_string();
     let listen = format!("127.0.0.1:{api_port}");
+    let probe = format!("127.0.0.1:{}", free_port());
     let mut args = vec![
         "sidecar",
         "--database",
@@ -171,6 +172,8 @@ fn config(group: &str, app_port: u16, api_port: u16, extra: &[&str]) -> Config {
         "/messages",
         "--listen",
         &listen,
+        "--probe-listen",
+        &probe,
         "--app-timeout",
         "1500ms",
         "--lock-duration",
@@ -383,9 +386,20 @@ async fn the_sidecar_waits_for_an_app_that_starts_late() {
     let fixture = Fixture::new(1).await;
     let app_port = free_port();
     let api_port = free_port();
+    let probe_listen = format!("127.0.0.1:{}", free_port());
     let sidecar = start_sidecar(
         &fixture,
-        config("g", app_port, api_port, &["--app-health-path", "/health"]),
+        config(
+            "g",
+            app_port,
+            api_port,
+            &[
+                "--app-health-path",
+                "/health",
+                "--probe-listen",
+                &probe_listen,
+            ],
+        ),
     );
     fixture
         .queue
@@ -423,6 +437,29 @@ async fn the_sidecar_waits_for_an_app_that_starts_late() {
             .status(),
         200
     );
+    // The probe port answers the kubelet and Prometheus, and offers no enqueue.
+    let probe = format!("http://{probe_listen}");
+    assert_eq!(
+        reqwest::get(format!("{probe}/readyz"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let metrics = reqwest::get(format!("{probe}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("cosmosq_in_flight"));
+    let enqueue = reqwest::Client::new()
+        .post(format!("{probe}/v1/enqueue"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(enqueue.status(), 404);
     sidecar.stop.cancel();
     sidecar.task.await.unwrap().unwrap();
 }
