@@ -1,0 +1,731 @@
+//! The objects a QueueConsumerGroup owns, built by pure functions (no client): the worker
+//! Deployment with the sidecar injected, the sidecar's ServiceAccount/Role/RoleBinding (patch on
+//! its own pod for the deletion cost), and in HPA mode the HorizontalPodAutoscaler.
+
+use std::collections::BTreeMap;
+
+use cosmosq_crds::{CosmosQueue, Credentials, QueueConsumerGroup, ScalingMode};
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+use k8s_openapi::api::autoscaling::v2::{
+    CrossVersionObjectReference, ExternalMetricSource, HPAScalingRules, HorizontalPodAutoscaler,
+    HorizontalPodAutoscalerBehavior, HorizontalPodAutoscalerSpec, MetricIdentifier, MetricSpec,
+    MetricTarget,
+};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
+    ObjectFieldSelector, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
+    SecretVolumeSource, SecurityContext, ServiceAccount, Volume, VolumeMount,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::{Resource, ResourceExt};
+
+pub const SIDECAR_CONTAINER: &str = "cosmosq-sidecar";
+pub const PROBE_PORT: i32 = 9464;
+const KEY_VOLUME: &str = "cosmosq-account-key";
+const KEY_DIR: &str = "/var/run/cosmosq";
+/// The sidecar drains for 25 s; the pod gets a little more.
+const MIN_TERMINATION_GRACE_SECONDS: i64 = 30;
+/// The external metric HPA mode scales on (served by the operator).
+pub const BACKLOG_METRIC: &str = "cosmosq_backlog";
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum BuildError {
+    /// A field of the spec the schema could not check; the message names it.
+    #[error("{field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> BuildError {
+    BuildError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Settings of this operator installation.
+#[derive(Clone, Debug)]
+pub struct Defaults {
+    pub sidecar_image: String,
+}
+
+/// The consumer group's name in the queue.
+pub fn group_name(qcg: &QueueConsumerGroup) -> String {
+    qcg.spec.group.clone().unwrap_or_else(|| qcg.name_any())
+}
+
+/// Name of the Deployment, ServiceAccount, Role, RoleBinding and HPA of a group.
+pub fn workers_name(qcg: &QueueConsumerGroup) -> String {
+    format!("{}-workers", qcg.name_any())
+}
+
+fn selector_labels(qcg: &QueueConsumerGroup) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".into(), "cosmosq-worker".into()),
+        ("app.kubernetes.io/instance".into(), qcg.name_any()),
+    ])
+}
+
+fn labels(qcg: &QueueConsumerGroup) -> BTreeMap<String, String> {
+    let mut labels = selector_labels(qcg);
+    labels.insert(
+        "app.kubernetes.io/managed-by".into(),
+        "cosmosq-operator".into(),
+    );
+    labels.insert("cosmosq.io/queue".into(), qcg.spec.queue_ref.name.clone());
+    labels
+}
+
+fn owner(qcg: &QueueConsumerGroup) -> Result<OwnerReference, BuildError> {
+    qcg.controller_owner_ref(&())
+        .ok_or_else(|| invalid("metadata", "the group has no uid yet"))
+}
+
+fn metadata(qcg: &QueueConsumerGroup) -> Result<ObjectMeta, BuildError> {
+    Ok(ObjectMeta {
+        name: Some(workers_name(qcg)),
+        namespace: qcg.namespace(),
+        labels: Some(labels(qcg)),
+        owner_references: Some(vec![owner(qcg)?]),
+        ..ObjectMeta::default()
+    })
+}
+
+fn env(name: &str, value: impl Into<String>) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        ..EnvVar::default()
+    }
+}
+
+fn env_field(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.into(),
+                ..ObjectFieldSelector::default()
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+/// The sidecar's configuration, from the queue and the group (see the sidecar's `--help`).
+pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar> {
+    let s = &qcg.spec;
+    let q = &queue.spec;
+    let mut vars = vec![
+        env("COSMOSQ_ENDPOINT", q.endpoint.clone()),
+        env(
+            "COSMOSQ_AUTH",
+            match q.credentials.secret_key_ref {
+                Some(_) => "key",
+                None => "identity",
+            },
+        ),
+        env("COSMOSQ_DATABASE", q.database.clone()),
+        env("COSMOSQ_QUEUE", q.container.clone()),
+        env("COSMOSQ_PARTITION_KEY_PATH", q.partition_key_path.clone()),
+        env("COSMOSQ_GROUP", group_name(qcg)),
+        env(
+            "COSMOSQ_DELIVERY_MODE",
+            serde_json::to_value(s.delivery_mode)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default(),
+        ),
+        env(
+            "COSMOSQ_START_FROM",
+            serde_json::to_value(s.start_from)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default(),
+        ),
+        env("COSMOSQ_ORDERED", s.ordered.to_string()),
+        env("COSMOSQ_APP_PORT", s.app.port.to_string()),
+        env("COSMOSQ_APP_PATH", s.app.path.clone()),
+        env(
+            "COSMOSQ_APP_FORMAT",
+            serde_json::to_value(s.app.format)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default(),
+        ),
+        env("COSMOSQ_APP_TIMEOUT", s.app.timeout.clone()),
+        env("COSMOSQ_MAX_CONCURRENCY", s.concurrency.to_string()),
+        env(
+            "COSMOSQ_MAX_DELIVERY_ATTEMPTS",
+            s.retry.max_delivery_attempts.to_string(),
+        ),
+        env(
+            "COSMOSQ_RETRY_INITIAL_BACKOFF",
+            s.retry.initial_backoff.clone(),
+        ),
+        env("COSMOSQ_RETRY_MAX_BACKOFF", s.retry.max_backoff.clone()),
+        env("COSMOSQ_LOCK_DURATION", s.lock_duration.clone()),
+        env("COSMOSQ_PROBE_LISTEN", format!("0.0.0.0:{PROBE_PORT}")),
+        env_field("POD_NAME", "metadata.name"),
+        env_field("POD_NAMESPACE", "metadata.namespace"),
+    ];
+    if let Some(path) = &s.app.health_path {
+        vars.push(env("COSMOSQ_APP_HEALTH_PATH", path.clone()));
+    }
+    if q.credentials.secret_key_ref.is_some() {
+        // The key travels as a mounted file, never as an environment variable.
+        vars.push(env("COSMOSQ_KEY_FILE", format!("{KEY_DIR}/key")));
+    }
+    vars
+}
+
+fn sidecar_container(
+    qcg: &QueueConsumerGroup,
+    queue: &CosmosQueue,
+    defaults: &Defaults,
+) -> Result<Container, BuildError> {
+    let resources = match &qcg.spec.sidecar.resources {
+        Some(value) => serde_json::from_value::<ResourceRequirements>(value.clone())
+            .map_err(|e| invalid("spec.sidecar.resources", e.to_string()))?,
+        None => ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".into(), Quantity("50m".into())),
+                ("memory".into(), Quantity("64Mi".into())),
+            ])),
+            limits: Some(BTreeMap::from([(
+                "memory".into(),
+                Quantity("256Mi".into()),
+            )])),
+            ..ResourceRequirements::default()
+        },
+    };
+    let probe = |path: &str, delay: i32| Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::Int(PROBE_PORT),
+            ..HTTPGetAction::default()
+        }),
+        initial_delay_seconds: Some(delay),
+        period_seconds: Some(10),
+        ..Probe::default()
+    };
+    Ok(Container {
+        name: SIDECAR_CONTAINER.into(),
+        image: Some(
+            qcg.spec
+                .sidecar
+                .image
+                .clone()
+                .unwrap_or_else(|| defaults.sidecar_image.clone()),
+        ),
+        env: Some(sidecar_env(qcg, queue)),
+        ports: Some(vec![ContainerPort {
+            name: Some("cosmosq-metrics".into()),
+            container_port: PROBE_PORT,
+            ..ContainerPort::default()
+        }]),
+        readiness_probe: Some(probe("/readyz", 2)),
+        liveness_probe: Some(probe("/healthz", 10)),
+        resources: Some(resources),
+        security_context: Some(SecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(65532),
+            run_as_group: Some(65532),
+            read_only_root_filesystem: Some(true),
+            allow_privilege_escalation: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                ..Capabilities::default()
+            }),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..SeccompProfile::default()
+            }),
+            ..SecurityContext::default()
+        }),
+        volume_mounts: queue.spec.credentials.secret_key_ref.as_ref().map(|_| {
+            vec![VolumeMount {
+                name: KEY_VOLUME.into(),
+                mount_path: KEY_DIR.into(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            }]
+        }),
+        ..Container::default()
+    })
+}
+
+/// The worker Deployment: the user's pod template plus the sidecar. Replicas are left out:
+/// the scaler (or the HPA) owns them through the scale subresource.
+pub fn deployment(
+    qcg: &QueueConsumerGroup,
+    queue: &CosmosQueue,
+    defaults: &Defaults,
+) -> Result<Deployment, BuildError> {
+    let mut template: PodTemplateSpec = serde_json::from_value(qcg.spec.template.clone())
+        .map_err(|e| invalid("spec.template", format!("not a pod template: {e}")))?;
+    let mut pod = template
+        .spec
+        .take()
+        .ok_or_else(|| invalid("spec.template.spec", "missing"))?;
+    if pod.containers.is_empty() {
+        return Err(invalid(
+            "spec.template.spec.containers",
+            "at least one container (the app) is needed",
+        ));
+    }
+    if pod.containers.iter().any(|c| c.name == SIDECAR_CONTAINER) {
+        return Err(invalid(
+            "spec.template.spec.containers",
+            format!("the name {SIDECAR_CONTAINER} is the sidecar's"),
+        ));
+    }
+    pod.containers
+        .push(sidecar_container(qcg, queue, defaults)?);
+    if pod.service_account_name.is_none() {
+        pod.service_account_name = Some(workers_name(qcg));
+    }
+    pod.termination_grace_period_seconds = Some(
+        pod.termination_grace_period_seconds
+            .unwrap_or(0)
+            .max(MIN_TERMINATION_GRACE_SECONDS),
+    );
+    if let Some(key) = &queue.spec.credentials.secret_key_ref {
+        pod.volumes.get_or_insert_with(Vec::new).push(Volume {
+            name: KEY_VOLUME.into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(key.name.clone()),
+                items: Some(vec![KeyToPath {
+                    key: key.key.clone(),
+                    path: "key".into(),
+                    ..KeyToPath::default()
+                }]),
+                ..SecretVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+    }
+    let mut meta = template.metadata.take().unwrap_or_default();
+    meta.labels
+        .get_or_insert_with(BTreeMap::new)
+        .extend(selector_labels(qcg));
+    if matches!(
+        queue.spec.credentials,
+        Credentials {
+            workload_identity: Some(_),
+            ..
+        }
+    ) {
+        meta.labels
+            .get_or_insert_with(BTreeMap::new)
+            .insert("azure.workload.identity/use".into(), "true".into());
+    }
+    Ok(Deployment {
+        metadata: metadata(qcg)?,
+        spec: Some(DeploymentSpec {
+            selector: LabelSelector {
+                match_labels: Some(selector_labels(qcg)),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(meta),
+                spec: Some(pod),
+            },
+            ..DeploymentSpec::default()
+        }),
+        ..Deployment::default()
+    })
+}
+
+/// The sidecar's identity (workload identity is federated on it when the queue uses it).
+pub fn service_account(
+    qcg: &QueueConsumerGroup,
+    queue: &CosmosQueue,
+) -> Result<ServiceAccount, BuildError> {
+    let mut meta = metadata(qcg)?;
+    if let Some(client_id) = queue
+        .spec
+        .credentials
+        .workload_identity
+        .as_ref()
+        .and_then(|w| w.client_id.clone())
+    {
+        meta.annotations = Some(BTreeMap::from([(
+            "azure.workload.identity/client-id".into(),
+            client_id,
+        )]));
+    }
+    Ok(ServiceAccount {
+        metadata: meta,
+        ..ServiceAccount::default()
+    })
+}
+
+/// Least privilege for the sidecar: patch pods (its own deletion cost), nothing else.
+pub fn role(qcg: &QueueConsumerGroup) -> Result<Role, BuildError> {
+    Ok(Role {
+        metadata: metadata(qcg)?,
+        rules: Some(vec![PolicyRule {
+            api_groups: Some(vec!["".into()]),
+            resources: Some(vec!["pods".into()]),
+            verbs: vec!["patch".into()],
+            ..PolicyRule::default()
+        }]),
+    })
+}
+
+pub fn role_binding(
+    qcg: &QueueConsumerGroup,
+    service_account: &str,
+) -> Result<RoleBinding, BuildError> {
+    Ok(RoleBinding {
+        metadata: metadata(qcg)?,
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: workers_name(qcg),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: service_account.into(),
+            namespace: qcg.namespace(),
+            ..Subject::default()
+        }]),
+    })
+}
+
+fn seconds(field: &'static str, text: &str) -> Result<i32, BuildError> {
+    let d =
+        humantime::parse_duration(text).map_err(|e| invalid(field, format!("{text:?}: {e}")))?;
+    i32::try_from(d.as_secs()).map_err(|_| invalid(field, "too long"))
+}
+
+/// HPA mode: scale the Deployment on the operator's external metric `cosmosq_backlog`.
+pub fn hpa(qcg: &QueueConsumerGroup) -> Result<Option<HorizontalPodAutoscaler>, BuildError> {
+    let scaling = &qcg.spec.scaling;
+    if scaling.mode != ScalingMode::Hpa {
+        return Ok(None);
+    }
+    let selector = LabelSelector {
+        match_labels: Some(BTreeMap::from([
+            ("queue".into(), qcg.spec.queue_ref.name.clone()),
+            ("group".into(), group_name(qcg)),
+        ])),
+        ..LabelSelector::default()
+    };
+    Ok(Some(HorizontalPodAutoscaler {
+        metadata: metadata(qcg)?,
+        spec: Some(HorizontalPodAutoscalerSpec {
+            scale_target_ref: CrossVersionObjectReference {
+                api_version: Some("apps/v1".into()),
+                kind: "Deployment".into(),
+                name: workers_name(qcg),
+            },
+            // The HPA cannot go to zero without a feature gate; Direct mode can.
+            min_replicas: Some(scaling.min_replicas.max(1)),
+            max_replicas: scaling.max_replicas,
+            metrics: Some(vec![MetricSpec {
+                type_: "External".into(),
+                external: Some(ExternalMetricSource {
+                    metric: MetricIdentifier {
+                        name: BACKLOG_METRIC.into(),
+                        selector: Some(selector),
+                    },
+                    target: MetricTarget {
+                        type_: "AverageValue".into(),
+                        average_value: Some(Quantity(
+                            scaling.target_backlog_per_replica.to_string(),
+                        )),
+                        ..MetricTarget::default()
+                    },
+                }),
+                ..MetricSpec::default()
+            }]),
+            behavior: Some(HorizontalPodAutoscalerBehavior {
+                scale_down: Some(HPAScalingRules {
+                    stabilization_window_seconds: Some(seconds(
+                        "spec.scaling.scaleDownStabilization",
+                        &scaling.scale_down_stabilization,
+                    )?),
+                    ..HPAScalingRules::default()
+                }),
+                ..HorizontalPodAutoscalerBehavior::default()
+            }),
+        }),
+        ..HorizontalPodAutoscaler::default()
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn queue(credentials: serde_json::Value) -> CosmosQueue {
+        let mut q: CosmosQueue = serde_json::from_value(json!({
+            "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+            "metadata": {"name": "orders", "namespace": "shop", "uid": "q-uid"},
+            "spec": {"endpoint": "https://acct.documents.azure.com:443/", "credentials": credentials,
+                     "database": "shop", "container": "orders"}
+        }))
+        .unwrap();
+        q.metadata.generation = Some(1);
+        q
+    }
+
+    fn group(extra: serde_json::Value) -> QueueConsumerGroup {
+        let mut spec = json!({
+            "queueRef": {"name": "orders"},
+            "template": {"metadata": {"labels": {"team": "billing"}},
+                         "spec": {"containers": [{"name": "app", "image": "example/billing:1"}]}},
+            "app": {"port": 8080, "path": "/orders"}
+        });
+        spec.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        serde_json::from_value(json!({
+            "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
+            "metadata": {"name": "billing", "namespace": "shop", "uid": "g-uid"},
+            "spec": spec
+        }))
+        .unwrap()
+    }
+
+    fn defaults() -> Defaults {
+        Defaults {
+            sidecar_image: "ghcr.io/cosmosq/sidecar:0.1.0".into(),
+        }
+    }
+
+    fn key_queue() -> CosmosQueue {
+        queue(json!({"secretKeyRef": {"name": "cosmos-key"}}))
+    }
+
+    fn env_map(d: &Deployment) -> BTreeMap<String, String> {
+        let pod = d.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        let sidecar = pod
+            .containers
+            .iter()
+            .find(|c| c.name == SIDECAR_CONTAINER)
+            .unwrap();
+        sidecar
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                let value = e.value.clone().unwrap_or_else(|| {
+                    format!(
+                        "fieldRef:{}",
+                        e.value_from
+                            .as_ref()
+                            .unwrap()
+                            .field_ref
+                            .as_ref()
+                            .unwrap()
+                            .field_path
+                    )
+                });
+                (e.name.clone(), value)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_deployment_runs_the_app_with_the_sidecar_configured_from_both_specs() {
+        let d = deployment(
+            &group(json!({"deliveryMode": "stream", "ordered": true})),
+            &key_queue(),
+            &defaults(),
+        )
+        .unwrap();
+        let env = env_map(&d);
+        let expected = [
+            ("COSMOSQ_ENDPOINT", "https://acct.documents.azure.com:443/"),
+            ("COSMOSQ_AUTH", "key"),
+            ("COSMOSQ_KEY_FILE", "/var/run/cosmosq/key"),
+            ("COSMOSQ_DATABASE", "shop"),
+            ("COSMOSQ_QUEUE", "orders"),
+            ("COSMOSQ_PARTITION_KEY_PATH", "/pk"),
+            ("COSMOSQ_GROUP", "billing"),
+            ("COSMOSQ_DELIVERY_MODE", "stream"),
+            ("COSMOSQ_START_FROM", "now"),
+            ("COSMOSQ_ORDERED", "true"),
+            ("COSMOSQ_APP_PORT", "8080"),
+            ("COSMOSQ_APP_PATH", "/orders"),
+            ("COSMOSQ_APP_FORMAT", "cloudevents"),
+            ("COSMOSQ_APP_TIMEOUT", "60s"),
+            ("COSMOSQ_MAX_CONCURRENCY", "16"),
+            ("COSMOSQ_MAX_DELIVERY_ATTEMPTS", "10"),
+            ("COSMOSQ_LOCK_DURATION", "60s"),
+            ("COSMOSQ_PROBE_LISTEN", "0.0.0.0:9464"),
+            ("POD_NAME", "fieldRef:metadata.name"),
+            ("POD_NAMESPACE", "fieldRef:metadata.namespace"),
+        ];
+        for (name, value) in expected {
+            assert_eq!(env.get(name).map(String::as_str), Some(value), "{name}");
+        }
+        assert!(
+            !env.values().any(|v| v.contains("cosmos-key")),
+            "no secret material in env"
+        );
+
+        let pod = d.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        assert_eq!(
+            pod.containers[0].name, "app",
+            "the app is untouched and first"
+        );
+        let sidecar = &pod.containers[1];
+        assert_eq!(
+            sidecar.image.as_deref(),
+            Some("ghcr.io/cosmosq/sidecar:0.1.0")
+        );
+        let sc = sidecar.security_context.as_ref().unwrap();
+        assert_eq!(sc.run_as_non_root, Some(true));
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(
+            sc.capabilities.as_ref().unwrap().drop.as_deref(),
+            Some(&["ALL".to_string()][..])
+        );
+        let readiness = sidecar
+            .readiness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            (readiness.path.as_deref(), &readiness.port),
+            (Some("/readyz"), &IntOrString::Int(9464))
+        );
+        assert_eq!(pod.termination_grace_period_seconds, Some(30));
+        assert_eq!(pod.service_account_name.as_deref(), Some("billing-workers"));
+        let volume = &pod.volumes.as_ref().unwrap()[0];
+        assert_eq!(
+            volume.secret.as_ref().unwrap().secret_name.as_deref(),
+            Some("cosmos-key")
+        );
+        assert_eq!(
+            volume.secret.as_ref().unwrap().items.as_ref().unwrap()[0].key,
+            "key"
+        );
+
+        let spec = d.spec.as_ref().unwrap();
+        assert_eq!(spec.replicas, None, "the scaler owns replicas");
+        let pod_labels = spec
+            .template
+            .metadata
+            .as_ref()
+            .unwrap()
+            .labels
+            .as_ref()
+            .unwrap();
+        assert_eq!(pod_labels["team"], "billing", "the user's labels stay");
+        for (k, v) in spec.selector.match_labels.as_ref().unwrap() {
+            assert_eq!(pod_labels.get(k), Some(v), "the selector matches the pods");
+        }
+        let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.controller),
+            ("QueueConsumerGroup", "billing", Some(true))
+        );
+        assert_eq!(d.metadata.name.as_deref(), Some("billing-workers"));
+        assert_eq!(d.metadata.namespace.as_deref(), Some("shop"));
+    }
+
+    #[test]
+    fn workload_identity_labels_the_pods_and_annotates_the_service_account() {
+        let q = queue(json!({"workloadIdentity": {"clientId": "11111111-2222"}}));
+        let g = group(json!({}));
+        let d = deployment(&g, &q, &defaults()).unwrap();
+        assert_eq!(env_map(&d)["COSMOSQ_AUTH"], "identity");
+        assert!(!env_map(&d).contains_key("COSMOSQ_KEY_FILE"));
+        let labels = d.spec.unwrap().template.metadata.unwrap().labels.unwrap();
+        assert_eq!(labels["azure.workload.identity/use"], "true");
+        let sa = service_account(&g, &q).unwrap();
+        assert_eq!(
+            sa.metadata.annotations.unwrap()["azure.workload.identity/client-id"],
+            "11111111-2222"
+        );
+    }
+
+    #[test]
+    fn invalid_templates_are_named() {
+        let cases = [
+            (
+                json!({"template": {"spec": {"containers": []}}}),
+                "spec.template.spec.containers",
+            ),
+            (
+                json!({"template": {"spec": {"containers": [{"name": "cosmosq-sidecar", "image": "x"}]}}}),
+                "spec.template.spec.containers",
+            ),
+            (json!({"template": {"metadata": {}}}), "spec.template.spec"),
+            (
+                json!({"template": {"spec": {"containers": "nope"}}}),
+                "spec.template",
+            ),
+            (
+                json!({"sidecar": {"resources": {"limits": 7}}}),
+                "spec.sidecar.resources",
+            ),
+        ];
+        for (extra, field) in cases {
+            match deployment(&group(extra.clone()), &key_queue(), &defaults()) {
+                Err(BuildError::Invalid { field: f, .. }) => assert_eq!(f, field, "{extra}"),
+                other => panic!("{extra}: expected an error naming {field}, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_sidecar_may_patch_pods_and_nothing_else() {
+        let g = group(json!({}));
+        let rules = role(&g).unwrap().rules.unwrap();
+        assert_eq!(rules.len(), 1);
+        assert_eq!(
+            rules[0].resources.as_deref(),
+            Some(&["pods".to_string()][..])
+        );
+        assert_eq!(rules[0].verbs, vec!["patch".to_string()]);
+        let binding = role_binding(&g, "billing-workers").unwrap();
+        assert_eq!(binding.subjects.unwrap()[0].name, "billing-workers");
+        assert_eq!(binding.role_ref.name, "billing-workers");
+    }
+
+    #[test]
+    fn hpa_mode_scales_on_the_backlog_metric() {
+        assert!(
+            hpa(&group(json!({}))).unwrap().is_none(),
+            "Direct mode owns no HPA"
+        );
+        let g = group(
+            json!({"scaling": {"mode": "HPA", "minReplicas": 0, "maxReplicas": 20,
+            "targetBacklogPerReplica": 250, "scaleDownStabilization": "2m"}}),
+        );
+        let hpa = hpa(&g).unwrap().unwrap();
+        let spec = hpa.spec.unwrap();
+        assert_eq!(spec.scale_target_ref.name, "billing-workers");
+        assert_eq!((spec.min_replicas, spec.max_replicas), (Some(1), 20));
+        let external = spec.metrics.unwrap()[0].external.clone().unwrap();
+        assert_eq!(external.metric.name, "cosmosq_backlog");
+        let labels = external.metric.selector.unwrap().match_labels.unwrap();
+        assert_eq!(
+            (labels["queue"].as_str(), labels["group"].as_str()),
+            ("orders", "billing")
+        );
+        assert_eq!(external.target.average_value, Some(Quantity("250".into())));
+        assert_eq!(
+            spec.behavior
+                .unwrap()
+                .scale_down
+                .unwrap()
+                .stabilization_window_seconds,
+            Some(120)
+        );
+    }
+}
