@@ -100,10 +100,7 @@ async fn eight_claimers_two_groups_each_message_completed_once_per_group() {
         ledger.overlaps.lock().unwrap()
     );
     for group in ["billing", "audit"] {
-        assert!(
-            ledger.counts(group).iter().all(|&n| n == 1),
-            "{group}: a message was delivered twice"
-        );
+        ledger.assert_each_once(group);
     }
 }
 
@@ -263,7 +260,7 @@ async fn throttled_account_loses_nothing() {
     for c in consumers {
         c.await.unwrap();
     }
-    assert!(ledger.counts("g").iter().all(|&n| n == 1));
+    ledger.assert_each_once("g");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -79,6 +79,19 @@ async fn owners(fixture: &Fixture, group: &str) -> Vec<Option<String>> {
         .collect()
 }
 
+/// Stops the hosts gracefully (drain, release) and returns how many messages they completed.
+async fn stop_all(hosts: Vec<RunningHost>) -> u64 {
+    for h in &hosts {
+        h.stop.cancel();
+    }
+    let mut total = 0;
+    for h in hosts {
+        h.task.await.unwrap().unwrap();
+        total += h.stats.completed.load(Ordering::Relaxed);
+    }
+    total
+}
+
 fn completed(hosts: &[&Arc<ConsumerStats>]) -> u64 {
     hosts
         .iter()
@@ -124,25 +137,14 @@ async fn three_hosts_two_groups_balance_and_settle_every_message_once() {
         )
         .await;
     }
-    for h in &hosts {
-        h.stop.cancel();
-    }
-    let stats: Vec<_> = hosts.iter().map(|h| Arc::clone(&h.stats)).collect();
-    for h in hosts {
-        h.task.await.unwrap().unwrap();
-    }
-    let stats: Vec<_> = stats.iter().collect();
     assert_eq!(
-        completed(&stats) as usize,
+        stop_all(hosts).await as usize,
         2 * MESSAGES,
         "no message completed twice"
     );
     assert!(ledger.overlaps.lock().unwrap().is_empty());
     for group in ["billing", "audit"] {
-        assert!(
-            ledger.counts(group).iter().all(|&n| n == 1),
-            "{group}: delivered twice"
-        );
+        ledger.assert_each_once(group);
     }
 }
 
@@ -355,17 +357,8 @@ async fn a_split_during_processing_skips_nothing_and_children_take_over() {
         },
     )
     .await;
-    for h in [&a, &b] {
-        h.stop.cancel();
-    }
-    let stats = [Arc::clone(&a.stats), Arc::clone(&b.stats)];
-    a.task.await.unwrap().unwrap();
-    b.task.await.unwrap().unwrap();
-    assert_eq!(completed(&[&stats[0], &stats[1]]), 1_000);
-    assert!(
-        ledger.counts("g").iter().all(|&n| n == 1),
-        "delivered twice across the split"
-    );
+    assert_eq!(stop_all(vec![a, b]).await, 1_000);
+    ledger.assert_each_once("g");
 }
 
 /// Seeded trials: three hosts; one is killed (its tasks aborted, nothing released) at a random
@@ -612,17 +605,8 @@ async fn a_merge_during_processing_keeps_each_lease_on_its_range() {
     ledger.wait_until(|l| l.delivered("g") == 700).await;
     // Both leases stay: each reads its half of the merged partition.
     assert_eq!(owners(&fixture, "g").await.len(), 2);
-    for h in [&a, &b] {
-        h.stop.cancel();
-    }
-    let stats = [Arc::clone(&a.stats), Arc::clone(&b.stats)];
-    a.task.await.unwrap().unwrap();
-    b.task.await.unwrap().unwrap();
-    assert_eq!(completed(&[&stats[0], &stats[1]]), 700);
-    assert!(
-        ledger.counts("g").iter().all(|&n| n == 1),
-        "delivered twice across the merge"
-    );
+    assert_eq!(stop_all(vec![a, b]).await, 700);
+    ledger.assert_each_once("g");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -663,7 +647,7 @@ async fn finer_leases_let_more_hosts_than_partitions_share_the_work() {
         h.task.await.unwrap().unwrap();
     }
     assert_eq!(completed(&stats.iter().collect::<Vec<_>>()), 600);
-    assert!(ledger.counts("g").iter().all(|&n| n == 1));
+    ledger.assert_each_once("g");
     let per_host: Vec<u64> = stats
         .iter()
         .map(|s| s.completed.load(Ordering::Relaxed))

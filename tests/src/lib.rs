@@ -125,6 +125,15 @@ impl Ledger {
             .count()
     }
 
+    /// Panics unless the app saw every message of `group` exactly once.
+    pub fn assert_each_once(&self, group: &str) {
+        let counts = self.counts(group);
+        assert!(
+            counts.iter().all(|&n| n == 1),
+            "{group}: a message was delivered more than once"
+        );
+    }
+
     pub fn counts(&self, group: &str) -> Vec<usize> {
         self.deliveries
             .lock()
