@@ -1,0 +1,267 @@
+//! The apply step of the reconcile pipeline: everything a QueueConsumerGroup owns, written by
+//! server-side apply with one field manager (so the operator owns exactly the fields it sets,
+//! and users or the HPA keep theirs — replicas among them).
+
+use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::build::{self, BuildError, Defaults};
+
+pub const FIELD_MANAGER: &str = "cosmosq-operator";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("{0} has no namespace")]
+    NoNamespace(String),
+}
+
+/// What was applied.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Applied {
+    pub deployment: String,
+    pub hpa: bool,
+}
+
+async fn apply<K>(client: &Client, namespace: &str, object: &K) -> Result<K, ApplyError>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + Serialize
+        + DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), namespace);
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    Ok(api
+        .patch(&object.name_any(), &params, &Patch::Apply(object))
+        .await?)
+}
+
+/// Builds and applies the group's ServiceAccount, Role, RoleBinding, Deployment and (HPA mode)
+/// HorizontalPodAutoscaler. Building is pure and happens first: an invalid spec writes nothing.
+pub async fn apply_group(
+    client: &Client,
+    qcg: &QueueConsumerGroup,
+    queue: &CosmosQueue,
+    defaults: &Defaults,
+) -> Result<Applied, ApplyError> {
+    let namespace = qcg
+        .namespace()
+        .ok_or_else(|| ApplyError::NoNamespace(qcg.name_any()))?;
+    let deployment = build::deployment(qcg, queue, defaults)?;
+    let service_account = build::service_account(qcg, queue)?;
+    let role = build::role(qcg)?;
+    let pod_account = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.service_account_name.clone())
+        .unwrap_or_else(|| build::workers_name(qcg));
+    let binding = build::role_binding(qcg, &pod_account)?;
+    let hpa = build::hpa(qcg)?;
+
+    apply::<ServiceAccount>(client, &namespace, &service_account).await?;
+    apply::<Role>(client, &namespace, &role).await?;
+    apply::<RoleBinding>(client, &namespace, &binding).await?;
+    apply::<Deployment>(client, &namespace, &deployment).await?;
+    if let Some(hpa) = &hpa {
+        apply::<HorizontalPodAutoscaler>(client, &namespace, hpa).await?;
+    }
+    Ok(Applied {
+        deployment: deployment.name_any(),
+        hpa: hpa.is_some(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{Method, Request, Response};
+    use kube::client::Body;
+    use serde_json::{json, Value};
+
+    type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    /// Plays the API server: asserts each expected server-side apply, in order, and echoes it.
+    struct ApiServerVerifier(Handle);
+
+    impl ApiServerVerifier {
+        async fn expect_apply(&mut self, path: &str, kind: &str) -> Value {
+            let (request, send) = self.0.next_request().await.expect("a request");
+            assert_eq!(request.method(), Method::PATCH, "{path}");
+            assert_eq!(request.uri().path(), path);
+            let query = request.uri().query().unwrap_or_default();
+            assert!(
+                query.contains("fieldManager=cosmosq-operator") && query.contains("force=true"),
+                "{query}"
+            );
+            assert_eq!(
+                request.headers().get("content-type").unwrap(),
+                "application/apply-patch+yaml"
+            );
+            let bytes = request.into_body().collect_bytes().await.unwrap();
+            let body: Value = serde_json::from_slice(&bytes).unwrap();
+            assert_eq!(body["kind"], kind);
+            assert_eq!(
+                body["metadata"]["ownerReferences"][0]["kind"],
+                "QueueConsumerGroup"
+            );
+            send.send_response(
+                Response::builder()
+                    .body(Body::from(bytes.to_vec()))
+                    .unwrap(),
+            );
+            body
+        }
+    }
+
+    fn client() -> (Client, ApiServerVerifier) {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        (Client::new(service, "shop"), ApiServerVerifier(handle))
+    }
+
+    fn queue() -> CosmosQueue {
+        serde_json::from_value(json!({
+            "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+            "metadata": {"name": "orders", "namespace": "shop", "uid": "q1"},
+            "spec": {"endpoint": "https://acct.documents.azure.com:443/",
+                     "credentials": {"secretKeyRef": {"name": "cosmos-key"}},
+                     "database": "shop", "container": "orders"}
+        }))
+        .unwrap()
+    }
+
+    fn group(scaling: Value) -> QueueConsumerGroup {
+        serde_json::from_value(json!({
+            "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
+            "metadata": {"name": "billing", "namespace": "shop", "uid": "g1"},
+            "spec": {"queueRef": {"name": "orders"},
+                     "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
+                     "app": {"port": 8080}, "scaling": scaling}
+        }))
+        .unwrap()
+    }
+
+    fn defaults() -> Defaults {
+        Defaults {
+            sidecar_image: "cosmosq/sidecar:test".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn direct_mode_applies_rbac_then_the_deployment() {
+        let (client, mut server) = client();
+        let verifier = tokio::spawn(async move {
+            server
+                .expect_apply(
+                    "/api/v1/namespaces/shop/serviceaccounts/billing-workers",
+                    "ServiceAccount",
+                )
+                .await;
+            server
+                .expect_apply(
+                    "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers",
+                    "Role",
+                )
+                .await;
+            let binding = server.expect_apply("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding").await;
+            assert_eq!(binding["subjects"][0]["name"], "billing-workers");
+            let deployment = server
+                .expect_apply(
+                    "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                    "Deployment",
+                )
+                .await;
+            assert!(
+                deployment["spec"].get("replicas").is_none(),
+                "replicas are not ours to apply"
+            );
+            assert_eq!(
+                deployment["spec"]["template"]["spec"]["containers"][1]["name"],
+                "cosmosq-sidecar"
+            );
+            server
+        });
+        let applied = apply_group(&client, &group(json!({})), &queue(), &defaults())
+            .await
+            .unwrap();
+        assert_eq!(
+            applied,
+            Applied {
+                deployment: "billing-workers".into(),
+                hpa: false
+            }
+        );
+        let mut server = verifier.await.unwrap();
+        drop(client);
+        assert!(
+            server.0.next_request().await.is_none(),
+            "nothing else was written"
+        );
+    }
+
+    #[tokio::test]
+    async fn hpa_mode_also_applies_the_autoscaler() {
+        let (client, mut server) = client();
+        let verifier = tokio::spawn(async move {
+            for (path, kind) in [
+                ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
+                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers", "Role"),
+                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
+                ("/apis/apps/v1/namespaces/shop/deployments/billing-workers", "Deployment"),
+            ] {
+                server.expect_apply(path, kind).await;
+            }
+            let hpa = server
+                .expect_apply(
+                    "/apis/autoscaling/v2/namespaces/shop/horizontalpodautoscalers/billing-workers",
+                    "HorizontalPodAutoscaler",
+                )
+                .await;
+            assert_eq!(
+                hpa["spec"]["metrics"][0]["external"]["metric"]["name"],
+                "cosmosq_backlog"
+            );
+        });
+        let applied = apply_group(
+            &client,
+            &group(json!({"mode": "HPA", "maxReplicas": 5})),
+            &queue(),
+            &defaults(),
+        )
+        .await
+        .unwrap();
+        assert!(applied.hpa);
+        verifier.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_invalid_spec_writes_nothing() {
+        let (client, mut server) = client();
+        let mut bad = group(json!({}));
+        bad.spec.template = json!({"spec": {"containers": []}});
+        let err = apply_group(&client, &bad, &queue(), &defaults())
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("spec.template.spec.containers"),
+            "{err}"
+        );
+        drop(client);
+        assert!(
+            server.0.next_request().await.is_none(),
+            "no request was made"
+        );
+    }
+}
