@@ -265,6 +265,12 @@ pub fn deployment(
     queue: &CosmosQueue,
     defaults: &Defaults,
 ) -> Result<Deployment, BuildError> {
+    if group_name(qcg) == "lease" {
+        return Err(invalid(
+            "spec.group",
+            "\"lease\" is reserved (it names the lease documents); set spec.group",
+        ));
+    }
     let mut template: PodTemplateSpec = serde_json::from_value(qcg.spec.template.clone())
         .map_err(|e| invalid("spec.template", format!("not a pod template: {e}")))?;
     let mut pod = template

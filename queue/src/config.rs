@@ -187,9 +187,10 @@ impl GroupConfig {
             .name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-        if self.name.is_empty() || self.name.len() > 63 || !ok_chars {
+        // "lease" would share the partition key prefix of the lease documents.
+        if self.name.is_empty() || self.name.len() > 63 || !ok_chars || self.name == "lease" {
             return Err(QueueError::Config(format!(
-                "group name {:?} must be 1-63 characters of letters, digits, '-', '_' or '.'",
+                "group name {:?} must be 1-63 characters of letters, digits, '-', '_' or '.', and not \"lease\"",
                 self.name
             )));
         }
@@ -237,8 +238,13 @@ mod tests {
         let mut q = QueueConfig::new("db", "or/ders");
         q.lease_container = Some("x".into());
         assert!(q.validate().unwrap_err().to_string().contains("container"));
-        let g = GroupConfig::new("bad|name");
-        assert!(g.validate().unwrap_err().to_string().contains("group name"));
+        for name in ["bad|name", "", "lease"] {
+            let g = GroupConfig::new(name);
+            assert!(
+                g.validate().unwrap_err().to_string().contains("group name"),
+                "{name:?}"
+            );
+        }
         let g = GroupConfig::new("g").with_lock_duration(Duration::from_millis(10));
         assert!(g
             .validate()
