@@ -679,6 +679,7 @@ mod tests {
                 json!({"sidecar": {"resources": {"limits": 7}}}),
                 "spec.sidecar.resources",
             ),
+            (json!({"group": "lease"}), "spec.group"),
         ];
         for (extra, field) in cases {
             match deployment(&group(extra.clone()), &key_queue(), &defaults()) {
