@@ -328,15 +328,25 @@ async fn read_ids_from(fixture: &Fixture, lease: &cosmosq_queue::lease::Lease) -
         .collect()
 }
 
+/// Hosts "a" and "b" of group "g" working through `messages`, once `delivered` are done.
+async fn two_hosts_midway(
+    fixture: &Fixture,
+    messages: usize,
+    delivered: usize,
+) -> (Arc<Ledger>, RunningHost, RunningHost) {
+    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
+    let ledger = Arc::new(Ledger::default());
+    enqueue(fixture, 0..messages).await;
+    let a = start(fixture, &config, fast("a"), recording(&ledger));
+    let b = start(fixture, &config, fast("b"), recording(&ledger));
+    ledger.wait_until(|l| l.delivered("g") >= delivered).await;
+    (ledger, a, b)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_during_processing_skips_nothing_and_children_take_over() {
     let fixture = Fixture::new(2).await;
-    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
-    let ledger = Arc::new(Ledger::default());
-    enqueue(&fixture, 0..600).await;
-    let a = start(&fixture, &config, fast("a"), recording(&ledger));
-    let b = start(&fixture, &config, fast("b"), recording(&ledger));
-    ledger.wait_until(|l| l.delivered("g") >= 200).await;
+    let (ledger, a, b) = two_hosts_midway(&fixture, 600, 200).await;
 
     let store = fixture.emulator.store();
     let ids = fixture.emulator.partition_ids("db", "q").await.unwrap();
@@ -577,12 +587,7 @@ async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_merge_during_processing_keeps_each_lease_on_its_range() {
     let fixture = Fixture::new(2).await;
-    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
-    let ledger = Arc::new(Ledger::default());
-    enqueue(&fixture, 0..400).await;
-    let a = start(&fixture, &config, fast("a"), recording(&ledger));
-    let b = start(&fixture, &config, fast("b"), recording(&ledger));
-    ledger.wait_until(|l| l.delivered("g") >= 100).await;
+    let (ledger, a, b) = two_hosts_midway(&fixture, 400, 100).await;
 
     let ids = fixture.emulator.partition_ids("db", "q").await.unwrap();
     fixture

@@ -610,9 +610,9 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
 #[tokio::test]
 async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
     let fixture = Fixture::new(1).await;
-    let config = config("g", 8080, free_port(), &["--listen", "0.0.0.0:9999"]);
+    let bad_listen = config("g", 8080, free_port(), &["--listen", "0.0.0.0:9999"]);
     let err = cosmosq_sidecar::run::run_with_client(
-        config,
+        bad_listen,
         fixture.client.clone(),
         CancellationToken::new(),
     )
@@ -631,18 +631,14 @@ async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
     .unwrap_err();
     assert!(missing.to_string().contains("--app-port"), "{missing}");
     // A queue nobody provisioned.
-    let mut config = config_for_missing_queue();
-    config.queue = "nope".into();
+    let mut unprovisioned = config("g", 8080, free_port(), &[]);
+    unprovisioned.queue = "nope".into();
     let err = cosmosq_sidecar::run::run_with_client(
-        config,
+        unprovisioned,
         fixture.client.clone(),
         CancellationToken::new(),
     )
     .await
     .unwrap_err();
     assert!(err.to_string().contains("provisioned"), "{err}");
-}
-
-fn config_for_missing_queue() -> Config {
-    config("g", 8080, free_port(), &[])
 }
