@@ -15,7 +15,6 @@ use cosmosq_queue::{
     Queue, QueueConfig, StartFrom,
 };
 use futures::{stream, StreamExt};
-use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::output::table;
@@ -30,6 +29,9 @@ pub struct BenchArgs {
     pub concurrency: usize,
     #[arg(long, default_value_t = 4)]
     pub partitions: u32,
+    /// Bytes of padding in each message body (request units grow with document size).
+    #[arg(long, default_value_t = 1000)]
+    pub body_bytes: usize,
 }
 
 struct Row {
@@ -63,10 +65,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             anyhow::Ok(Queue::open(&client, config).await?)
         }
     };
+    let padding = "x".repeat(args.body_bytes);
     let messages = |count: usize| -> Vec<NewMessage> {
         (0..count)
             .map(|i| {
-                NewMessage::json(json!({"order": i, "sku": "sku-1", "qty": 2}))
+                NewMessage::json(crate::seed::body(i, &padding))
                     .with_partition_key(format!("k{}", i % 64))
             })
             .collect()
@@ -149,14 +152,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     });
 
     // Consumers end to end: change feed + state machine, per mode and group count.
-    for (mode, groups) in [
-        (DeliveryMode::Exclusive, 1),
-        (DeliveryMode::Stream, 1),
-        (DeliveryMode::Exclusive, 2),
+    // Eight groups on fewer messages keep the run short; figures are per message per group.
+    let few = args.messages.min(2_000);
+    for (mode, groups, count) in [
+        (DeliveryMode::Exclusive, 1, args.messages),
+        (DeliveryMode::Stream, 1, args.messages),
+        (DeliveryMode::Exclusive, 2, args.messages),
+        (DeliveryMode::Exclusive, 8, few),
+        (DeliveryMode::Stream, 8, few),
     ] {
         let config = fresh();
         let producer = open(config.clone()).await?;
-        for chunk in messages(args.messages).chunks(1000) {
+        for chunk in messages(count).chunks(1000) {
             for r in producer.enqueue_batch(chunk.to_vec()).await {
                 r?;
             }
@@ -187,7 +194,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             tasks.push(tokio::spawn(async move { consumer.run(token).await }));
             queues.push(queue);
         }
-        let target = (args.messages * groups) as u64;
+        let target = (count * groups) as u64;
         while stats
             .iter()
             .map(|s| s.completed.load(Ordering::Relaxed))
@@ -211,9 +218,27 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 format!("{mode:?}").to_lowercase(),
                 if groups > 1 { "s" } else { "" }
             ),
-            messages: args.messages,
+            messages: count,
             seconds,
             request_units,
+            groups,
+        });
+    }
+
+    // The seed design on the same emulator: status flips on the message, every consumer
+    // reading the whole feed.
+    for groups in [1, 2, 8] {
+        let queue = open(fresh()).await?;
+        crate::seed::enqueue(queue.messages(), few, groups, &padding).await?;
+        let run = crate::seed::consume(queue.messages(), few, groups).await?;
+        rows.push(Row {
+            what: format!(
+                "seed design (status flips), {groups} group{}",
+                if groups > 1 { "s" } else { "" }
+            ),
+            messages: few,
+            seconds: run.seconds,
+            request_units: run.request_units,
             groups,
         });
     }
@@ -230,8 +255,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         })
         .collect();
     println!(
-        "cosmosq bench: {} messages, concurrency {}, {} partitions, in-memory emulator, one process\n",
-        args.messages, args.concurrency, args.partitions
+        "cosmosq bench: {} messages of ~{} bytes, concurrency {}, {} partitions, in-memory emulator, one process\n",
+        args.messages, args.body_bytes, args.concurrency, args.partitions
     );
     print!(
         "{}",

@@ -11,6 +11,8 @@ mod dlq;
 mod emulator;
 mod enqueue;
 mod output;
+#[cfg(feature = "emulator")]
+mod seed;
 
 use clap::Parser;
 
