@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use clap::Args;
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
-use tokio_util::sync::CancellationToken;
 
 #[derive(Args, Debug)]
 pub struct EmulatorArgs {
@@ -23,17 +22,15 @@ pub struct EmulatorArgs {
 }
 
 pub async fn run(args: EmulatorArgs) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
-    let port = listener.local_addr()?.port();
-    let endpoint = format!("http://127.0.0.1:{port}/");
-    let emulator = Emulator::new(
-        endpoint.parse()?,
+    let served = Emulator::serve_localhost(
+        args.port,
         EmulatorOptions {
             partitions: args.partitions,
             throughput: args.throughput,
         },
-    )?;
-    let shutdown = CancellationToken::new();
+    )
+    .await?;
+    let (emulator, endpoint, shutdown) = (&served.emulator, &served.endpoint, served.stop.clone());
     let sweeper =
         emulator.spawn_ttl_sweeper(emulator.client().await?, args.ttl_sweep, shutdown.clone());
     println!(
@@ -48,7 +45,7 @@ pub async fn run(args: EmulatorArgs) -> anyhow::Result<()> {
         let _ = tokio::signal::ctrl_c().await;
         stop.cancel();
     });
-    emulator.serve(listener, shutdown).await?;
+    served.task.await??;
     sweeper.await?;
     Ok(())
 }

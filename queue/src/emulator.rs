@@ -50,6 +50,16 @@ impl Default for EmulatorOptions {
     }
 }
 
+/// An emulator served on 127.0.0.1 (see [`Emulator::serve_localhost`]).
+pub struct Served {
+    pub emulator: Arc<Emulator>,
+    /// What clients connect to (`COSMOSQ_ENDPOINT`).
+    pub endpoint: String,
+    /// Cancel to stop serving; `task` then ends.
+    pub stop: CancellationToken,
+    pub task: tokio::task::JoinHandle<Result<()>>,
+}
+
 /// One emulated account.
 pub struct Emulator {
     http: Arc<InMemoryEmulatorHttpClient>,
@@ -266,6 +276,28 @@ impl Emulator {
                     Err(e) => warn!(error = %e, "TTL sweep failed"),
                 }
             }
+        })
+    }
+
+    /// A new account served on `127.0.0.1:port` (0: any free port) until `stop` is cancelled.
+    /// The port is bound before the account is made, so its region URL is the served one.
+    pub async fn serve_localhost(port: u16, options: EmulatorOptions) -> Result<Served> {
+        let listener = TcpListener::bind(("127.0.0.1", port))
+            .await
+            .map_err(|e| QueueError::Config(format!("emulator port {port}: {e}")))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| QueueError::Config(format!("emulator listener: {e}")))?
+            .port();
+        let endpoint = format!("http://127.0.0.1:{port}/");
+        let emulator = Emulator::new(endpoint.parse().expect("a localhost URL"), options)?;
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(Arc::clone(&emulator).serve(listener, stop.clone()));
+        Ok(Served {
+            emulator,
+            endpoint,
+            stop,
+            task,
         })
     }
 

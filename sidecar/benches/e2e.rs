@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::{provision, ConnectionArgs, NewMessage, QueueConfig};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
 const THROUGHPUT_MESSAGES: usize = 5_000;
 const LIGHT_LOAD_MESSAGES: usize = 300;
@@ -60,14 +59,10 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 #[tokio::main]
 async fn main() {
     // The account, served where a separate process can reach it.
-    let emulator_port = free_port();
-    let endpoint = format!("http://127.0.0.1:{emulator_port}/");
-    let emulator = Emulator::new(endpoint.parse().unwrap(), EmulatorOptions::default()).unwrap();
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", emulator_port))
+    let served = Emulator::serve_localhost(0, EmulatorOptions::default())
         .await
         .unwrap();
-    let stop = CancellationToken::new();
-    tokio::spawn(Arc::clone(&emulator).serve(listener, stop.clone()));
+    let endpoint = served.endpoint.clone();
     let client = ConnectionArgs::emulator(&endpoint).connect().await.unwrap();
     let (queue, _) = provision(&client, &QueueConfig::new("bench", "orders"))
         .await
@@ -202,5 +197,5 @@ async fn main() {
         peak_rss as f64 / 1024.0
     );
     println!("exit on SIGTERM  {status}");
-    stop.cancel();
+    served.stop.cancel();
 }

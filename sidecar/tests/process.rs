@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::{provision, ConnectionArgs, QueueConfig};
-use tokio_util::sync::CancellationToken;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -41,14 +40,10 @@ fn invalid_configuration_exits_2_naming_the_setting() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_and_a_second_signal_exits_at_once() {
-    let port = free_port();
-    let endpoint = format!("http://127.0.0.1:{port}/");
-    let emulator = Emulator::new(endpoint.parse().unwrap(), EmulatorOptions::default()).unwrap();
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+    let served = Emulator::serve_localhost(0, EmulatorOptions::default())
         .await
         .unwrap();
-    let stop = CancellationToken::new();
-    tokio::spawn(Arc::clone(&emulator).serve(listener, stop.clone()));
+    let endpoint = served.endpoint.clone();
     let client = ConnectionArgs::emulator(&endpoint).connect().await.unwrap();
     provision(&client, &QueueConfig::new("db", "q"))
         .await
@@ -149,5 +144,5 @@ async fn sigterm_drains_and_a_second_signal_exits_at_once() {
         second.elapsed() < Duration::from_secs(5),
         "the second signal ends it at once"
     );
-    stop.cancel();
+    served.stop.cancel();
 }

@@ -58,12 +58,7 @@ async fn eight_claimers_two_groups_each_message_completed_once_per_group() {
                 .with_partition_key(format!("k{}", i % 50))
         })
         .collect();
-    assert!(fixture
-        .queue
-        .enqueue_batch(batch)
-        .await
-        .iter()
-        .all(|r| r.is_ok()));
+    fixture.enqueue_all(batch).await;
 
     let ledger = Arc::new(Ledger::default());
     let shutdown = CancellationToken::new();

@@ -7,26 +7,16 @@ use cosmosq_queue::{
     provision, ClaimOutcome, ConnectionArgs, GroupConfig, NewMessage, QueueConfig, StartFrom,
 };
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_clients_share_one_account_over_http() {
     cosmosq_tests::init_tracing();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!(
-        "http://127.0.0.1:{}/",
-        listener.local_addr().unwrap().port()
-    );
-    let emulator = Emulator::new(
-        endpoint.parse().unwrap(),
-        EmulatorOptions {
-            partitions: 2,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(emulator.serve(listener, shutdown.clone()));
+    let options = EmulatorOptions {
+        partitions: 2,
+        ..Default::default()
+    };
+    let served = Emulator::serve_localhost(0, options).await.unwrap();
+    let endpoint = served.endpoint.clone();
 
     let producer = ConnectionArgs::emulator(&endpoint).connect().await.unwrap();
     let consumer = ConnectionArgs::emulator(&endpoint).connect().await.unwrap();
@@ -68,8 +58,8 @@ async fn two_clients_share_one_account_over_http() {
     };
     group.complete(&claim).await.unwrap();
 
-    shutdown.cancel();
-    server.await.unwrap().unwrap();
+    served.stop.cancel();
+    served.task.await.unwrap().unwrap();
 }
 
 #[tokio::test]

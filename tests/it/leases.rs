@@ -10,7 +10,7 @@ use cosmosq_queue::{
     ConsumerStats, Delivery, DeliveryMode, GroupConfig, MessageState, NewMessage, Outcome,
     StartFrom,
 };
-use cosmosq_tests::{eventually, recording, Fixture, Ledger};
+use cosmosq_tests::{eventually, recording, wait_on, Fixture, Ledger};
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -60,12 +60,7 @@ async fn enqueue(fixture: &Fixture, range: std::ops::Range<usize>) {
         })
         .collect();
     for chunk in batch.chunks(500) {
-        assert!(fixture
-            .queue
-            .enqueue_batch(chunk.to_vec())
-            .await
-            .iter()
-            .all(|r| r.is_ok()));
+        fixture.enqueue_all(chunk.to_vec()).await;
     }
 }
 
@@ -455,12 +450,7 @@ async fn kill_trial(seed: u64, mode: DeliveryMode) -> usize {
             );
         }
     }
-    for h in &hosts {
-        h.stop.cancel();
-    }
-    for h in hosts {
-        h.task.await.unwrap().unwrap();
-    }
+    stop_all(hosts).await;
     if mode == DeliveryMode::Exclusive {
         assert_eq!(
             completed(&all_stats) as usize,
@@ -574,12 +564,7 @@ async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
     let batch = (0..100)
         .map(|i| NewMessage::json(json!(i)).with_partition_key("b"))
         .collect();
-    assert!(fixture
-        .queue
-        .enqueue_batch(batch)
-        .await
-        .iter()
-        .all(|r| r.is_ok()));
+    fixture.enqueue_all(batch).await;
     // 700 messages in 601 writes: above the exact-count limit the estimate is the LSN distance.
     assert_eq!(group.estimate().await.unwrap().lag(), 601);
 }
@@ -645,12 +630,7 @@ async fn finer_leases_let_more_hosts_than_partitions_share_the_work() {
     enqueue(&fixture, 0..600).await;
     ledger.wait_until(|l| l.delivered("g") == 600).await;
     let stats: Vec<_> = hosts.iter().map(|h| Arc::clone(&h.stats)).collect();
-    for h in &hosts {
-        h.stop.cancel();
-    }
-    for h in hosts {
-        h.task.await.unwrap().unwrap();
-    }
+    stop_all(hosts).await;
     assert_eq!(completed(&stats.iter().collect::<Vec<_>>()), 600);
     ledger.assert_each_once("g");
     let per_host: Vec<u64> = stats
@@ -682,12 +662,7 @@ async fn ordered_groups_deliver_each_key_in_order_even_across_retries() {
                     .with_partition_key(format!("k{k}"))
             })
             .collect();
-        assert!(fixture
-            .queue
-            .enqueue_batch(batch)
-            .await
-            .iter()
-            .all(|r| r.is_ok()));
+        fixture.enqueue_all(batch).await;
     }
     // Per key: messages completed, in order; and how many were in the app at once.
     let seen: Arc<std::sync::Mutex<std::collections::HashMap<String, Vec<u32>>>> = Arc::default();
@@ -733,23 +708,11 @@ async fn ordered_groups_deliver_each_key_in_order_even_across_retries() {
     let hosts: Vec<_> = (0..2)
         .map(|h| start(&fixture, &config, fast(&format!("h{h}")), handler.clone()))
         .collect();
-    tokio::time::timeout(Duration::from_secs(60), async {
-        loop {
-            let notified = done.notified();
-            if seen.lock().unwrap().values().map(Vec::len).sum::<usize>() >= 160 {
-                break;
-            }
-            notified.await;
-        }
+    wait_on(&done, "all 160 completed", || {
+        seen.lock().unwrap().values().map(Vec::len).sum::<usize>() >= 160
     })
-    .await
-    .expect("all delivered");
-    for h in &hosts {
-        h.stop.cancel();
-    }
-    for h in hosts {
-        h.task.await.unwrap().unwrap();
-    }
+    .await;
+    stop_all(hosts).await;
     assert_eq!(
         overlaps.load(Ordering::SeqCst),
         0,

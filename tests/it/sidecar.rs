@@ -10,7 +10,7 @@ use clap::Parser;
 use cosmosq_queue::lease::LeaseStore;
 use cosmosq_queue::{GroupConfig, MessageState, NewMessage};
 use cosmosq_sidecar::config::Config;
-use cosmosq_tests::{eventually, Fixture};
+use cosmosq_tests::{eventually, wait_on, Fixture};
 use serde_json::json;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -130,17 +130,7 @@ impl TestApp {
     }
 
     async fn wait_for(&self, what: &str, check: impl Fn(&TestApp) -> bool) {
-        tokio::time::timeout(Duration::from_secs(60), async {
-            loop {
-                let notified = self.changed.notified();
-                if check(self) {
-                    return;
-                }
-                notified.await;
-            }
-        })
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for: {what}"));
+        wait_on(&self.changed, what, || check(self)).await;
     }
 }
 
@@ -475,12 +465,7 @@ async fn sigterm_with_fifty_in_flight_loses_nothing_and_releases_leases() {
     let batch = (0..50)
         .map(|i| NewMessage::json(json!(i)).with_id(format!("m{i}")))
         .collect();
-    assert!(fixture
-        .queue
-        .enqueue_batch(batch)
-        .await
-        .iter()
-        .all(|r| r.is_ok()));
+    fixture.enqueue_all(batch).await;
     let sidecar = start_sidecar(
         &fixture,
         config(

@@ -80,6 +80,13 @@ impl Fixture {
         }
     }
 
+    /// Enqueues a batch; every message must be taken.
+    pub async fn enqueue_all(&self, messages: Vec<cosmosq_queue::NewMessage>) {
+        for result in self.queue.enqueue_batch(messages).await {
+            result.expect("enqueued");
+        }
+    }
+
     pub fn group(&self, config: GroupConfig) -> Group {
         self.queue.group(config).expect("valid group")
     }
@@ -146,18 +153,23 @@ impl Ledger {
 
     /// Waits until `pred` holds, woken by each finished delivery (no polling sleeps).
     pub async fn wait_until(&self, pred: impl Fn(&Ledger) -> bool) {
-        tokio::time::timeout(Duration::from_secs(300), async {
-            loop {
-                let notified = self.done.notified();
-                if pred(self) {
-                    return;
-                }
-                notified.await;
-            }
-        })
-        .await
-        .expect("the consumers finished in time");
+        wait_on(&self.done, "the consumers to finish", || pred(self)).await;
     }
+}
+
+/// Waits until `check` holds, re-checking each time `notify` fires (no polling sleeps).
+pub async fn wait_on(notify: &Notify, what: &str, check: impl Fn() -> bool) {
+    tokio::time::timeout(Duration::from_secs(300), async {
+        loop {
+            let notified = notify.notified();
+            if check() {
+                return;
+            }
+            notified.await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("timed out waiting for {what}"));
 }
 
 /// A handler that records every delivery in `ledger` and completes it.
