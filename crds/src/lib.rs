@@ -18,6 +18,18 @@ fn preserve_unknown_fields(_: &mut schemars::SchemaGenerator) -> schemars::Schem
     schemars::json_schema!({"type": "object", "x-kubernetes-preserve-unknown-fields": true})
 }
 
+/// Conditions as a list keyed by type, so server-side apply merges them per condition: the
+/// reconciler owns `Ready`, the scaling loop `Degraded`, without overwriting each other.
+fn conditions_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut schema = generator.subschema_for::<Vec<Condition>>();
+    schema.insert("x-kubernetes-list-type".into(), "map".into());
+    schema.insert(
+        "x-kubernetes-list-map-keys".into(),
+        serde_json::json!(["type"]),
+    );
+    schema
+}
+
 /// A queue: a Cosmos DB container of messages plus its lease container.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
@@ -153,6 +165,7 @@ pub enum DeletionPolicy {
 pub struct CosmosQueueStatus {
     /// `Ready`, `Provisioned`, `Degraded`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partitions: Option<i32>,
@@ -431,6 +444,7 @@ pub enum ScalingMode {
 pub struct QueueConsumerGroupStatus {
     /// `Ready`, `Degraded`, `Scaling`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<i32>,

@@ -87,48 +87,31 @@ pub async fn apply_group(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::{Method, Request, Response};
-    use kube::client::Body;
+    use crate::testing::{client, json_response, ApiServerVerifier};
+    use http::{Method, StatusCode};
     use serde_json::{json, Value};
 
-    type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
-
-    /// Plays the API server: asserts each expected server-side apply, in order, and echoes it.
-    struct ApiServerVerifier(Handle);
-
     impl ApiServerVerifier {
+        /// The next request is a server-side apply of `kind` at `path` by our field manager,
+        /// owned by the group; it is echoed back.
         async fn expect_apply(&mut self, path: &str, kind: &str) -> Value {
-            let (request, send) = self.0.next_request().await.expect("a request");
-            assert_eq!(request.method(), Method::PATCH, "{path}");
-            assert_eq!(request.uri().path(), path);
-            let query = request.uri().query().unwrap_or_default();
+            let seen = self.expect(Method::PATCH, path).await;
             assert!(
-                query.contains("fieldManager=cosmosq-operator") && query.contains("force=true"),
-                "{query}"
+                seen.query.contains("fieldManager=cosmosq-operator")
+                    && seen.query.contains("force=true"),
+                "{}",
+                seen.query
             );
+            assert_eq!(seen.content_type, "application/apply-patch+yaml");
+            assert_eq!(seen.body["kind"], kind);
             assert_eq!(
-                request.headers().get("content-type").unwrap(),
-                "application/apply-patch+yaml"
-            );
-            let bytes = request.into_body().collect_bytes().await.unwrap();
-            let body: Value = serde_json::from_slice(&bytes).unwrap();
-            assert_eq!(body["kind"], kind);
-            assert_eq!(
-                body["metadata"]["ownerReferences"][0]["kind"],
+                seen.body["metadata"]["ownerReferences"][0]["kind"],
                 "QueueConsumerGroup"
             );
-            send.send_response(
-                Response::builder()
-                    .body(Body::from(bytes.to_vec()))
-                    .unwrap(),
-            );
-            body
+            seen.send
+                .send_response(json_response(StatusCode::OK, &seen.body));
+            seen.body
         }
-    }
-
-    fn client() -> (Client, ApiServerVerifier) {
-        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        (Client::new(service, "shop"), ApiServerVerifier(handle))
     }
 
     fn queue() -> CosmosQueue {
@@ -203,12 +186,9 @@ mod tests {
                 hpa: false
             }
         );
-        let mut server = verifier.await.unwrap();
+        let server = verifier.await.unwrap();
         drop(client);
-        assert!(
-            server.0.next_request().await.is_none(),
-            "nothing else was written"
-        );
+        server.done().await; // nothing else was written
     }
 
     #[tokio::test]
@@ -248,7 +228,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_invalid_spec_writes_nothing() {
-        let (client, mut server) = client();
+        let (client, server) = client();
         let mut bad = group(json!({}));
         bad.spec.template = json!({"spec": {"containers": []}});
         let err = apply_group(&client, &bad, &queue(), &defaults())
@@ -259,9 +239,6 @@ mod tests {
             "{err}"
         );
         drop(client);
-        assert!(
-            server.0.next_request().await.is_none(),
-            "no request was made"
-        );
+        server.done().await; // no request was made
     }
 }

@@ -1,12 +1,25 @@
-//! The cosmosq operator. So far: the objects a QueueConsumerGroup owns (`build`, pure), the
-//! apply step that writes them by server-side apply with one field manager (`apply`), one
-//! reconcile pass over a group with its status conditions (`reconcile`) — both tested against
-//! kube's mock service — and the scaling decision (`scaling`, pure). Still to come: the
-//! controller binary (watches, leader election, metrics), CosmosQueue provisioning with its
-//! finalizer, Events, the scaling loop and HPA-mode metrics.
+//! The cosmosq operator: a kube-rs controller for `CosmosQueue` (provisioning, deletion
+//! policy) and `QueueConsumerGroup` (the worker Deployment with the sidecar injected, and its
+//! scaling from remaining-work estimates, directly or through an HPA fed by the external
+//! metrics API this operator serves).
+//!
+//! Pure parts (`build`, `scaling`, `leader::verdict`, `cosmos::{queue,group}_config`) decide;
+//! `apply`, `queue`, `group`, `scaler`, `leader` and `http` do the I/O; `run` wires them.
 #![forbid(unsafe_code)]
 
 pub mod apply;
 pub mod build;
-pub mod reconcile;
+pub mod config;
+pub mod context;
+pub mod cosmos;
+pub mod group;
+pub mod http;
+pub mod leader;
+pub mod metrics;
+pub mod queue;
+pub mod run;
+pub mod scaler;
 pub mod scaling;
+pub mod status;
+#[cfg(test)]
+mod testing;

@@ -91,6 +91,40 @@ impl Reason {
     }
 }
 
+/// One round's estimate, kept to measure rates against the next.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sample {
+    pub at_ms: i64,
+    /// Sum of the ranges' LSNs: messages are append-only, so it grows by one per enqueue.
+    pub lsn: Option<u64>,
+    pub backlog: u64,
+    pub replicas: u32,
+}
+
+/// Arrival rate and the rate one replica settles, between two rounds.
+///
+/// What replicas settle only measures their capacity when they had work the whole time (a
+/// backlog at both ends); otherwise they were waiting for messages and the rate would merely
+/// echo the arrivals, pinning the group at its current size. Then it is `None` and the
+/// backlog alone decides.
+pub fn rates(prev: &Sample, now: &Sample) -> (Option<f64>, Option<f64>) {
+    let secs = (now.at_ms - prev.at_ms) as f64 / 1000.0;
+    if secs <= 0.0 {
+        return (None, None);
+    }
+    let arrival = match (prev.lsn, now.lsn) {
+        (Some(a), Some(b)) if b >= a => Some((b - a) as f64 / secs),
+        _ => None,
+    };
+    let replicas = prev.replicas.min(now.replicas);
+    let saturated = prev.backlog > 0 && now.backlog > 0 && replicas > 0;
+    let per_replica = arrival.filter(|_| saturated).and_then(|arrival| {
+        let settled = arrival * secs + prev.backlog as f64 - now.backlog as f64;
+        (settled > 0.0).then(|| settled / secs / f64::from(replicas))
+    });
+    (arrival, per_replica)
+}
+
 fn div_ceil_f(a: f64, b: f64) -> u32 {
     if b <= 0.0 || !a.is_finite() {
         return 0;
@@ -362,6 +396,71 @@ mod tests {
         assert_eq!(
             d.reason.describe(&d, None),
             "estimate failed; keeping 8 replicas"
+        );
+    }
+
+    fn sample(at_s: i64, lsn: u64, backlog: u64, replicas: u32) -> Sample {
+        Sample {
+            at_ms: at_s * 1000,
+            lsn: Some(lsn),
+            backlog,
+            replicas,
+        }
+    }
+
+    #[test]
+    fn rates_come_from_lsn_growth_and_the_backlog_drained() {
+        // 10 s: 1,000 arrived, the backlog fell from 500 to 300, so 1,200 were settled by 4.
+        let (arrival, per_replica) = rates(&sample(0, 5_000, 500, 4), &sample(10, 6_000, 300, 4));
+        assert_eq!(arrival, Some(100.0));
+        assert_eq!(per_replica, Some(30.0));
+    }
+
+    #[test]
+    fn idle_replicas_say_nothing_about_their_capacity() {
+        // Ten replicas keep up with 1 msg/s: their rate is not their capacity, and counting it
+        // would pin the group at ten.
+        let (arrival, per_replica) = rates(&sample(0, 100, 0, 10), &sample(10, 110, 0, 10));
+        assert_eq!(arrival, Some(1.0));
+        assert_eq!(per_replica, None);
+        // Nor does a group with no replicas, a clock that did not move, or an unknown LSN.
+        assert_eq!(
+            rates(&sample(0, 100, 50, 0), &sample(10, 200, 80, 0)).1,
+            None
+        );
+        assert_eq!(
+            rates(&sample(10, 100, 5, 1), &sample(10, 200, 5, 1)),
+            (None, None)
+        );
+        let unknown = Sample {
+            lsn: None,
+            ..sample(10, 0, 5, 1)
+        };
+        assert_eq!(rates(&sample(0, 100, 5, 1), &unknown), (None, None));
+    }
+
+    #[test]
+    fn a_measured_rate_sizes_the_group_for_the_arrivals() {
+        // 100 msg/s arriving, 30 msg/s per replica: 4 replicas although the backlog is small.
+        let mut history = History::default();
+        let d = decide(
+            &policy(),
+            &Observation {
+                now_ms: 0,
+                backlog: Some(150),
+                arrival_rate: Some(100.0),
+                rate_per_replica: Some(30.0),
+                leases: 16,
+                current_replicas: 2,
+            },
+            &mut history,
+        );
+        assert_eq!(
+            d,
+            Decision {
+                replicas: 4,
+                reason: Reason::ScaleUp
+            }
         );
     }
 }

@@ -43,6 +43,9 @@ pub struct RangeEstimate {
     /// Enqueue time (epoch ms) of the oldest message not yet settled.
     pub oldest_unsettled_at: Option<i64>,
     pub checkpointed: bool,
+    /// The range's latest LSN when it was read: it counts writes to the messages container
+    /// (messages are append-only), so its growth over time is the arrival rate.
+    pub lsn: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -59,6 +62,11 @@ impl GroupEstimate {
 
     pub fn backlog(&self) -> u64 {
         self.ranges.iter().map(|r| r.backlog).sum()
+    }
+
+    /// Sum of the ranges' LSNs, when every range reported one.
+    pub fn lsn(&self) -> Option<u64> {
+        self.ranges.iter().map(|r| r.lsn).sum()
     }
 
     pub fn oldest_unsettled_at(&self) -> Option<i64> {
@@ -78,6 +86,7 @@ const EXACT_COUNT_PAGE: u32 = 1000;
 struct FeedLag {
     lag: Option<u64>,
     first_enqueued_at: Option<i64>,
+    lsn: Option<u64>,
 }
 
 /// A state document as the estimator reads it.
@@ -112,6 +121,7 @@ impl Group {
                 backlog: feed.lag.unwrap_or(0) + waiting.len() as u64,
                 oldest_unsettled_at: oldest,
                 checkpointed: lease.continuation.is_some(),
+                lsn: feed.lsn,
             });
         }
         Ok(GroupEstimate {
@@ -180,7 +190,7 @@ impl Group {
         let Some(page) = pages.next().await else {
             return Ok(FeedLag {
                 lag: Some(0),
-                first_enqueued_at: None,
+                ..FeedLag::default()
             });
         };
         let page = page.map_err(QueueError::cosmos("estimate lag"))?;
@@ -192,6 +202,7 @@ impl Group {
             return Ok(FeedLag {
                 lag: Some(0),
                 first_enqueued_at: None,
+                lsn: partition_lsn,
             });
         };
         let first_enqueued_at = first.get("enqueuedAt").and_then(Value::as_i64);
@@ -212,6 +223,7 @@ impl Group {
         Ok(FeedLag {
             lag,
             first_enqueued_at,
+            lsn: partition_lsn,
         })
     }
 

@@ -9,7 +9,7 @@ use serde_json::json;
 use tracing::info;
 
 use crate::config::{QueueConfig, Throughput};
-use crate::error::{status_of, QueueError, Result, CONFLICT};
+use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND};
 use crate::queue::Queue;
 
 /// What provisioning did, for status and Events.
@@ -57,6 +57,26 @@ pub async fn provision(
         "queue provisioned"
     );
     Ok((Queue::open(client, config.clone()).await?, provisioned))
+}
+
+/// Deletes the messages container and the lease container (the database may hold other
+/// queues and stays). Containers already gone count as deleted.
+pub async fn deprovision(client: &CosmosClient, config: &QueueConfig) -> Result<()> {
+    config.validate()?;
+    let db = client.database_client(config.database.as_str());
+    for name in [config.container.clone(), config.lease_container_name()] {
+        let container = match db.container_client(name.as_str(), None).await {
+            Ok(c) => c,
+            Err(e) if status_of(&e) == NOT_FOUND => continue,
+            Err(e) => return Err(QueueError::cosmos("open container")(e)),
+        };
+        match container.delete(None).await {
+            Ok(_) => info!(database = %config.database, container = %name, "container deleted"),
+            Err(e) if status_of(&e) == NOT_FOUND => {}
+            Err(e) => return Err(QueueError::cosmos("delete container")(e)),
+        }
+    }
+    Ok(())
 }
 
 async fn create_container(

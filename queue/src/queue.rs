@@ -86,6 +86,19 @@ impl Queue {
         self.inner.config.partition_key_field()
     }
 
+    /// Physical partitions of the messages container, read fresh (a split shows at once).
+    pub async fn partitions(&self) -> Result<usize> {
+        let ranges = self
+            .messages()
+            .read_feed_ranges(Some(
+                azure_data_cosmos::options::ReadFeedRangesOptions::default()
+                    .with_force_refresh(true),
+            ))
+            .await
+            .map_err(QueueError::cosmos("read feed ranges"))?;
+        Ok(ranges.len())
+    }
+
     /// A consumer group of this queue.
     pub fn group(&self, config: GroupConfig) -> Result<Group> {
         config.validate()?;

@@ -1,0 +1,104 @@
+//! The operator's configuration, by flags and environment (the Helm chart sets both).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+fn duration(text: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d.is_zero() {
+        return Err("must be more than 0".into());
+    }
+    Ok(d)
+}
+
+#[derive(Parser, Clone, Debug)]
+#[command(
+    name = "cosmosq-operator",
+    version,
+    about = "Reconciles CosmosQueues and QueueConsumerGroups and scales their workers",
+    args_override_self = true
+)]
+pub struct Config {
+    /// The sidecar image injected into worker pods (a group's spec.sidecar.image overrides it).
+    #[arg(
+        long,
+        env = "COSMOSQ_SIDECAR_IMAGE",
+        default_value = concat!("ghcr.io/cosmosq/sidecar:", env!("CARGO_PKG_VERSION"))
+    )]
+    pub sidecar_image: String,
+    /// Metrics, health, readiness and the KEDA endpoint (plain HTTP).
+    #[arg(long, env = "COSMOSQ_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// The external metrics API over TLS, when --tls-cert-file and --tls-key-file are set.
+    #[arg(long, env = "COSMOSQ_SECURE_LISTEN", default_value = "0.0.0.0:6443")]
+    pub secure_listen: SocketAddr,
+    #[arg(long, env = "COSMOSQ_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    #[arg(long, env = "COSMOSQ_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+    /// How often every group's remaining work is estimated and its replicas decided.
+    #[arg(long, env = "COSMOSQ_SCALE_INTERVAL", default_value = "15s", value_parser = duration)]
+    pub scale_interval: Duration,
+    /// Watch only this namespace (all namespaces when unset).
+    #[arg(long, env = "COSMOSQ_WATCH_NAMESPACE")]
+    pub watch_namespace: Option<String>,
+    /// Elect a leader among replicas with a coordination Lease; only the leader acts.
+    #[arg(long, env = "COSMOSQ_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_election: bool,
+    #[arg(
+        long,
+        env = "COSMOSQ_LEADER_ELECTION_LEASE",
+        default_value = "cosmosq-operator"
+    )]
+    pub lease_name: String,
+    /// Namespace of the leader Lease: the operator's own.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "cosmosq-system")]
+    pub lease_namespace: String,
+    /// This replica's identity in the Lease and in Events.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// The Azure region the Cosmos DB SDK should prefer.
+    #[arg(long, env = "COSMOSQ_REGION", default_value = "eastus")]
+    pub region: String,
+    /// Shutdown grace: how long in-flight reconciles may take after SIGTERM.
+    #[arg(long, env = "COSMOSQ_GRACE_PERIOD", default_value = "20s", value_parser = duration)]
+    pub grace_period: Duration,
+}
+
+impl Config {
+    /// The identity in the Lease: the pod's name, or a unique fallback outside a pod.
+    pub fn identity(&self) -> String {
+        self.identity
+            .clone()
+            .unwrap_or_else(|| format!("cosmosq-operator-{}", uuid::Uuid::new_v4().simple()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_suit_a_cluster() {
+        let config = Config::try_parse_from(["cosmosq-operator"]).unwrap();
+        assert!(config.leader_election);
+        assert_eq!(config.scale_interval, Duration::from_secs(15));
+        assert_eq!(config.listen.port(), 8080);
+        assert!(config.sidecar_image.starts_with("ghcr.io/cosmosq/sidecar:"));
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let err = Config::try_parse_from(["cosmosq-operator", "--scale-interval", "0s"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--scale-interval"), "{err}");
+        let err = Config::try_parse_from(["cosmosq-operator", "--tls-cert-file", "c.pem"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--tls-key-file"), "{err}");
+    }
+}

@@ -1,0 +1,354 @@
+//! Reconciling a QueueConsumerGroup: fetch its queue → validate and build (pure) → apply →
+//! status. Invalid specs are reported in the `Ready` condition and an Event naming the field,
+//! and wait for a change; transient errors go back to the controller, which retries.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, ResourceExt};
+use serde_json::json;
+use tracing::{info, warn};
+
+use crate::apply::{apply_group, ApplyError, FIELD_MANAGER};
+use crate::context::Context;
+use crate::cosmos::group_config;
+use crate::status;
+
+pub const KIND: &str = "QueueConsumerGroup";
+
+/// Reasons of the `Ready` condition.
+pub mod reasons {
+    pub const APPLIED: &str = "Applied";
+    pub const QUEUE_NOT_FOUND: &str = "QueueNotFound";
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error(transparent)]
+    Apply(#[from] ApplyError),
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("{0} has no namespace")]
+    NoNamespace(String),
+}
+
+impl ReconcileError {
+    /// For the errors metric: a bounded set.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ReconcileError::Apply(_) => "apply",
+            ReconcileError::Kube(_) => "kube",
+            ReconcileError::NoNamespace(_) => "invalid_object",
+        }
+    }
+}
+
+/// The outcome of a pass, before it is written to status.
+struct Outcome {
+    ok: bool,
+    reason: &'static str,
+    message: String,
+    action: Action,
+}
+
+/// One pass over a group.
+pub async fn reconcile_group(
+    qcg: Arc<QueueConsumerGroup>,
+    ctx: Arc<Context>,
+) -> Result<Action, ReconcileError> {
+    let started = Instant::now();
+    ctx.metrics.reconciles.with_label_values(&[KIND]).inc();
+    let result = reconcile(&qcg, &ctx).await;
+    ctx.metrics
+        .reconcile_duration
+        .with_label_values(&[KIND])
+        .observe(started.elapsed().as_secs_f64());
+    result
+}
+
+async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, ReconcileError> {
+    let namespace = qcg
+        .namespace()
+        .ok_or_else(|| ReconcileError::NoNamespace(qcg.name_any()))?;
+    let queues: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
+    let queue_name = &qcg.spec.queue_ref.name;
+    let outcome = match (queues.get_opt(queue_name).await?, group_config(qcg)) {
+        (None, _) => Outcome {
+            ok: false,
+            reason: reasons::QUEUE_NOT_FOUND,
+            message: format!("CosmosQueue {queue_name} does not exist in {namespace}"),
+            action: Action::requeue(Duration::from_secs(30)),
+        },
+        // Nothing is written for an invalid spec; it waits for its owner to fix it.
+        (Some(_), Err(e)) => Outcome {
+            ok: false,
+            reason: reasons::INVALID_SPEC,
+            message: e.to_string(),
+            action: Action::await_change(),
+        },
+        (Some(queue), Ok(_)) => match apply_group(&ctx.client, qcg, &queue, &ctx.defaults).await {
+            Ok(applied) => Outcome {
+                ok: true,
+                reason: reasons::APPLIED,
+                message: format!("Deployment {} is up to date", applied.deployment),
+                action: Action::requeue(Duration::from_secs(300)),
+            },
+            Err(ApplyError::Build(e)) => Outcome {
+                ok: false,
+                reason: reasons::INVALID_SPEC,
+                message: e.to_string(),
+                action: Action::await_change(),
+            },
+            Err(e) => return Err(e.into()),
+        },
+    };
+    let generation = qcg.metadata.generation;
+    let previous = qcg.status.clone().unwrap_or_default();
+    let spec_changed = previous.observed_generation != generation;
+    let ready_before = previous
+        .conditions
+        .iter()
+        .find(|c| c.type_ == status::READY)
+        .map(|c| (c.status == "True", c.reason.clone()));
+    let changed = spec_changed || ready_before != Some((outcome.ok, outcome.reason.to_owned()));
+    if outcome.ok {
+        info!(group = %qcg.name_any(), %namespace, "{}", outcome.message);
+        if changed {
+            ctx.event(
+                qcg,
+                EventType::Normal,
+                outcome.reason,
+                "Apply",
+                outcome.message.clone(),
+            )
+            .await;
+        }
+    } else {
+        warn!(group = %qcg.name_any(), %namespace, reason = outcome.reason, "{}", outcome.message);
+        if changed {
+            ctx.event(
+                qcg,
+                EventType::Warning,
+                outcome.reason,
+                "Apply",
+                outcome.message.clone(),
+            )
+            .await;
+        }
+    }
+    // Only the fields this reconciler owns; the scaling loop writes the rest of the status.
+    let ready = status::condition(
+        &previous.conditions,
+        status::READY,
+        outcome.ok,
+        outcome.reason,
+        outcome.message,
+        generation,
+        status::now(),
+    );
+    let patch = json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": KIND,
+        "status": {"conditions": [ready], "observedGeneration": generation}
+    });
+    let groups: Api<QueueConsumerGroup> = Api::namespaced(ctx.client.clone(), &namespace);
+    groups
+        .patch_status(
+            &qcg.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(patch),
+        )
+        .await?;
+    if spec_changed && outcome.ok {
+        if let Some(changed) = &ctx.changed {
+            let _ = changed.send(ObjectRef::from_obj(qcg));
+        }
+    }
+    Ok(outcome.action)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::build::Defaults;
+    use crate::cosmos::{Backend, Cosmos};
+    use crate::testing::{
+        client, group_json, json_response, not_found, queue_json, ApiServerVerifier,
+    };
+    use http::{Method, StatusCode};
+    use serde_json::Value;
+    use tokio::sync::mpsc;
+
+    const QUEUE: &str = "/apis/cosmosq.io/v1alpha1/namespaces/shop/cosmosqueues/orders";
+    const STATUS: &str =
+        "/apis/cosmosq.io/v1alpha1/namespaces/shop/queueconsumergroups/billing/status";
+
+    fn setup(
+        spec: Value,
+    ) -> (
+        Arc<QueueConsumerGroup>,
+        Arc<Context>,
+        ApiServerVerifier,
+        mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
+    ) {
+        let (client, server) = client();
+        let cosmos = Cosmos::new(
+            Backend::Azure {
+                region: "eastus".into(),
+            },
+            client.clone(),
+        );
+        let defaults = Defaults {
+            sidecar_image: "s:t".into(),
+        };
+        let mut ctx = Context::new(client, defaults, cosmos, None);
+        let (tx, rx) = mpsc::unbounded_channel();
+        ctx.changed = Some(tx);
+        let qcg: QueueConsumerGroup = serde_json::from_value(group_json(spec)).unwrap();
+        (Arc::new(qcg), Arc::new(ctx), server, rx)
+    }
+
+    fn ready(status: &Value) -> (&str, &str) {
+        let conditions = status["conditions"].as_array().unwrap();
+        assert_eq!(conditions.len(), 1, "only Ready is this reconciler's");
+        let c = &conditions[0];
+        assert_eq!(c["type"], "Ready");
+        (c["status"].as_str().unwrap(), c["reason"].as_str().unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_valid_group_is_applied_reported_ready_and_handed_to_the_scaler() {
+        let (qcg, ctx, mut server, mut changed) = setup(json!({}));
+        let verifier = tokio::spawn(async move {
+            server
+                .answer(
+                    Method::GET,
+                    QUEUE,
+                    json_response(StatusCode::OK, &queue_json()),
+                )
+                .await;
+            for _ in 0..4 {
+                let seen = server.next().await;
+                assert_eq!(seen.method, Method::PATCH);
+                seen.send
+                    .send_response(json_response(StatusCode::OK, &seen.body));
+            }
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Normal"), &json!("Applied"))
+            );
+            let status = server.status(STATUS, group_json(json!({}))).await;
+            (server, status)
+        });
+        let action = reconcile_group(qcg, ctx.clone()).await.unwrap();
+        assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+        let (server, body) = verifier.await.unwrap();
+        assert_eq!(ready(&body["status"]), ("True", "Applied"));
+        assert_eq!(body["status"]["observedGeneration"], 3);
+        assert!(
+            body["status"].get("backlog").is_none(),
+            "the scaler's field"
+        );
+        assert_eq!(changed.try_recv().unwrap().name, "billing");
+        assert_eq!(ctx.metrics.reconciles.with_label_values(&[KIND]).get(), 1);
+        drop(ctx);
+        server.done().await;
+    }
+
+    #[tokio::test]
+    async fn a_missing_queue_is_reported_and_retried() {
+        let (qcg, ctx, mut server, mut changed) = setup(json!({}));
+        let verifier = tokio::spawn(async move {
+            server.answer(Method::GET, QUEUE, not_found()).await;
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Warning"), &json!("QueueNotFound"))
+            );
+            server.status(STATUS, group_json(json!({}))).await
+        });
+        let action = reconcile_group(qcg, ctx).await.unwrap();
+        assert_eq!(action, Action::requeue(Duration::from_secs(30)));
+        let body = verifier.await.unwrap();
+        assert_eq!(ready(&body["status"]), ("False", "QueueNotFound"));
+        assert!(changed.try_recv().is_err(), "nothing to scale yet");
+    }
+
+    #[tokio::test]
+    async fn an_invalid_spec_is_named_in_status_and_an_event_and_nothing_is_applied() {
+        for (spec, field) in [
+            (
+                json!({"template": {"spec": {"containers": []}}}),
+                "spec.template.spec.containers",
+            ),
+            (
+                json!({"lockDuration": "99999999999999999999s"}),
+                "spec.lockDuration",
+            ),
+        ] {
+            let (qcg, ctx, mut server, _changed) = setup(spec);
+            let verifier = tokio::spawn(async move {
+                server
+                    .answer(
+                        Method::GET,
+                        QUEUE,
+                        json_response(StatusCode::OK, &queue_json()),
+                    )
+                    .await;
+                // The next request is the Event: no apply came first.
+                let event = server.event().await;
+                assert_eq!(event["reason"], "InvalidSpec");
+                let status = server.status(STATUS, group_json(json!({}))).await;
+                (event, status)
+            });
+            let action = reconcile_group(qcg, ctx).await.unwrap();
+            assert_eq!(action, Action::await_change());
+            let (event, body) = verifier.await.unwrap();
+            assert_eq!(ready(&body["status"]), ("False", "InvalidSpec"));
+            let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
+            assert!(message.contains(field), "{message}");
+            assert!(event["note"].as_str().unwrap().contains(field));
+        }
+    }
+
+    #[tokio::test]
+    async fn an_unchanged_group_publishes_no_event_on_its_periodic_pass() {
+        let mut spec = group_json(json!({}));
+        spec["status"] = json!({"observedGeneration": 3, "conditions": [{
+            "type": "Ready", "status": "True", "reason": "Applied", "message": "m",
+            "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+        let (_, ctx, mut server, mut changed) = setup(json!({}));
+        let qcg: Arc<QueueConsumerGroup> = Arc::new(serde_json::from_value(spec).unwrap());
+        let verifier = tokio::spawn(async move {
+            server
+                .answer(
+                    Method::GET,
+                    QUEUE,
+                    json_response(StatusCode::OK, &queue_json()),
+                )
+                .await;
+            for _ in 0..4 {
+                let seen = server.next().await;
+                seen.send
+                    .send_response(json_response(StatusCode::OK, &seen.body));
+            }
+            server.status(STATUS, group_json(json!({}))).await // straight to status: no Event
+        });
+        reconcile_group(qcg, ctx).await.unwrap();
+        let body = verifier.await.unwrap();
+        assert_eq!(
+            body["status"]["conditions"][0]["lastTransitionTime"],
+            "2026-01-01T00:00:00Z"
+        );
+        assert!(
+            changed.try_recv().is_err(),
+            "the scaler already knows this generation"
+        );
+    }
+}

@@ -1,0 +1,178 @@
+//! The operator's Prometheus metrics. Labels stay bounded: resource kinds, error kinds, and one
+//! series per consumer group (removed when the group is deleted).
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+const GROUP_LABELS: &[&str] = &["namespace", "queue", "group"];
+
+pub struct Metrics {
+    registry: Registry,
+    pub reconciles: IntCounterVec,
+    pub reconcile_errors: IntCounterVec,
+    pub reconcile_duration: HistogramVec,
+    pub backlog: IntGaugeVec,
+    pub lag: IntGaugeVec,
+    pub oldest_age: IntGaugeVec,
+    pub desired_replicas: IntGaugeVec,
+    pub estimate_errors: IntCounterVec,
+    pub scale_events: IntCounterVec,
+    pub scaling_round: Histogram,
+    pub leader: IntGauge,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let reconciles = IntCounterVec::new(
+            Opts::new(
+                "cosmosq_operator_reconciles_total",
+                "Reconciles, by resource kind",
+            ),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let reconcile_errors = IntCounterVec::new(
+            Opts::new(
+                "cosmosq_operator_reconcile_errors_total",
+                "Failed reconciles, by resource kind and error kind",
+            ),
+            &["kind", "error"],
+        )
+        .expect("valid metric");
+        let reconcile_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "cosmosq_operator_reconcile_duration_seconds",
+                "Time one reconcile took",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            ]),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let backlog = IntGaugeVec::new(
+            Opts::new(
+                "cosmosq_group_backlog",
+                "Messages the group has not settled yet",
+            ),
+            GROUP_LABELS,
+        )
+        .expect("valid metric");
+        let lag = IntGaugeVec::new(
+            Opts::new("cosmosq_group_lag", "Messages the group has not read yet"),
+            GROUP_LABELS,
+        )
+        .expect("valid metric");
+        let oldest_age = IntGaugeVec::new(
+            Opts::new(
+                "cosmosq_group_oldest_message_age_seconds",
+                "Age of the oldest message the group has not settled",
+            ),
+            GROUP_LABELS,
+        )
+        .expect("valid metric");
+        let desired_replicas = IntGaugeVec::new(
+            Opts::new(
+                "cosmosq_group_desired_replicas",
+                "Workers the scaling decision wants",
+            ),
+            GROUP_LABELS,
+        )
+        .expect("valid metric");
+        let estimate_errors = IntCounterVec::new(
+            Opts::new(
+                "cosmosq_operator_estimate_errors_total",
+                "Rounds in which a group's estimate failed (replicas were kept)",
+            ),
+            GROUP_LABELS,
+        )
+        .expect("valid metric");
+        let scale_events = IntCounterVec::new(
+            Opts::new(
+                "cosmosq_operator_scale_total",
+                "Replica changes the operator applied, by direction",
+            ),
+            &["namespace", "queue", "group", "direction"],
+        )
+        .expect("valid metric");
+        let scaling_round = Histogram::with_opts(
+            HistogramOpts::new(
+                "cosmosq_operator_scaling_round_seconds",
+                "Time one scaling round over every group took",
+            )
+            .buckets(vec![0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+        )
+        .expect("valid metric");
+        let leader = IntGauge::new(
+            "cosmosq_operator_leader",
+            "1 while this replica holds the leader lease",
+        )
+        .expect("valid metric");
+        for collector in [
+            Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(reconcile_errors.clone()),
+            Box::new(reconcile_duration.clone()),
+            Box::new(backlog.clone()),
+            Box::new(lag.clone()),
+            Box::new(oldest_age.clone()),
+            Box::new(desired_replicas.clone()),
+            Box::new(estimate_errors.clone()),
+            Box::new(scale_events.clone()),
+            Box::new(scaling_round.clone()),
+            Box::new(leader.clone()),
+        ] {
+            registry.register(collector).expect("unique metric");
+        }
+        #[cfg(target_os = "linux")]
+        registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("unique metric");
+        Self {
+            registry,
+            reconciles,
+            reconcile_errors,
+            reconcile_duration,
+            backlog,
+            lag,
+            oldest_age,
+            desired_replicas,
+            estimate_errors,
+            scale_events,
+            scaling_round,
+            leader,
+        }
+    }
+
+    /// Forgets a deleted group's series.
+    pub fn remove_group(&self, labels: &[&str; 3]) {
+        for gauge in [
+            &self.backlog,
+            &self.lag,
+            &self.oldest_age,
+            &self.desired_replicas,
+        ] {
+            let _ = gauge.remove_label_values(labels);
+        }
+        let _ = self.estimate_errors.remove_label_values(labels);
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buffer)
+            .expect("metrics encode");
+        String::from_utf8(buffer).expect("metrics are UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

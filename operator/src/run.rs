@@ -1,0 +1,314 @@
+//! Wiring: the HTTP surface, leader election, the two controllers and the scaling loop, and a
+//! graceful shutdown. `main` only parses the configuration and waits for a signal.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::build::Defaults;
+use crate::config::Config;
+use crate::context::Context;
+use crate::cosmos::{Backend, Cosmos};
+use crate::group::{self, reconcile_group, ReconcileError};
+use crate::http::{self, HttpError, Shared};
+use crate::leader::{LeaderElection, LeaderError, Settings};
+use crate::queue::{self, reconcile_queue, QueueReconcileError};
+use crate::scaler::Scaler;
+
+/// The label the leader puts on its own pod; the external-metrics Service selects it.
+pub const LEADER_LABEL: &str = "cosmosq.io/leader";
+/// Objects the operator applies carry this label; only they are watched.
+const MANAGED: &str = "app.kubernetes.io/managed-by=cosmosq-operator";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("Kubernetes client: {0}")]
+    Client(#[from] kube::Error),
+    #[error(transparent)]
+    Http(#[from] HttpError),
+    #[error(transparent)]
+    Leader(#[from] LeaderError),
+}
+
+/// Runs until `shutdown`, or until leadership is lost (an error: the process exits and
+/// Kubernetes restarts it as a candidate).
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunError> {
+    let client = Client::try_default().await?;
+    let backend = Backend::Azure {
+        region: config.region.clone(),
+    };
+    run_with(client, backend, config, shutdown).await
+}
+
+pub async fn run_with(
+    client: Client,
+    backend: Backend,
+    config: Config,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    let identity = config.identity();
+    let defaults = Defaults {
+        sidecar_image: config.sidecar_image.clone(),
+    };
+    let cosmos = Cosmos::new(backend, client.clone());
+    let mut ctx = Context::new(client.clone(), defaults, cosmos, Some(identity.clone()));
+    let (changed_tx, changed_rx) = mpsc::unbounded_channel();
+    ctx.changed = Some(changed_tx);
+    let ctx = Arc::new(ctx);
+
+    // The HTTP surface comes first: the kubelet probes a standby too.
+    let shared = Shared::new(ctx.metrics.clone(), ctx.figures.clone());
+    let router = http::router(shared.clone());
+    let mut servers = tokio::task::JoinSet::new();
+    servers.spawn(http::serve(config.listen, router.clone(), shutdown.clone()));
+    if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
+        let tls = http::tls_config(cert, key)?;
+        servers.spawn(http::serve_tls(
+            config.secure_listen,
+            router,
+            tls,
+            shutdown.clone(),
+        ));
+    }
+    let pod = config.identity.clone().map(|name| {
+        (
+            Api::<Pod>::namespaced(client.clone(), &config.lease_namespace),
+            name,
+        )
+    });
+    if let Some((pods, name)) = &pod {
+        label_own_pod(pods, name, false).await;
+    }
+
+    let election = config.leader_election.then(|| {
+        LeaderElection::new(
+            Api::<Lease>::namespaced(client.clone(), &config.lease_namespace),
+            Settings::new(config.lease_name.clone(), identity.clone()),
+        )
+    });
+    if let Some(election) = &election {
+        match election.acquire(&shutdown).await {
+            Ok(()) => {}
+            Err(LeaderError::Cancelled) => return stop_servers(servers).await,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    shared.leader.store(true, Ordering::Relaxed);
+    ctx.metrics.leader.set(1);
+    if let Some((pods, name)) = &pod {
+        label_own_pod(pods, name, true).await;
+    }
+
+    // Controllers stop when `work` is cancelled: on shutdown, or when leadership is lost.
+    let work = shutdown.child_token();
+    let lost = match &election {
+        Some(election) => {
+            let work = work.clone();
+            let hold = async move {
+                let outcome = election.hold(&work).await;
+                work.cancel();
+                outcome
+            };
+            Some(hold)
+        }
+        None => None,
+    };
+    let controllers = run_controllers(
+        &client,
+        &config,
+        ctx.clone(),
+        shared.clone(),
+        changed_rx,
+        work.clone(),
+    );
+    let outcome = match lost {
+        Some(hold) => {
+            let (outcome, ()) = tokio::join!(hold, controllers);
+            match outcome {
+                LeaderError::Cancelled => Ok(()),
+                lost => Err(lost),
+            }
+        }
+        None => {
+            controllers.await;
+            Ok(())
+        }
+    };
+    shared.leader.store(false, Ordering::Relaxed);
+    ctx.metrics.leader.set(0);
+    if let Some((pods, name)) = &pod {
+        label_own_pod(pods, name, false).await;
+    }
+    if let Some(election) = &election {
+        if outcome.is_ok() {
+            election.release().await;
+        }
+    }
+    shutdown.cancel();
+    stop_servers(servers).await?;
+    outcome.map_err(RunError::from)
+}
+
+async fn stop_servers(
+    mut servers: tokio::task::JoinSet<Result<(), HttpError>>,
+) -> Result<(), RunError> {
+    while let Some(result) = servers.join_next().await {
+        if let Ok(Err(e)) = result {
+            return Err(e.into());
+        }
+    }
+    Ok(())
+}
+
+fn watch_api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    <K as Resource>::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// The two controllers and the scaling loop, until `work` is cancelled.
+async fn run_controllers(
+    client: &Client,
+    config: &Config,
+    ctx: Arc<Context>,
+    shared: Shared,
+    changed: mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
+    work: CancellationToken,
+) {
+    let ns = config.watch_namespace.as_deref();
+    let queues = Controller::new(
+        watch_api::<CosmosQueue>(client, ns),
+        watcher::Config::default().any_semantic(),
+    )
+    .graceful_shutdown_on(work.clone().cancelled_owned());
+    let queue_store = queues.store();
+
+    let groups = Controller::new(
+        watch_api::<QueueConsumerGroup>(client, ns),
+        watcher::Config::default().any_semantic(),
+    )
+    .owns(
+        watch_api::<Deployment>(client, ns),
+        watcher::Config::default().labels(MANAGED).any_semantic(),
+    )
+    .owns(
+        watch_api::<HorizontalPodAutoscaler>(client, ns),
+        watcher::Config::default().labels(MANAGED).any_semantic(),
+    )
+    .graceful_shutdown_on(work.clone().cancelled_owned());
+    let group_store = groups.store();
+    // A queue's change (endpoint, credentials) reaches the groups that use it.
+    let groups_of_queue = group_store.clone();
+    let groups = groups.watches(
+        watch_api::<CosmosQueue>(client, ns),
+        watcher::Config::default().any_semantic(),
+        move |cq: CosmosQueue| {
+            let namespace = cq.namespace();
+            groups_of_queue
+                .state()
+                .into_iter()
+                .filter(|g| g.namespace() == namespace && g.spec.queue_ref.name == cq.name_any())
+                .map(|g| ObjectRef::from_obj(&*g))
+                .collect::<Vec<_>>()
+        },
+    );
+
+    let queue_loop = queues
+        .run(reconcile_queue, queue_error_policy, ctx.clone())
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                warn!(error = %e, "CosmosQueue controller");
+            }
+        });
+    let group_loop = groups
+        .run(reconcile_group, group_error_policy, ctx.clone())
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                warn!(error = %e, "QueueConsumerGroup controller");
+            }
+        });
+    let scaler = Arc::new(Scaler::new(
+        ctx.clone(),
+        group_store.clone(),
+        queue_store.clone(),
+    ));
+    let interval = config.scale_interval;
+    let scaling = async {
+        // Scaling needs both caches: a half-filled one would read as "no queue".
+        tokio::select! {
+            _ = work.cancelled() => return,
+            ready = async { tokio::join!(queue_store.wait_until_ready(), group_store.wait_until_ready()) } => {
+                if ready.0.is_err() || ready.1.is_err() {
+                    return;
+                }
+            }
+        }
+        shared.synced.store(true, Ordering::Relaxed);
+        info!(
+            queues = queue_store.state().len(),
+            groups = group_store.state().len(),
+            "caches synced; scaling every {}",
+            humantime::format_duration(interval)
+        );
+        scaler.run(interval, changed, work.clone()).await;
+    };
+    tokio::join!(queue_loop, group_loop, scaling);
+}
+
+fn queue_error_policy(
+    cq: Arc<CosmosQueue>,
+    error: &QueueReconcileError,
+    ctx: Arc<Context>,
+) -> Action {
+    ctx.metrics
+        .reconcile_errors
+        .with_label_values(&[queue::KIND, error.kind()])
+        .inc();
+    warn!(queue = %cq.name_any(), namespace = ?cq.namespace(), %error, "reconcile failed; retrying");
+    Action::requeue(std::time::Duration::from_secs(15))
+}
+
+fn group_error_policy(
+    qcg: Arc<QueueConsumerGroup>,
+    error: &ReconcileError,
+    ctx: Arc<Context>,
+) -> Action {
+    ctx.metrics
+        .reconcile_errors
+        .with_label_values(&[group::KIND, error.kind()])
+        .inc();
+    warn!(group = %qcg.name_any(), namespace = ?qcg.namespace(), %error, "reconcile failed; retrying");
+    Action::requeue(std::time::Duration::from_secs(15))
+}
+
+/// Marks this replica's pod as leader or not (best effort: a failure only affects which pod
+/// the external-metrics Service reaches, and a standby answers 503 there).
+async fn label_own_pod(pods: &Api<Pod>, name: &str, leader: bool) {
+    let patch = json!({"metadata": {"labels": {LEADER_LABEL: leader.to_string()}}});
+    if let Err(e) = pods
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        warn!(pod = %name, error = %e, "could not label this pod");
+    }
+}

@@ -1,0 +1,146 @@
+//! Test support: kube's mock-service pattern. The verifier plays the API server and asserts
+//! each request the code under test makes, in order.
+
+use http::{Method, Request, Response, StatusCode};
+use kube::client::Body;
+use kube::Client;
+use serde_json::{json, Value};
+use tower_test::mock::{Handle, SendResponse};
+
+pub struct ApiServerVerifier(pub Handle<Request<Body>, Response<Body>>);
+
+pub fn client() -> (Client, ApiServerVerifier) {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    (Client::new(service, "shop"), ApiServerVerifier(handle))
+}
+
+pub fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .body(Body::from(serde_json::to_vec(value).unwrap()))
+        .unwrap()
+}
+
+pub fn not_found() -> Response<Body> {
+    json_response(
+        StatusCode::NOT_FOUND,
+        &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "reason": "NotFound", "code": 404, "message": "not found"}),
+    )
+}
+
+/// One request as the verifier saw it.
+pub struct Seen {
+    pub method: Method,
+    pub path: String,
+    pub query: String,
+    pub content_type: String,
+    pub body: Value,
+    pub send: SendResponse<Response<Body>>,
+}
+
+impl ApiServerVerifier {
+    pub async fn next(&mut self) -> Seen {
+        let (request, send) = self.0.next_request().await.expect("another request");
+        let method = request.method().clone();
+        let path = request.uri().path().to_owned();
+        let query = request.uri().query().unwrap_or_default().to_owned();
+        let content_type = request
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let bytes = request.into_body().collect_bytes().await.unwrap();
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Seen {
+            method,
+            path,
+            query,
+            content_type,
+            body,
+            send,
+        }
+    }
+
+    /// The next request must be `method path`.
+    pub async fn expect(&mut self, method: Method, path: &str) -> Seen {
+        let seen = self.next().await;
+        assert_eq!(
+            (&seen.method, seen.path.as_str()),
+            (&method, path),
+            "unexpected request (body {})",
+            seen.body
+        );
+        seen
+    }
+
+    /// The next request is `method path`; answers `response`; returns the request body.
+    pub async fn answer(&mut self, method: Method, path: &str, response: Response<Body>) -> Value {
+        let seen = self.expect(method, path).await;
+        seen.send.send_response(response);
+        seen.body
+    }
+
+    /// The next request writes `path` (apply, patch, create); it is echoed back as stored.
+    pub async fn echo(&mut self, method: Method, path: &str) -> Value {
+        let seen = self.expect(method, path).await;
+        seen.send
+            .send_response(json_response(StatusCode::OK, &seen.body));
+        seen.body
+    }
+
+    /// The next request patches the status of `object` at `path`; answered with the object
+    /// carrying that status, as the API server would. Returns the request body.
+    pub async fn status(&mut self, path: &str, mut object: Value) -> Value {
+        let seen = self.expect(Method::PATCH, path).await;
+        assert!(path.ends_with("/status"), "{path}");
+        object["status"] = seen.body["status"].clone();
+        seen.send
+            .send_response(json_response(StatusCode::OK, &object));
+        seen.body
+    }
+
+    /// The next request publishes an Event in namespace `shop`; returns it.
+    pub async fn event(&mut self) -> Value {
+        let seen = self
+            .expect(
+                Method::POST,
+                "/apis/events.k8s.io/v1/namespaces/shop/events",
+            )
+            .await;
+        seen.send
+            .send_response(json_response(StatusCode::CREATED, &seen.body));
+        seen.body
+    }
+
+    /// Nothing else is requested once every client is dropped.
+    pub async fn done(mut self) {
+        if let Some((request, _)) = self.0.next_request().await {
+            panic!("unexpected request {} {}", request.method(), request.uri());
+        }
+    }
+}
+
+pub fn queue_json() -> Value {
+    json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+        "metadata": {"name": "orders", "namespace": "shop", "uid": "q1", "generation": 1},
+        "spec": {"endpoint": "https://acct.documents.azure.com:443/",
+                 "credentials": {"secretKeyRef": {"name": "cosmos-key"}},
+                 "database": "shop", "container": "orders"}
+    })
+}
+
+pub fn group_json(spec_extra: Value) -> Value {
+    let mut group = json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
+        "metadata": {"name": "billing", "namespace": "shop", "uid": "g1", "generation": 3},
+        "spec": {"queueRef": {"name": "orders"},
+                 "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
+                 "app": {"port": 8080}}
+    });
+    let spec = group["spec"].as_object_mut().unwrap();
+    spec.extend(spec_extra.as_object().cloned().unwrap_or_default());
+    group
+}
