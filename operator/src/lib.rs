@@ -12,6 +12,8 @@ pub mod build;
 pub mod config;
 pub mod context;
 pub mod cosmos;
+#[cfg(any(test, feature = "testkit"))]
+pub mod fake;
 pub mod group;
 pub mod http;
 pub mod leader;

@@ -230,3 +230,216 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
     }
     Ok(Action::await_change())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::build::Defaults;
+    use crate::cosmos::{Backend, Cosmos};
+    use crate::testing::{
+        client, container_exists, emulator_context, json_response, not_found, queue_json,
+    };
+    use http::{Method, StatusCode};
+    use serde_json::Value;
+
+    const QUEUE: &str = "/apis/cosmosq.io/v1alpha1/namespaces/shop/cosmosqueues/orders";
+    const STATUS: &str = "/apis/cosmosq.io/v1alpha1/namespaces/shop/cosmosqueues/orders/status";
+
+    fn queue(extra_spec: Value, finalized: bool) -> Value {
+        let mut q = queue_json();
+        q["spec"]
+            .as_object_mut()
+            .unwrap()
+            .extend(extra_spec.as_object().cloned().unwrap_or_default());
+        if finalized {
+            q["metadata"]["finalizers"] = json!([FINALIZER]);
+        }
+        q
+    }
+
+    fn arc(value: &Value) -> Arc<CosmosQueue> {
+        Arc::new(serde_json::from_value(value.clone()).unwrap())
+    }
+
+    fn condition<'a>(status: &'a Value, type_: &str) -> (&'a str, &'a str) {
+        let c = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == type_)
+            .unwrap();
+        (c["status"].as_str().unwrap(), c["reason"].as_str().unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_new_queue_is_finalized_then_provisioned_once() {
+        let (ctx, mut server, cosmos) = emulator_context().await;
+        let verifier = tokio::spawn(async move {
+            // 1. The finalizer goes on first, before anything exists that it must clean up.
+            let seen = server.expect(Method::PATCH, QUEUE).await;
+            assert!(seen.body.to_string().contains(FINALIZER), "{}", seen.body);
+            seen.send
+                .send_response(json_response(StatusCode::OK, &queue(json!({}), true)));
+            // 2. Provisioned: an Event, then the status.
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Normal"), &json!("Provisioned"))
+            );
+            assert!(event["note"]
+                .as_str()
+                .unwrap()
+                .contains("messages container"));
+            let first = server.status(STATUS, queue(json!({}), true)).await;
+            // 3. A later pass finds everything in place: status only, no Event.
+            let second = server.status(STATUS, queue(json!({}), true)).await;
+            (server, first, second)
+        });
+        let action = reconcile_queue(arc(&queue(json!({}), false)), ctx.clone())
+            .await
+            .unwrap();
+        assert_eq!(action, Action::await_change());
+        assert!(!container_exists(&cosmos, "shop", "orders").await);
+        let action = reconcile_queue(arc(&queue(json!({}), true)), ctx.clone())
+            .await
+            .unwrap();
+        assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+        assert!(container_exists(&cosmos, "shop", "orders").await);
+        assert!(container_exists(&cosmos, "shop", "orders-leases").await);
+        reconcile_queue(arc(&queue(json!({}), true)), ctx.clone())
+            .await
+            .unwrap();
+        let (server, first, second) = verifier.await.unwrap();
+        for body in [&first, &second] {
+            assert_eq!(condition(&body["status"], "Ready"), ("True", "Provisioned"));
+            assert_eq!(condition(&body["status"], "Provisioned").0, "True");
+            assert_eq!(condition(&body["status"], "Degraded").0, "False");
+            assert_eq!(body["status"]["partitions"], 4);
+            assert_eq!(body["status"]["observedGeneration"], 1);
+        }
+        drop(ctx);
+        server.done().await;
+    }
+
+    /// A queue being deleted: the finalizer is present and a deletion timestamp set.
+    fn deleting(policy: &str) -> Value {
+        let mut q = queue(json!({"deletionPolicy": policy}), true);
+        q["metadata"]["deletionTimestamp"] = json!("2026-11-30T10:00:00Z");
+        q
+    }
+
+    #[tokio::test]
+    async fn deletion_honours_the_policy_before_the_finalizer_is_removed() {
+        for (policy, reason, kept) in [("Retain", "Retained", true), ("Delete", "Deleted", false)] {
+            let (ctx, mut server, cosmos) = emulator_context().await;
+            ctx.cosmos.provision(&arc(&deleting(policy))).await.unwrap();
+            let verifier = tokio::spawn(async move {
+                let event = server.event().await;
+                assert_eq!(event["reason"], reason);
+                // Then the finalizer comes off (a JSON patch that tests it is still ours).
+                let seen = server.expect(Method::PATCH, QUEUE).await;
+                assert_eq!(seen.content_type, "application/json-patch+json");
+                assert_eq!(
+                    seen.body[0],
+                    json!({"op": "test", "path": "/metadata/finalizers/0", "value": FINALIZER})
+                );
+                assert_eq!(seen.body[1]["op"], "remove");
+                seen.send
+                    .send_response(json_response(StatusCode::OK, &deleting(policy)));
+            });
+            reconcile_queue(arc(&deleting(policy)), ctx).await.unwrap();
+            verifier.await.unwrap();
+            assert_eq!(
+                container_exists(&cosmos, "shop", "orders").await,
+                kept,
+                "{policy}"
+            );
+            assert_eq!(
+                container_exists(&cosmos, "shop", "orders-leases").await,
+                kept,
+                "{policy}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn an_invalid_spec_is_reported_and_nothing_is_created() {
+        let (ctx, mut server, cosmos) = emulator_context().await;
+        let bad = queue(json!({"retention": "99999999999999999999d"}), true);
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Warning"), &json!("InvalidSpec"))
+            );
+            server.status(STATUS, queue(json!({}), true)).await
+        });
+        let action = reconcile_queue(arc(&bad), ctx).await.unwrap();
+        assert_eq!(action, Action::await_change());
+        let body = verifier.await.unwrap();
+        assert_eq!(
+            condition(&body["status"], "Ready"),
+            ("False", "InvalidSpec")
+        );
+        assert_eq!(condition(&body["status"], "Degraded").0, "True");
+        let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
+        assert!(message.starts_with("spec.retention:"), "{message}");
+        assert!(!container_exists(&cosmos, "shop", "orders").await);
+    }
+
+    #[tokio::test]
+    async fn a_missing_secret_or_key_is_named_and_nothing_is_tried() {
+        for (secret, expected) in [
+            (None, "Secret shop/cosmos-key not found"),
+            (
+                Some(json!({"apiVersion": "v1", "kind": "Secret",
+                            "metadata": {"name": "cosmos-key", "namespace": "shop"},
+                            "data": {"other": "c2VjcmV0"}})),
+                "Secret shop/cosmos-key has no key \"key\"",
+            ),
+        ] {
+            let (client, mut server) = client();
+            let cosmos = Cosmos::new(
+                Backend::Azure {
+                    region: "eastus".into(),
+                },
+                client.clone(),
+            );
+            let defaults = Defaults {
+                sidecar_image: "s:t".into(),
+            };
+            let ctx = Arc::new(Context::new(client, defaults, cosmos, None));
+            let verifier = tokio::spawn(async move {
+                let response = match secret {
+                    None => not_found(),
+                    Some(secret) => json_response(StatusCode::OK, &secret),
+                };
+                server
+                    .answer(
+                        Method::GET,
+                        "/api/v1/namespaces/shop/secrets/cosmos-key",
+                        response,
+                    )
+                    .await;
+                let event = server.event().await;
+                assert_eq!(event["reason"], "InvalidSpec");
+                server.status(STATUS, queue(json!({}), true)).await
+            });
+            let action = reconcile_queue(arc(&queue(json!({}), true)), ctx)
+                .await
+                .unwrap();
+            assert_eq!(action, Action::await_change());
+            let body = verifier.await.unwrap();
+            let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
+            assert!(message.contains(expected), "{message}");
+            assert!(
+                message.starts_with("spec.credentials.secretKeyRef"),
+                "{message}"
+            );
+            assert!(
+                !body.to_string().contains("c2VjcmV0"),
+                "no secret material in status"
+            );
+        }
+    }
+}

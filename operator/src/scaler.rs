@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup, RangeStatus, ScalingMode};
 use cosmosq_queue::estimate::GroupEstimate;
+use cosmosq_queue::lease::LeaseStore;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -33,6 +34,8 @@ use crate::status::{self, SCALER_MANAGER};
 /// Ranges listed in a group's status; beyond this the status would grow past what `kubectl`
 /// shows usefully (the metrics carry the totals).
 const MAX_RANGES_IN_STATUS: usize = 256;
+/// The sidecars' lease expiry (HostOptions' default), for leases the operator creates.
+const LEASE_EXPIRY_MS: i64 = 60_000;
 /// Groups estimated at the same time in a round.
 const CONCURRENT_ESTIMATES: usize = 8;
 
@@ -203,7 +206,19 @@ impl Scaler {
 
         let estimate: Result<GroupEstimate, CosmosError> = async {
             let queue = self.ctx.cosmos.queue(&cq).await?;
-            Ok(queue.group(group_config)?.estimate().await?)
+            let start_from = group_config.start_from;
+            let group = queue.group(group_config)?;
+            let mut estimate = group.estimate().await?;
+            if estimate.ranges.is_empty() {
+                // No host has started yet (or the group sits at zero): create its leases, so
+                // its backlog becomes visible and can wake it from zero.
+                LeaseStore::new(queue.clone(), group.name())
+                    .with_start_from(start_from)
+                    .reconcile(now, LEASE_EXPIRY_MS)
+                    .await?;
+                estimate = group.estimate().await?;
+            }
+            Ok(estimate)
         }
         .await;
         if estimate.is_err() {
@@ -439,19 +454,21 @@ impl Scaler {
         });
     }
 
-    /// Each queue's backlog and oldest age, summed over its groups, into its status.
+    /// Each queue's backlog and oldest age, summed over its groups, into its status. A queue
+    /// with a group whose estimate failed keeps its last total: a partial sum would read low.
     async fn write_queue_totals(&self) -> Result<(), ScalerError> {
-        let mut totals: BTreeMap<(String, String), (u64, Option<i64>)> = BTreeMap::new();
+        let mut totals: BTreeMap<(String, String), (Option<u64>, Option<i64>)> = BTreeMap::new();
         for f in self.ctx.figures.read().await.values() {
             let entry = totals
                 .entry((f.namespace.clone(), f.queue.clone()))
-                .or_default();
-            entry.0 += f.backlog.unwrap_or(0);
+                .or_insert((Some(0), None));
+            entry.0 = entry.0.zip(f.backlog).map(|(a, b)| a + b);
             entry.1 = entry.1.max(f.oldest_message_age_seconds);
         }
         let mut written = self.queue_written.lock().await;
         for ((namespace, name), (backlog, oldest)) in totals {
             let key = ObjectRef::new(&name).within(&namespace);
+            let Some(backlog) = backlog else { continue };
             if self.queues.get(&key).is_none() {
                 continue;
             }
@@ -489,4 +506,337 @@ fn ranges(estimate: &GroupEstimate) -> Vec<RangeStatus> {
             backlog: r.backlog as i64,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{
+        emulator_context, group_json, json_response, queue_json, ApiServerVerifier,
+    };
+    use cosmosq_queue::NewMessage;
+    use http::{Method, StatusCode};
+    use kube::runtime::reflector::store::Writer;
+    use kube::runtime::watcher;
+
+    const DEPLOYMENT: &str = "/apis/apps/v1/namespaces/shop/deployments/billing-workers";
+    const SCALE: &str = "/apis/apps/v1/namespaces/shop/deployments/billing-workers/scale";
+    const GROUP_STATUS: &str =
+        "/apis/cosmosq.io/v1alpha1/namespaces/shop/queueconsumergroups/billing/status";
+    const QUEUE_STATUS: &str =
+        "/apis/cosmosq.io/v1alpha1/namespaces/shop/cosmosqueues/orders/status";
+
+    fn store<K>(objects: Vec<Value>) -> Store<K>
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + 'static,
+    {
+        let mut writer = Writer::<K>::default();
+        for object in objects {
+            let object: K = serde_json::from_value(object).unwrap();
+            writer.apply_watcher_event(&watcher::Event::Apply(object));
+        }
+        writer.as_reader()
+    }
+
+    fn deployment(replicas: i32) -> Value {
+        json!({"apiVersion": "apps/v1", "kind": "Deployment",
+               "metadata": {"name": "billing-workers", "namespace": "shop"},
+               "spec": {"replicas": replicas, "selector": {}, "template": {}},
+               "status": {"replicas": replicas}})
+    }
+
+    impl ApiServerVerifier {
+        async fn deployment(&mut self, replicas: i32) {
+            self.answer(
+                Method::GET,
+                DEPLOYMENT,
+                json_response(StatusCode::OK, &deployment(replicas)),
+            )
+            .await;
+        }
+
+        async fn scale(&mut self) -> Value {
+            let seen = self.expect(Method::PATCH, SCALE).await;
+            let scale = json!({"apiVersion": "autoscaling/v1", "kind": "Scale",
+                               "metadata": {"name": "billing-workers", "namespace": "shop"},
+                               "spec": seen.body["spec"].clone()});
+            seen.send
+                .send_response(json_response(StatusCode::OK, &scale));
+            seen.body
+        }
+
+        /// A status written by the scaling loop's own field manager.
+        async fn scaler_status(&mut self, path: &str, object: Value) -> Value {
+            let seen = self.expect(Method::PATCH, path).await;
+            assert!(
+                seen.query.contains("fieldManager=cosmosq-operator-scaler"),
+                "{}",
+                seen.query
+            );
+            let mut object = object;
+            object["status"] = seen.body["status"].clone();
+            seen.send
+                .send_response(json_response(StatusCode::OK, &object));
+            seen.body["status"].clone()
+        }
+    }
+
+    /// A provisioned queue holding `messages` unread by group `billing` (4 leases, reading from
+    /// the beginning), and a scaler whose stores hold the queue and the group.
+    async fn setup(
+        scaling: Value,
+        messages: usize,
+        container: &str,
+    ) -> (Scaler, ApiServerVerifier, Value) {
+        let (ctx, server, _cosmos) = emulator_context().await;
+        let mut queue = queue_json();
+        let provisioned: CosmosQueue = serde_json::from_value(queue.clone()).unwrap();
+        let q = ctx.cosmos.provision(&provisioned).await.unwrap().0;
+        LeaseStore::new(q.clone(), "billing")
+            .reconcile(now_ms(), 60_000)
+            .await
+            .unwrap();
+        let batch = (0..messages)
+            .map(|i| NewMessage::json(json!({"n": i})))
+            .collect();
+        for result in q.enqueue_batch(batch).await {
+            result.unwrap();
+        }
+        queue["spec"]["container"] = json!(container);
+        ctx.cosmos.forget(&provisioned).await;
+        let group = group_json(json!({"startFrom": "beginning", "scaling": scaling}));
+        let scaler = Scaler::new(ctx, store(vec![group.clone()]), store(vec![queue]));
+        (scaler, server, group)
+    }
+
+    #[tokio::test]
+    async fn a_backlog_scales_the_workers_up_and_is_reported() {
+        let (scaler, mut server, group) =
+            setup(json!({"targetBacklogPerReplica": 100}), 250, "orders").await;
+        let verifier = tokio::spawn(async move {
+            server.deployment(1).await;
+            let scale = server.scale().await;
+            assert_eq!(scale, json!({"spec": {"replicas": 3}}));
+            let event = server.event().await;
+            assert_eq!(event["reason"], "Scaled");
+            assert!(event["note"]
+                .as_str()
+                .unwrap()
+                .contains("backlog 250: scaling up to 3 (from 1)"));
+            let status = server.scaler_status(GROUP_STATUS, group.clone()).await;
+            let queue = server.scaler_status(QUEUE_STATUS, queue_json()).await;
+            // Next round: the three replicas run; only that changed in the status.
+            server.deployment(3).await;
+            let next = server.scaler_status(GROUP_STATUS, group.clone()).await;
+            assert_eq!(
+                (next["replicas"].as_i64(), next["backlog"].as_i64()),
+                (Some(3), Some(250))
+            );
+            // And then nothing changed, so nothing is written.
+            server.deployment(3).await;
+            (server, status, queue)
+        });
+        for _ in 0..3 {
+            scaler.round().await;
+        }
+        let (server, status, queue) = verifier.await.unwrap();
+        assert_eq!(status["backlog"], 250);
+        assert_eq!(status["lag"], 250);
+        assert_eq!(status["desiredReplicas"], 3);
+        assert_eq!(status["ranges"].as_array().unwrap().len(), 4);
+        assert_eq!(
+            status["ranges"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["backlog"].as_i64().unwrap())
+                .sum::<i64>(),
+            250
+        );
+        assert_eq!(status["lastScaleReason"], "backlog 250: scaling up to 3");
+        assert_eq!(status["conditions"][0]["type"], "Degraded");
+        assert_eq!(status["conditions"][0]["status"], "False");
+        assert_eq!(queue["backlog"], 250);
+        let figures = scaler.ctx.figures.read().await;
+        let f = &figures[&("shop".to_owned(), "billing".to_owned())];
+        assert_eq!((f.backlog, f.desired_replicas), (Some(250), 3));
+        assert_eq!(
+            scaler
+                .ctx
+                .metrics
+                .backlog
+                .with_label_values(&["shop", "orders", "billing"])
+                .get(),
+            250
+        );
+        drop(figures);
+        drop(scaler);
+        server.done().await;
+    }
+
+    #[tokio::test]
+    async fn an_empty_queue_scales_down_after_the_window() {
+        let (scaler, mut server, group) = setup(
+            json!({"minReplicas": 1, "scaleDownStabilization": "0s"}),
+            0,
+            "orders",
+        )
+        .await;
+        let verifier = tokio::spawn(async move {
+            server.deployment(5).await;
+            assert_eq!(server.scale().await, json!({"spec": {"replicas": 1}}));
+            server.event().await;
+            server.scaler_status(GROUP_STATUS, group).await
+        });
+        let round = scaler
+            .scale_group(&scaler.groups.state()[0], now_ms())
+            .await
+            .unwrap();
+        assert_eq!(
+            round,
+            Round::Decided {
+                decision: Decision {
+                    replicas: 1,
+                    reason: Reason::ScaleDown
+                },
+                current: 5,
+                scaled: true
+            }
+        );
+        let status = verifier.await.unwrap();
+        assert_eq!(status["backlog"], 0);
+    }
+
+    #[tokio::test]
+    async fn a_failed_estimate_keeps_the_replicas_and_degrades_the_group() {
+        // The queue resource points at a container that does not exist.
+        let (scaler, mut server, group) = setup(json!({}), 10, "missing").await;
+        let verifier = tokio::spawn(async move {
+            server.deployment(5).await;
+            // No scale request: straight to the Warning and the status.
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Warning"), &json!("EstimateFailed"))
+            );
+            let status = server.scaler_status(GROUP_STATUS, group).await;
+            (server, status)
+        });
+        scaler.round().await;
+        let (server, status) = verifier.await.unwrap();
+        assert_eq!(status["conditions"][0]["status"], "True");
+        assert_eq!(status["conditions"][0]["reason"], "EstimateFailed");
+        assert!(status.get("backlog").is_none(), "unknown, not zero");
+        assert_eq!(status["desiredReplicas"], 5);
+        let figures = scaler.ctx.figures.read().await;
+        assert_eq!(
+            figures[&("shop".to_owned(), "billing".to_owned())].backlog,
+            None
+        );
+        drop(figures);
+        drop(scaler);
+        server.done().await; // and no queue total was written from a partial sum
+    }
+
+    #[tokio::test]
+    async fn hpa_mode_measures_but_leaves_the_replicas_to_the_hpa() {
+        let (scaler, mut server, group) = setup(json!({"mode": "HPA"}), 150, "orders").await;
+        let verifier = tokio::spawn(async move {
+            server.deployment(2).await;
+            server.scaler_status(GROUP_STATUS, group).await
+        });
+        let round = scaler
+            .scale_group(&scaler.groups.state()[0], now_ms())
+            .await
+            .unwrap();
+        assert!(
+            matches!(
+                round,
+                Round::Decided {
+                    scaled: false,
+                    current: 2,
+                    ..
+                }
+            ),
+            "{round:?}"
+        );
+        let status = verifier.await.unwrap();
+        assert_eq!(
+            (
+                status["backlog"].as_u64(),
+                status["desiredReplicas"].as_u64()
+            ),
+            (Some(150), Some(2))
+        );
+        let figures = scaler.ctx.figures.read().await;
+        assert_eq!(
+            figures[&("shop".to_owned(), "billing".to_owned())].backlog,
+            Some(150)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_group_no_sidecar_has_started_is_seen_and_woken_from_zero() {
+        let (ctx, mut server, _cosmos) = emulator_context().await;
+        let cq: CosmosQueue = serde_json::from_value(queue_json()).unwrap();
+        let queue = ctx.cosmos.provision(&cq).await.unwrap().0;
+        // Enqueued before the group exists: "now" excludes it.
+        queue
+            .enqueue(NewMessage::json(json!({"early": true})))
+            .await
+            .unwrap();
+        let group = group_json(json!({"scaling": {"minReplicas": 0, "activationThreshold": 3}}));
+        let scaler = Scaler::new(ctx, store(vec![group.clone()]), store(vec![queue_json()]));
+        let verifier = tokio::spawn(async move {
+            server.deployment(0).await;
+            let first = server.scaler_status(GROUP_STATUS, group.clone()).await;
+            server.scaler_status(QUEUE_STATUS, queue_json()).await;
+            server.deployment(0).await;
+            assert_eq!(server.scale().await, json!({"spec": {"replicas": 1}}));
+            let event = server.event().await;
+            assert!(
+                event["note"]
+                    .as_str()
+                    .unwrap()
+                    .contains("activation threshold"),
+                "{event}"
+            );
+            server.scaler_status(GROUP_STATUS, group).await;
+            first
+        });
+        // Round 1 creates the leases at the feed's current position: nothing to do yet.
+        scaler.round().await;
+        for i in 0..3 {
+            queue
+                .enqueue(NewMessage::json(json!({"n": i})))
+                .await
+                .unwrap();
+        }
+        // Round 2 sees the three messages: the threshold wakes the group.
+        let round = scaler
+            .scale_group(&scaler.groups.state()[0], now_ms())
+            .await
+            .unwrap();
+        assert_eq!(
+            round,
+            Round::Decided {
+                decision: Decision {
+                    replicas: 1,
+                    reason: Reason::Activated
+                },
+                current: 0,
+                scaled: true
+            }
+        );
+        let first = verifier.await.unwrap();
+        assert_eq!(
+            first["backlog"], 0,
+            "the message from before the group is not its work"
+        );
+        assert_eq!(
+            first["ranges"].as_array().unwrap().len(),
+            4,
+            "one lease per partition"
+        );
+    }
 }

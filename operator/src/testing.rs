@@ -41,7 +41,12 @@ pub struct Seen {
 
 impl ApiServerVerifier {
     pub async fn next(&mut self) -> Seen {
-        let (request, send) = self.0.next_request().await.expect("another request");
+        // A request that never comes fails the test instead of hanging it.
+        let (request, send) =
+            tokio::time::timeout(std::time::Duration::from_secs(20), self.0.next_request())
+                .await
+                .expect("the expected request did not come within 20 s")
+                .expect("another request");
         let method = request.method().clone();
         let path = request.uri().path().to_owned();
         let query = request.uri().query().unwrap_or_default().to_owned();
@@ -143,4 +148,38 @@ pub fn group_json(spec_extra: Value) -> Value {
     let spec = group["spec"].as_object_mut().unwrap();
     spec.extend(spec_extra.as_object().cloned().unwrap_or_default());
     group
+}
+
+/// A Context whose queues live on a fresh in-process emulator (4 partitions), with the API
+/// server played by the returned verifier.
+pub async fn emulator_context() -> (
+    std::sync::Arc<crate::context::Context>,
+    ApiServerVerifier,
+    cosmosq_queue::CosmosClient,
+) {
+    use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+    let emulator = Emulator::in_process(EmulatorOptions::default()).expect("emulator");
+    let cosmos_client = emulator.client().await.expect("emulator client");
+    let (client, server) = client();
+    let cosmos = crate::cosmos::Cosmos::new(
+        crate::cosmos::Backend::Fixed(cosmos_client.clone()),
+        client.clone(),
+    );
+    let defaults = crate::build::Defaults {
+        sidecar_image: "s:t".into(),
+    };
+    let ctx = crate::context::Context::new(client, defaults, cosmos, None);
+    (std::sync::Arc::new(ctx), server, cosmos_client)
+}
+
+/// Whether a container exists in the emulator.
+pub async fn container_exists(client: &cosmosq_queue::CosmosClient, db: &str, name: &str) -> bool {
+    match client
+        .database_client(db)
+        .container_client(name, None)
+        .await
+    {
+        Ok(container) => container.read(None).await.is_ok(),
+        Err(_) => false,
+    }
 }

@@ -118,7 +118,8 @@ pub struct Host<H> {
 
 impl<H: Handler> Host<H> {
     pub fn new(group: Group, handler: H, options: HostOptions) -> Self {
-        let store = LeaseStore::new(group.queue().clone(), group.name());
+        let store = LeaseStore::new(group.queue().clone(), group.name())
+            .with_start_from(group.config().start_from);
         Self {
             group,
             store,

@@ -10,10 +10,12 @@ use azure_data_cosmos::models::EffectivePartitionKey;
 use azure_data_cosmos::options::{ItemWriteOptions, Precondition, ReadFeedRangesOptions};
 use azure_data_cosmos::{FeedScope, PartitionKey};
 use base64::Engine as _;
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tracing::{info, warn};
 
+use crate::config::StartFrom;
 use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND, PRECONDITION_FAILED};
 use crate::queue::Queue;
 use crate::sql;
@@ -222,6 +224,7 @@ pub struct Reconciled {
 pub struct LeaseStore {
     queue: Queue,
     group: String,
+    start_from: StartFrom,
 }
 
 impl LeaseStore {
@@ -229,7 +232,41 @@ impl LeaseStore {
         Self {
             queue,
             group: group.into(),
+            start_from: StartFrom::Beginning,
         }
+    }
+
+    /// Where a new group's leases start. `Now` pins each new lease at the feed's current
+    /// position when it is created, so "now" means the group's creation — whoever creates the
+    /// leases (the first host, or the operator for a group still at zero replicas) — and what
+    /// arrives before the first host starts is counted by the estimator and delivered.
+    pub fn with_start_from(mut self, start_from: StartFrom) -> Self {
+        self.start_from = start_from;
+        self
+    }
+
+    /// The feed's current position in a range (a token that reads only what comes after).
+    async fn position_now(&self, min: &str, max: &str) -> Result<Option<String>> {
+        let range = Lease::new(&self.group, min, max, None, 0).feed_range()?;
+        let mut pages = crate::feed::open(
+            self.queue.messages(),
+            FeedScope::range(range),
+            StartFrom::Now,
+            None,
+            1,
+            "pin lease at now",
+        )
+        .await?;
+        if let Some(page) = pages.next().await {
+            let page = page.map_err(QueueError::cosmos("pin lease at now"))?;
+            self.queue
+                .charges()
+                .record_diagnostics("pin lease at now", &page.diagnostics());
+        }
+        Ok(pages
+            .to_continuation_token()
+            .ok()
+            .map(|t| t.as_str().to_owned()))
     }
 
     pub fn group(&self) -> &str {
@@ -307,7 +344,11 @@ impl LeaseStore {
             let mut created = 0;
             for (min, max) in &physical {
                 for (lo, hi) in subdivide(min, max, per_partition) {
-                    self.create(&Lease::new(&self.group, &lo, &hi, None, now))
+                    let position = match self.start_from {
+                        StartFrom::Now => self.position_now(&lo, &hi).await?,
+                        StartFrom::Beginning => None,
+                    };
+                    self.create(&Lease::new(&self.group, &lo, &hi, position, now))
                         .await?;
                     created += 1;
                 }

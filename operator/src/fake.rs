@@ -1,0 +1,642 @@
+//! An in-memory Kubernetes API server, for running the whole operator (watches, controllers,
+//! leader election, scaling) where no cluster exists: in tests and the operator benchmark.
+//!
+//! It keeps objects as JSON and serves what the operator uses: list and watch (with label
+//! selectors and resource versions), get, create, server-side apply (conditions merged by type,
+//! like a list-map), merge and JSON patches, the status and scale subresources, conditional
+//! replace, delete with finalizers, and garbage collection of owned objects. It is not a
+//! general API server: no validation, admission or field ownership.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http::{Method, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use kube::client::Body;
+use serde_json::{json, Value};
+use tokio::sync::broadcast;
+
+type ResponseBody = UnsyncBoxBody<Bytes, Infallible>;
+
+/// One change, as a watch sends it.
+#[derive(Clone, Debug)]
+struct Change {
+    resource_version: u64,
+    collection: String,
+    namespace: String,
+    kind: &'static str,
+    object: Value,
+}
+
+#[derive(Default)]
+struct State {
+    resource_version: u64,
+    /// Objects by collection (`apis/apps/v1/deployments`), then (namespace, name).
+    objects: BTreeMap<String, BTreeMap<(String, String), Value>>,
+    /// Every change, for watches that start from an older version.
+    log: Vec<Change>,
+    /// Requests served, by `METHOD collection[/subresource]`.
+    requests: BTreeMap<String, u64>,
+}
+
+#[derive(Clone)]
+pub struct FakeApiServer {
+    state: Arc<Mutex<State>>,
+    changes: broadcast::Sender<Change>,
+}
+
+impl Default for FakeApiServer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Where a request points.
+#[derive(Debug)]
+struct Target {
+    collection: String,
+    namespace: Option<String>,
+    name: Option<String>,
+    subresource: Option<String>,
+}
+
+fn parse(path: &str) -> Option<Target> {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (prefix, rest) = match parts.as_slice() {
+        ["api", version, rest @ ..] => (format!("api/{version}"), rest),
+        ["apis", group, version, rest @ ..] => (format!("apis/{group}/{version}"), rest),
+        _ => return None,
+    };
+    let (namespace, rest) = match rest {
+        ["namespaces", ns, rest @ ..] if !rest.is_empty() => (Some(ns.to_string()), rest),
+        rest => (None, rest),
+    };
+    let (resource, name, subresource) = match rest {
+        [resource] => (resource, None, None),
+        [resource, name] => (resource, Some(name.to_string()), None),
+        [resource, name, sub] => (resource, Some(name.to_string()), Some(sub.to_string())),
+        _ => return None,
+    };
+    Some(Target {
+        collection: format!("{prefix}/{resource}"),
+        namespace,
+        name,
+        subresource,
+    })
+}
+
+fn query_param(query: &str, key: &str) -> Option<String> {
+    url::form_urlencoded::parse(query.as_bytes())
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.into_owned())
+}
+
+fn selector_matches(object: &Value, selector: &str) -> bool {
+    selector
+        .split(',')
+        .filter(|t| !t.is_empty())
+        .all(|term| match term.split_once('=') {
+            Some((k, v)) => {
+                object["metadata"]["labels"][k].as_str() == Some(v.trim_start_matches('='))
+            }
+            None => object["metadata"]["labels"].get(term).is_some(),
+        })
+}
+
+fn full(status: StatusCode, value: &Value) -> Response<ResponseBody> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(value.to_string())).boxed_unsync())
+        .expect("valid response")
+}
+
+fn status_error(code: StatusCode, reason: &str, message: &str) -> Response<ResponseBody> {
+    full(
+        code,
+        &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason,
+                "code": code.as_u16(), "message": message}),
+    )
+}
+
+/// Server-side apply, simplified: objects merge key by key, lists are replaced, except
+/// `conditions`, merged by `type` (the list-map our CRDs declare).
+fn apply_merge(target: &mut Value, patch: &Value) {
+    match (target, patch) {
+        (Value::Object(t), Value::Object(p)) => {
+            for (k, v) in p {
+                if k == "conditions" {
+                    if let (Some(Value::Array(existing)), Value::Array(new)) = (t.get_mut(k), v) {
+                        for c in new {
+                            match existing.iter_mut().find(|e| e["type"] == c["type"]) {
+                                Some(e) => *e = c.clone(),
+                                None => existing.push(c.clone()),
+                            }
+                        }
+                        continue;
+                    }
+                }
+                match t.get_mut(k) {
+                    Some(slot) if slot.is_object() && v.is_object() => apply_merge(slot, v),
+                    _ => {
+                        t.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        (t, p) => *t = p.clone(),
+    }
+}
+
+impl FakeApiServer {
+    pub fn new() -> Self {
+        Self {
+            state: Arc::default(),
+            changes: broadcast::channel(4096).0,
+        }
+    }
+
+    /// A client whose requests this server answers.
+    pub fn client(&self) -> kube::Client {
+        let server = self.clone();
+        let service = tower::service_fn(move |request: Request<Body>| {
+            let server = server.clone();
+            async move { Ok::<_, Infallible>(server.handle(request).await) }
+        });
+        kube::Client::new(service, "default")
+    }
+
+    /// How many requests were served per `METHOD collection[/subresource]`.
+    pub fn requests(&self) -> BTreeMap<String, u64> {
+        self.state.lock().expect("state").requests.clone()
+    }
+
+    /// An object as stored, if it exists.
+    pub fn get(&self, collection: &str, namespace: &str, name: &str) -> Option<Value> {
+        self.state
+            .lock()
+            .expect("state")
+            .objects
+            .get(collection)
+            .and_then(|c| c.get(&(namespace.to_owned(), name.to_owned())))
+            .cloned()
+    }
+
+    async fn handle(&self, request: Request<Body>) -> Response<ResponseBody> {
+        let method = request.method().clone();
+        let path = request.uri().path().to_owned();
+        let query = request.uri().query().unwrap_or_default().to_owned();
+        let content_type = request
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let Some(target) = parse(&path) else {
+            return status_error(StatusCode::NOT_FOUND, "NotFound", "unknown path");
+        };
+        let bytes = match request.into_body().collect_bytes().await {
+            Ok(bytes) => bytes,
+            Err(_) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", "body"),
+        };
+        let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        {
+            let mut state = self.state.lock().expect("state");
+            let key = match &target.subresource {
+                Some(sub) => format!("{method} {}/{sub}", target.collection),
+                None => format!("{method} {}", target.collection),
+            };
+            *state.requests.entry(key).or_default() += 1;
+        }
+        let watching = matches!(query_param(&query, "watch").as_deref(), Some("true" | "1"));
+        match (&method, &target.name) {
+            (&Method::GET, None) if watching => self.watch(&target, &query),
+            (&Method::GET, None) => self.list(&target, &query),
+            (&Method::GET, Some(name)) => match self.get(
+                &target.collection,
+                target.namespace.as_deref().unwrap_or_default(),
+                name,
+            ) {
+                Some(object) => full(StatusCode::OK, &object),
+                None => status_error(StatusCode::NOT_FOUND, "NotFound", "not found"),
+            },
+            (&Method::POST, _) => self.create(&target, body),
+            (&Method::PATCH, Some(name)) => self.patch(&target, name, &content_type, body),
+            (&Method::PUT, Some(name)) => self.replace(&target, name, body),
+            (&Method::DELETE, Some(name)) => self.delete(&target, name),
+            _ => status_error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                "unsupported",
+            ),
+        }
+    }
+
+    fn list(&self, target: &Target, query: &str) -> Response<ResponseBody> {
+        let selector = query_param(query, "labelSelector").unwrap_or_default();
+        let state = self.state.lock().expect("state");
+        let items: Vec<Value> = state
+            .objects
+            .get(&target.collection)
+            .into_iter()
+            .flat_map(|c| c.iter())
+            .filter(|((ns, _), o)| {
+                target.namespace.as_deref().is_none_or(|want| want == ns)
+                    && selector_matches(o, &selector)
+            })
+            .map(|(_, o)| o.clone())
+            .collect();
+        full(
+            StatusCode::OK,
+            &json!({"kind": "List", "apiVersion": "v1",
+                    "metadata": {"resourceVersion": state.resource_version.to_string()},
+                    "items": items}),
+        )
+    }
+
+    fn watch(&self, target: &Target, query: &str) -> Response<ResponseBody> {
+        let selector = query_param(query, "labelSelector").unwrap_or_default();
+        let since: u64 = query_param(query, "resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let collection = target.collection.clone();
+        let namespace = target.namespace.clone();
+        let wanted = move |c: &Change| {
+            c.collection == collection
+                && namespace.as_deref().is_none_or(|ns| ns == c.namespace)
+                && selector_matches(&c.object, &selector)
+        };
+        // Subscribe before reading the log, so nothing falls between the two.
+        let live = self.changes.subscribe();
+        let backlog: Vec<Change> = {
+            let state = self.state.lock().expect("state");
+            state
+                .log
+                .iter()
+                .filter(|c| c.resource_version > since && wanted(c))
+                .cloned()
+                .collect()
+        };
+        let last = backlog.last().map_or(since, |c| c.resource_version);
+        let wanted_live = wanted.clone();
+        let live = futures::stream::unfold(live, |mut rx| async move {
+            loop {
+                match rx.recv().await {
+                    Ok(change) => return Some((change, rx)),
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        })
+        .filter(move |c| {
+            let keep = c.resource_version > last && wanted_live(c);
+            async move { keep }
+        });
+        let frames = futures::stream::iter(backlog).chain(live).map(|c| {
+            let line = json!({"type": c.kind, "object": c.object}).to_string() + "\n";
+            Ok::<_, Infallible>(Frame::data(Bytes::from(line)))
+        });
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "application/json")
+            .body(StreamBody::new(frames).boxed_unsync())
+            .expect("valid response")
+    }
+
+    /// Stores `object` (new version, logged and broadcast) and returns it.
+    fn store(
+        state: &mut State,
+        changes: &broadcast::Sender<Change>,
+        collection: &str,
+        kind: &'static str,
+        mut object: Value,
+    ) -> Value {
+        state.resource_version += 1;
+        let rv = state.resource_version;
+        object["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let namespace = object["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let objects = state.objects.entry(collection.to_owned()).or_default();
+        if kind == "DELETED" {
+            objects.remove(&(namespace.clone(), name));
+        } else {
+            objects.insert((namespace.clone(), name), object.clone());
+        }
+        let change = Change {
+            resource_version: rv,
+            collection: collection.to_owned(),
+            namespace,
+            kind,
+            object: object.clone(),
+        };
+        state.log.push(change.clone());
+        let _ = changes.send(change);
+        object
+    }
+
+    fn create(&self, target: &Target, mut object: Value) -> Response<ResponseBody> {
+        let mut state = self.state.lock().expect("state");
+        let namespace = target.namespace.clone().unwrap_or_default();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .map(str::to_owned)
+            .or_else(|| {
+                object["metadata"]["generateName"]
+                    .as_str()
+                    .map(|prefix| format!("{prefix}{}", state.resource_version + 1))
+            })
+            .unwrap_or_default();
+        let exists = state
+            .objects
+            .get(&target.collection)
+            .is_some_and(|c| c.contains_key(&(namespace.clone(), name.clone())));
+        if exists {
+            return status_error(StatusCode::CONFLICT, "AlreadyExists", "already exists");
+        }
+        let meta = &mut object["metadata"];
+        meta["name"] = json!(name);
+        if target.namespace.is_some() {
+            meta["namespace"] = json!(namespace);
+        }
+        meta["uid"] = json!(uuid::Uuid::new_v4().to_string());
+        meta["generation"] = json!(1);
+        meta["creationTimestamp"] = json!(k8s_openapi::jiff::Timestamp::now().to_string());
+        let stored = Self::store(
+            &mut state,
+            &self.changes,
+            &target.collection,
+            "ADDED",
+            object,
+        );
+        full(StatusCode::CREATED, &stored)
+    }
+
+    fn patch(
+        &self,
+        target: &Target,
+        name: &str,
+        content_type: &str,
+        body: Value,
+    ) -> Response<ResponseBody> {
+        let mut state = self.state.lock().expect("state");
+        let namespace = target.namespace.clone().unwrap_or_default();
+        let existing = state
+            .objects
+            .get(&target.collection)
+            .and_then(|c| c.get(&(namespace.clone(), name.to_owned())))
+            .cloned();
+        let apply = content_type.starts_with("application/apply-patch");
+        let mut object = match (existing, apply) {
+            (Some(object), _) => object,
+            (None, true) if target.subresource.is_none() => {
+                drop(state);
+                let mut new = body.clone();
+                new["metadata"]["name"] = json!(name);
+                return self.create(target, new);
+            }
+            (None, _) => return status_error(StatusCode::NOT_FOUND, "NotFound", "not found"),
+        };
+        let before_spec = object.get("spec").cloned();
+        match target.subresource.as_deref() {
+            Some("status") => {
+                let status = body.get("status").cloned().unwrap_or(Value::Null);
+                if apply {
+                    if !object["status"].is_object() {
+                        object["status"] = json!({});
+                    }
+                    apply_merge(&mut object["status"], &status);
+                } else {
+                    json_patch::merge(&mut object["status"], &status);
+                }
+            }
+            Some("scale") => {
+                if let Some(replicas) = body["spec"].get("replicas") {
+                    object["spec"]["replicas"] = replicas.clone();
+                    object["status"]["replicas"] = replicas.clone();
+                }
+            }
+            Some(_) => return status_error(StatusCode::NOT_FOUND, "NotFound", "subresource"),
+            None if apply => {
+                let mut patch = body.clone();
+                if let Some(p) = patch.as_object_mut() {
+                    p.remove("status");
+                }
+                apply_merge(&mut object, &patch);
+            }
+            None if content_type.starts_with("application/json-patch") => {
+                let Ok(patch) = serde_json::from_value::<json_patch::Patch>(body) else {
+                    return status_error(StatusCode::BAD_REQUEST, "BadRequest", "JSON patch");
+                };
+                if json_patch::patch(&mut object, &patch).is_err() {
+                    return status_error(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "Invalid",
+                        "JSON patch failed",
+                    );
+                }
+            }
+            None => json_patch::merge(&mut object, &body),
+        }
+        if object.get("spec").cloned() != before_spec {
+            let generation = object["metadata"]["generation"].as_i64().unwrap_or(1);
+            object["metadata"]["generation"] = json!(generation + 1);
+        }
+        let finalized = object["metadata"]["deletionTimestamp"].is_string()
+            && object["metadata"]["finalizers"]
+                .as_array()
+                .is_none_or(|f| f.is_empty());
+        let kind = if finalized { "DELETED" } else { "MODIFIED" };
+        let stored = Self::store(&mut state, &self.changes, &target.collection, kind, object);
+        if finalized {
+            Self::collect_garbage(&mut state, &self.changes, &stored);
+        }
+        if target.subresource.as_deref() == Some("scale") {
+            return full(
+                StatusCode::OK,
+                &json!({"apiVersion": "autoscaling/v1", "kind": "Scale",
+                        "metadata": {"name": name, "namespace": namespace},
+                        "spec": {"replicas": stored["spec"]["replicas"]}}),
+            );
+        }
+        full(StatusCode::OK, &stored)
+    }
+
+    fn replace(&self, target: &Target, name: &str, mut body: Value) -> Response<ResponseBody> {
+        let mut state = self.state.lock().expect("state");
+        let namespace = target.namespace.clone().unwrap_or_default();
+        let Some(existing) = state
+            .objects
+            .get(&target.collection)
+            .and_then(|c| c.get(&(namespace, name.to_owned())))
+            .cloned()
+        else {
+            return status_error(StatusCode::NOT_FOUND, "NotFound", "not found");
+        };
+        if body["metadata"]["resourceVersion"] != existing["metadata"]["resourceVersion"] {
+            return status_error(
+                StatusCode::CONFLICT,
+                "Conflict",
+                "the object has been modified",
+            );
+        }
+        for field in ["uid", "creationTimestamp", "generation"] {
+            body["metadata"][field] = existing["metadata"][field].clone();
+        }
+        let stored = Self::store(
+            &mut state,
+            &self.changes,
+            &target.collection,
+            "MODIFIED",
+            body,
+        );
+        full(StatusCode::OK, &stored)
+    }
+
+    fn delete(&self, target: &Target, name: &str) -> Response<ResponseBody> {
+        let mut state = self.state.lock().expect("state");
+        let namespace = target.namespace.clone().unwrap_or_default();
+        let Some(mut object) = state
+            .objects
+            .get(&target.collection)
+            .and_then(|c| c.get(&(namespace, name.to_owned())))
+            .cloned()
+        else {
+            return status_error(StatusCode::NOT_FOUND, "NotFound", "not found");
+        };
+        let has_finalizers = object["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty());
+        if has_finalizers {
+            if !object["metadata"]["deletionTimestamp"].is_string() {
+                object["metadata"]["deletionTimestamp"] =
+                    json!(k8s_openapi::jiff::Timestamp::now().to_string());
+                object = Self::store(
+                    &mut state,
+                    &self.changes,
+                    &target.collection,
+                    "MODIFIED",
+                    object,
+                );
+            }
+            return full(StatusCode::ACCEPTED, &object);
+        }
+        let stored = Self::store(
+            &mut state,
+            &self.changes,
+            &target.collection,
+            "DELETED",
+            object,
+        );
+        Self::collect_garbage(&mut state, &self.changes, &stored);
+        full(StatusCode::OK, &stored)
+    }
+
+    /// Deletes what `owner` owned (the garbage collector's background propagation).
+    fn collect_garbage(state: &mut State, changes: &broadcast::Sender<Change>, owner: &Value) {
+        let Some(uid) = owner["metadata"]["uid"].as_str() else {
+            return;
+        };
+        let owned: Vec<(String, Value)> = state
+            .objects
+            .iter()
+            .flat_map(|(collection, objects)| {
+                objects.values().filter_map(move |o| {
+                    let refs = o["metadata"]["ownerReferences"].as_array()?;
+                    refs.iter()
+                        .any(|r| r["uid"] == uid)
+                        .then(|| (collection.clone(), o.clone()))
+                })
+            })
+            .collect();
+        for (collection, object) in owned {
+            let stored = Self::store(state, changes, &collection, "DELETED", object);
+            Self::collect_garbage(state, changes, &stored);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+    use kube::runtime::{watcher, WatchStreamExt};
+
+    #[test]
+    fn paths() {
+        let t = parse("/apis/apps/v1/namespaces/shop/deployments/w/scale").unwrap();
+        assert_eq!(
+            (
+                t.collection.as_str(),
+                t.namespace.as_deref(),
+                t.name.as_deref(),
+                t.subresource.as_deref()
+            ),
+            (
+                "apis/apps/v1/deployments",
+                Some("shop"),
+                Some("w"),
+                Some("scale")
+            )
+        );
+        let t = parse("/api/v1/pods").unwrap();
+        assert_eq!(
+            (t.collection.as_str(), t.namespace, t.name),
+            ("api/v1/pods", None, None)
+        );
+    }
+
+    #[tokio::test]
+    async fn objects_round_trip_and_watches_see_changes() {
+        let server = FakeApiServer::new();
+        let api: Api<ConfigMap> = Api::namespaced(server.client(), "shop");
+        let mut cm = ConfigMap::default();
+        cm.metadata.name = Some("a".into());
+        let created = api.create(&PostParams::default(), &cm).await.unwrap();
+        assert!(
+            api.create(&PostParams::default(), &cm).await.is_err(),
+            "409"
+        );
+        let mut events = watcher(api.clone(), watcher::Config::default())
+            .applied_objects()
+            .boxed();
+        assert_eq!(
+            events
+                .next()
+                .await
+                .unwrap()
+                .unwrap()
+                .metadata
+                .name
+                .as_deref(),
+            Some("a")
+        );
+        api.patch(
+            "a",
+            &PatchParams::apply("t"),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap", "data": {"k": "v"}})),
+        )
+        .await
+        .unwrap();
+        let seen = events.next().await.unwrap().unwrap();
+        assert_eq!(seen.data.unwrap()["k"], "v");
+        // A stale replace conflicts.
+        assert!(api
+            .replace("a", &PostParams::default(), &created)
+            .await
+            .is_err());
+        api.delete("a", &DeleteParams::default()).await.unwrap();
+        assert!(api.get_opt("a").await.unwrap().is_none());
+    }
+}
