@@ -435,7 +435,21 @@ impl FakeApiServer {
                 apply_merge(&mut object, &patch);
             }
             None if content_type.starts_with("application/json-patch") => {
-                let Ok(patch) = serde_json::from_value::<json_patch::Patch>(body) else {
+                // Like the API server, a `test` for null passes on a missing path.
+                let ops: Vec<Value> = body
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|op| {
+                        let path = op["path"].as_str().unwrap_or_default();
+                        !(op["op"] == "test"
+                            && op["value"].is_null()
+                            && object.pointer(path).is_none())
+                    })
+                    .cloned()
+                    .collect();
+                let Ok(patch) = serde_json::from_value::<json_patch::Patch>(Value::Array(ops))
+                else {
                     return status_error(StatusCode::BAD_REQUEST, "BadRequest", "JSON patch");
                 };
                 if json_patch::patch(&mut object, &patch).is_err() {

@@ -312,3 +312,195 @@ async fn label_own_pod(pods: &Api<Pod>, name: &str, leader: bool) {
         warn!(pod = %name, error = %e, "could not label this pod");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::FakeApiServer;
+    use crate::testing::{container_exists, group_json, queue_json};
+    use clap::Parser;
+    use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+    use cosmosq_queue::{NewMessage, Queue, QueueConfig};
+    use kube::api::{DeleteParams, PostParams};
+    use kube::runtime::wait::await_condition;
+    use std::time::Duration;
+
+    /// Waits (event-driven, through a watch) until `name` satisfies `condition`.
+    async fn until<K>(api: &Api<K>, name: &str, what: &str, condition: impl Fn(Option<&K>) -> bool)
+    where
+        K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    {
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            await_condition(api.clone(), name, move |o: Option<&K>| condition(o)),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_operator_provisions_runs_scales_and_cleans_up() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let server = FakeApiServer::new();
+        let client = server.client();
+        let emulator = Emulator::in_process(EmulatorOptions::default()).unwrap();
+        let cosmos = emulator.client().await.unwrap();
+        let pods: Api<Pod> = Api::namespaced(client.clone(), "cosmosq");
+        let pod = serde_json::from_value(json!({"metadata": {"name": "operator-0"}})).unwrap();
+        pods.create(&PostParams::default(), &pod).await.unwrap();
+        let config = Config::try_parse_from([
+            "cosmosq-operator",
+            "--listen",
+            "127.0.0.1:0",
+            "--scale-interval",
+            "100ms",
+            "--lease-namespace",
+            "cosmosq",
+            "--identity",
+            "operator-0",
+        ])
+        .unwrap();
+        let shutdown = CancellationToken::new();
+        let operator = tokio::spawn(run_with(
+            client.clone(),
+            Backend::Fixed(cosmos.clone()),
+            config,
+            shutdown.clone(),
+        ));
+
+        // A queue is provisioned and reported ready.
+        let queues: Api<CosmosQueue> = Api::namespaced(client.clone(), "shop");
+        let mut queue = queue_json();
+        queue["spec"]["deletionPolicy"] = json!("Delete");
+        queue["metadata"] = json!({"name": "orders"});
+        queues
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(queue).unwrap(),
+            )
+            .await
+            .unwrap();
+        let ready = |c: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition]| {
+            c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+        };
+        until(&queues, "orders", "the queue to be ready", |q| {
+            q.and_then(|q| q.status.as_ref())
+                .is_some_and(|s| ready(&s.conditions))
+        })
+        .await;
+        assert!(container_exists(&cosmos, "shop", "orders").await);
+
+        // A group gets its Deployment with the sidecar.
+        let groups: Api<QueueConsumerGroup> = Api::namespaced(client.clone(), "shop");
+        let mut group = group_json(json!({
+            "startFrom": "beginning",
+            "scaling": {"targetBacklogPerReplica": 10, "maxReplicas": 3}
+        }));
+        group["metadata"] = json!({"name": "billing"});
+        groups
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(group).unwrap(),
+            )
+            .await
+            .unwrap();
+        let deployments: Api<Deployment> = Api::namespaced(client.clone(), "shop");
+        until(&deployments, "billing-workers", "the Deployment", |d| {
+            d.is_some()
+        })
+        .await;
+
+        // A backlog scales it to the maximum, and the status says why.
+        let q = Queue::open(&cosmos, QueueConfig::new("shop", "orders"))
+            .await
+            .unwrap();
+        let batch = (0..100)
+            .map(|i| NewMessage::json(json!({"n": i})))
+            .collect();
+        for result in q.enqueue_batch(batch).await {
+            result.unwrap();
+        }
+        until(&deployments, "billing-workers", "3 replicas", |d| {
+            d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(3)
+        })
+        .await;
+        until(&groups, "billing", "the group's status", |g| {
+            g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
+                s.backlog == Some(100) && s.desired_replicas == Some(3) && ready(&s.conditions)
+            })
+        })
+        .await;
+        let status = groups.get("billing").await.unwrap().status.unwrap();
+        assert_eq!(
+            status.last_scale_reason.as_deref(),
+            Some("backlog 100: scaling up to 3")
+        );
+        let types: Vec<&str> = status.conditions.iter().map(|c| c.type_.as_str()).collect();
+        assert!(
+            types.contains(&"Ready") && types.contains(&"Degraded"),
+            "{types:?}"
+        );
+        until(&queues, "orders", "the queue's backlog", |q| {
+            q.and_then(|q| q.status.as_ref()).and_then(|s| s.backlog) == Some(100)
+        })
+        .await;
+        // The leader holds the Lease and labelled its pod.
+        let lease = Api::<Lease>::namespaced(client.clone(), "cosmosq")
+            .get("cosmosq-operator")
+            .await
+            .unwrap();
+        assert_eq!(
+            lease.spec.unwrap().holder_identity.as_deref(),
+            Some("operator-0")
+        );
+        assert_eq!(
+            pods.get("operator-0").await.unwrap().labels()[LEADER_LABEL],
+            "true"
+        );
+
+        // Deleting the group removes what it owned; deleting the queue honours Delete.
+        groups
+            .delete("billing", &DeleteParams::default())
+            .await
+            .unwrap();
+        until(
+            &deployments,
+            "billing-workers",
+            "the Deployment to go",
+            |d| d.is_none(),
+        )
+        .await;
+        queues
+            .delete("orders", &DeleteParams::default())
+            .await
+            .unwrap();
+        until(&queues, "orders", "the queue to go", |q| q.is_none()).await;
+        assert!(!container_exists(&cosmos, "shop", "orders").await);
+
+        // A graceful stop releases the Lease at once.
+        shutdown.cancel();
+        operator.await.unwrap().unwrap();
+        let lease = Api::<Lease>::namespaced(client.clone(), "cosmosq")
+            .get("cosmosq-operator")
+            .await
+            .unwrap();
+        assert_eq!(lease.spec.unwrap().holder_identity, None);
+        assert_eq!(
+            pods.get("operator-0").await.unwrap().labels()[LEADER_LABEL],
+            "false"
+        );
+        let requests = server.requests();
+        assert!(
+            requests
+                .get("PATCH apis/apps/v1/deployments/scale")
+                .copied()
+                .unwrap_or(0)
+                <= 2,
+            "scaled once or twice, not every round: {requests:?}"
+        );
+    }
+}
