@@ -538,6 +538,8 @@ mod tests {
             "duration(self.initialBackoff) <= duration(self.maxBackoff)",
             "x-kubernetes-preserve-unknown-fields: true",
             "maximum: 65535",
+            // Conditions merge per type under server-side apply (two writers own them).
+            "x-kubernetes-list-type: map",
         ] {
             assert!(yaml.contains(rule), "missing {rule}");
         }

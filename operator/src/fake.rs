@@ -171,6 +171,47 @@ impl FakeApiServer {
         kube::Client::new(service, "default")
     }
 
+    /// Serves over plain HTTP (for a real operator process, via a kubeconfig) until `stop`.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            let stream = tokio::select! {
+                _ = stop.cancelled() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(_) => continue,
+                },
+            };
+            let server = self.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                        let server = server.clone();
+                        async move {
+                            let (parts, body) = request.into_parts();
+                            let bytes = body
+                                .collect()
+                                .await
+                                .map(|b| b.to_bytes())
+                                .unwrap_or_default();
+                            let request = Request::from_parts(parts, Body::from(bytes));
+                            Ok::<_, Infallible>(server.handle(request).await)
+                        }
+                    });
+                let connection = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+                tokio::select! {
+                    _ = connection => {}
+                    _ = stop.cancelled() => {}
+                }
+            });
+        }
+    }
+
     /// How many requests were served per `METHOD collection[/subresource]`.
     pub fn requests(&self) -> BTreeMap<String, u64> {
         self.state.lock().expect("state").requests.clone()
@@ -316,6 +357,27 @@ impl FakeApiServer {
         kind: &'static str,
         mut object: Value,
     ) -> Value {
+        // Like the API server, a write that changes nothing is a no-op: same version, no event.
+        if kind == "MODIFIED" {
+            let key = (
+                object["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                object["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            );
+            if let Some(existing) = state.objects.get(collection).and_then(|c| c.get(&key)) {
+                let mut unversioned = existing.clone();
+                unversioned["metadata"]["resourceVersion"] =
+                    object["metadata"]["resourceVersion"].clone();
+                if unversioned == object {
+                    return existing.clone();
+                }
+            }
+        }
         state.resource_version += 1;
         let rv = state.resource_version;
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
@@ -535,6 +597,9 @@ impl FakeApiServer {
             if !object["metadata"]["deletionTimestamp"].is_string() {
                 object["metadata"]["deletionTimestamp"] =
                     json!(k8s_openapi::jiff::Timestamp::now().to_string());
+                // The API server bumps the generation when deletion starts.
+                let generation = object["metadata"]["generation"].as_i64().unwrap_or(1);
+                object["metadata"]["generation"] = json!(generation + 1);
                 object = Self::store(
                     &mut state,
                     &self.changes,

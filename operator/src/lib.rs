@@ -22,6 +22,8 @@ pub mod queue;
 pub mod run;
 pub mod scaler;
 pub mod scaling;
+#[cfg(any(test, feature = "testkit"))]
+pub mod scenario;
 pub mod status;
 #[cfg(test)]
 mod testing;

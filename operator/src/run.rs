@@ -12,8 +12,10 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector;
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::utils::{predicates, Predicate};
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -48,6 +50,9 @@ pub enum RunError {
 /// Runs until `shutdown`, or until leadership is lost (an error: the process exits and
 /// Kubernetes restarts it as a candidate).
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunError> {
+    // Both ring (kube) and aws-lc-rs (the Azure SDK's HTTP stack) are linked in; rustls needs
+    // to be told which one serves this process.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let client = Client::try_default().await?;
     let backend = Backend::Azure {
         region: config.region.clone(),
@@ -149,6 +154,7 @@ pub async fn run_with(
             Ok(())
         }
     };
+    info!("controllers stopped");
     shared.leader.store(false, Ordering::Relaxed);
     ctx.metrics.leader.set(0);
     if let Some((pods, name)) = &pod {
@@ -196,27 +202,45 @@ async fn run_controllers(
     work: CancellationToken,
 ) {
     let ns = config.watch_namespace.as_deref();
-    let queues = Controller::new(
+    // Reconcile on spec changes (generation) and finalizer changes only: the status writes of
+    // the reconcilers and the scaling loop must not trigger reconciles of their own.
+    let (queue_store, writer) = reflector::store();
+    let queue_changes = watcher(
         watch_api::<CosmosQueue>(client, ns),
         watcher::Config::default().any_semantic(),
     )
-    .graceful_shutdown_on(work.clone().cancelled_owned());
-    let queue_store = queues.store();
+    .default_backoff()
+    .reflect(writer)
+    .applied_objects()
+    .predicate_filter(
+        predicates::generation.combine(predicates::finalizers),
+        Default::default(),
+    );
+    let queues = Controller::for_stream(queue_changes, queue_store.clone())
+        .graceful_shutdown_on(work.clone().cancelled_owned());
 
-    let groups = Controller::new(
+    let (group_store, writer) = reflector::store();
+    let group_changes = watcher(
         watch_api::<QueueConsumerGroup>(client, ns),
         watcher::Config::default().any_semantic(),
     )
-    .owns(
-        watch_api::<Deployment>(client, ns),
-        watcher::Config::default().labels(MANAGED).any_semantic(),
-    )
-    .owns(
-        watch_api::<HorizontalPodAutoscaler>(client, ns),
-        watcher::Config::default().labels(MANAGED).any_semantic(),
-    )
-    .graceful_shutdown_on(work.clone().cancelled_owned());
-    let group_store = groups.store();
+    .default_backoff()
+    .reflect(writer)
+    .applied_objects()
+    .predicate_filter(
+        predicates::generation.combine(predicates::finalizers),
+        Default::default(),
+    );
+    let groups = Controller::for_stream(group_changes, group_store.clone())
+        .owns(
+            watch_api::<Deployment>(client, ns),
+            watcher::Config::default().labels(MANAGED).any_semantic(),
+        )
+        .owns(
+            watch_api::<HorizontalPodAutoscaler>(client, ns),
+            watcher::Config::default().labels(MANAGED).any_semantic(),
+        )
+        .graceful_shutdown_on(work.clone().cancelled_owned());
     // A queue's change (endpoint, credentials) reaches the groups that use it.
     let groups_of_queue = group_store.clone();
     let groups = groups.watches(
@@ -272,7 +296,20 @@ async fn run_controllers(
         );
         scaler.run(interval, changed, work.clone()).await;
     };
-    tokio::join!(queue_loop, group_loop, scaling);
+    tokio::join!(
+        async {
+            queue_loop.await;
+            info!("CosmosQueue controller stopped");
+        },
+        async {
+            group_loop.await;
+            info!("QueueConsumerGroup controller stopped");
+        },
+        async {
+            scaling.await;
+            info!("scaling loop stopped");
+        }
+    );
 }
 
 fn queue_error_policy(
@@ -317,27 +354,9 @@ async fn label_own_pod(pods: &Api<Pod>, name: &str, leader: bool) {
 mod tests {
     use super::*;
     use crate::fake::FakeApiServer;
-    use crate::testing::{container_exists, group_json, queue_json};
-    use clap::Parser;
+    use crate::scenario::{operator_scenario, Scenario};
     use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
-    use cosmosq_queue::{NewMessage, Queue, QueueConfig};
-    use kube::api::{DeleteParams, PostParams};
-    use kube::runtime::wait::await_condition;
-    use std::time::Duration;
-
-    /// Waits (event-driven, through a watch) until `name` satisfies `condition`.
-    async fn until<K>(api: &Api<K>, name: &str, what: &str, condition: impl Fn(Option<&K>) -> bool)
-    where
-        K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
-    {
-        tokio::time::timeout(
-            Duration::from_secs(60),
-            await_condition(api.clone(), name, move |o: Option<&K>| condition(o)),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-        .unwrap();
-    }
+    use kube::api::PostParams;
 
     #[tokio::test]
     async fn the_operator_provisions_runs_scales_and_cleans_up() {
@@ -349,158 +368,34 @@ mod tests {
         let client = server.client();
         let emulator = Emulator::in_process(EmulatorOptions::default()).unwrap();
         let cosmos = emulator.client().await.unwrap();
-        let pods: Api<Pod> = Api::namespaced(client.clone(), "cosmosq");
+        let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
         let pod = serde_json::from_value(json!({"metadata": {"name": "operator-0"}})).unwrap();
         pods.create(&PostParams::default(), &pod).await.unwrap();
-        let config = Config::try_parse_from([
-            "cosmosq-operator",
-            "--listen",
-            "127.0.0.1:0",
-            "--scale-interval",
-            "100ms",
-            "--lease-namespace",
-            "cosmosq",
-            "--identity",
-            "operator-0",
-        ])
-        .unwrap();
-        let shutdown = CancellationToken::new();
-        let operator = tokio::spawn(run_with(
-            client.clone(),
-            Backend::Fixed(cosmos.clone()),
-            config,
-            shutdown.clone(),
-        ));
 
-        // A queue is provisioned and reported ready.
-        let queues: Api<CosmosQueue> = Api::namespaced(client.clone(), "shop");
-        let mut queue = queue_json();
-        queue["spec"]["deletionPolicy"] = json!("Delete");
-        queue["metadata"] = json!({"name": "orders"});
-        queues
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(queue).unwrap(),
-            )
-            .await
-            .unwrap();
-        let ready = |c: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition]| {
-            c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
-        };
-        until(&queues, "orders", "the queue to be ready", |q| {
-            q.and_then(|q| q.status.as_ref())
-                .is_some_and(|s| ready(&s.conditions))
-        })
-        .await;
-        assert!(container_exists(&cosmos, "shop", "orders").await);
-
-        // A group gets its Deployment with the sidecar.
-        let groups: Api<QueueConsumerGroup> = Api::namespaced(client.clone(), "shop");
-        let mut group = group_json(json!({
-            "startFrom": "beginning",
-            "scaling": {"targetBacklogPerReplica": 10, "maxReplicas": 3}
-        }));
-        group["metadata"] = json!({"name": "billing"});
-        groups
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(group).unwrap(),
-            )
-            .await
-            .unwrap();
-        let deployments: Api<Deployment> = Api::namespaced(client.clone(), "shop");
-        until(&deployments, "billing-workers", "the Deployment", |d| {
-            d.is_some()
+        operator_scenario(Scenario {
+            client: client.clone(),
+            cosmos,
+            namespace: "shop".into(),
+            identity: Some("operator-0".into()),
         })
         .await;
 
-        // A backlog scales it to the maximum, and the status says why.
-        let q = Queue::open(&cosmos, QueueConfig::new("shop", "orders"))
-            .await
-            .unwrap();
-        let batch = (0..100)
-            .map(|i| NewMessage::json(json!({"n": i})))
-            .collect();
-        for result in q.enqueue_batch(batch).await {
-            result.unwrap();
-        }
-        until(&deployments, "billing-workers", "3 replicas", |d| {
-            d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(3)
-        })
-        .await;
-        until(&groups, "billing", "the group's status", |g| {
-            g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
-                s.backlog == Some(100) && s.desired_replicas == Some(3) && ready(&s.conditions)
-            })
-        })
-        .await;
-        let status = groups.get("billing").await.unwrap().status.unwrap();
-        assert_eq!(
-            status.last_scale_reason.as_deref(),
-            Some("backlog 100: scaling up to 3")
-        );
-        let types: Vec<&str> = status.conditions.iter().map(|c| c.type_.as_str()).collect();
+        // The leader labelled its pod while leading and unlabelled it on the way out.
+        let log = server.requests();
         assert!(
-            types.contains(&"Ready") && types.contains(&"Degraded"),
-            "{types:?}"
+            log.get("PATCH api/v1/pods").copied().unwrap_or(0) >= 3,
+            "{log:?}"
         );
-        until(&queues, "orders", "the queue's backlog", |q| {
-            q.and_then(|q| q.status.as_ref()).and_then(|s| s.backlog) == Some(100)
-        })
-        .await;
-        // The leader holds the Lease and labelled its pod.
-        let lease = Api::<Lease>::namespaced(client.clone(), "cosmosq")
-            .get("cosmosq-operator")
-            .await
-            .unwrap();
-        assert_eq!(
-            lease.spec.unwrap().holder_identity.as_deref(),
-            Some("operator-0")
-        );
-        assert_eq!(
-            pods.get("operator-0").await.unwrap().labels()[LEADER_LABEL],
-            "true"
-        );
-
-        // Deleting the group removes what it owned; deleting the queue honours Delete.
-        groups
-            .delete("billing", &DeleteParams::default())
-            .await
-            .unwrap();
-        until(
-            &deployments,
-            "billing-workers",
-            "the Deployment to go",
-            |d| d.is_none(),
-        )
-        .await;
-        queues
-            .delete("orders", &DeleteParams::default())
-            .await
-            .unwrap();
-        until(&queues, "orders", "the queue to go", |q| q.is_none()).await;
-        assert!(!container_exists(&cosmos, "shop", "orders").await);
-
-        // A graceful stop releases the Lease at once.
-        shutdown.cancel();
-        operator.await.unwrap().unwrap();
-        let lease = Api::<Lease>::namespaced(client.clone(), "cosmosq")
-            .get("cosmosq-operator")
-            .await
-            .unwrap();
-        assert_eq!(lease.spec.unwrap().holder_identity, None);
         assert_eq!(
             pods.get("operator-0").await.unwrap().labels()[LEADER_LABEL],
             "false"
         );
-        let requests = server.requests();
         assert!(
-            requests
-                .get("PATCH apis/apps/v1/deployments/scale")
+            log.get("PATCH apis/apps/v1/deployments/scale")
                 .copied()
                 .unwrap_or(0)
                 <= 2,
-            "scaled once or twice, not every round: {requests:?}"
+            "scaled once or twice, not every round: {log:?}"
         );
     }
 }

@@ -4,5 +4,6 @@
 mod consume;
 mod emulator;
 mod leases;
+mod operator;
 mod sidecar;
 mod state_machine;

@@ -1,0 +1,214 @@
+//! The operator end to end, as a user drives it: create a queue and a group, enqueue a backlog,
+//! watch the Deployment scale, delete both and see the cleanup. It runs against the in-memory
+//! API server in every test run and against a real cluster when one is given
+//! (`COSMOSQ_E2E_KUBECONFIG`, see `tests/`); it needs no running pods.
+
+use std::time::Duration;
+
+use clap::Parser;
+use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
+use cosmosq_queue::{CosmosClient, NewMessage, Queue, QueueConfig};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{DeleteParams, PostParams};
+use kube::runtime::wait::await_condition;
+use kube::{Api, Client, Resource};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::cosmos::Backend;
+use crate::run::run_with;
+
+pub struct Scenario {
+    pub client: Client,
+    /// Where the queues live (the emulator).
+    pub cosmos: CosmosClient,
+    /// Everything is created in this namespace; it must exist.
+    pub namespace: String,
+    /// The operator's pod, if one exists for it to label.
+    pub identity: Option<String>,
+}
+
+/// Waits, through a watch, until `name` satisfies `condition`.
+pub async fn until<K>(api: &Api<K>, name: &str, what: &str, condition: impl Fn(Option<&K>) -> bool)
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+{
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        await_condition(api.clone(), name, move |o: Option<&K>| condition(o)),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+    .unwrap_or_else(|e| panic!("watching for {what}: {e}"));
+}
+
+fn ready(conditions: &[Condition]) -> bool {
+    conditions
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True")
+}
+
+async fn container_exists(client: &CosmosClient, db: &str, name: &str) -> bool {
+    match client
+        .database_client(db)
+        .container_client(name, None)
+        .await
+    {
+        Ok(container) => container.read(None).await.is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// Runs the operator and the scenario; panics with what did not happen.
+pub async fn operator_scenario(s: Scenario) {
+    let ns = s.namespace.as_str();
+    let mut args = vec![
+        "cosmosq-operator".to_owned(),
+        "--listen=127.0.0.1:0".into(),
+        "--scale-interval=200ms".into(),
+        format!("--lease-namespace={ns}"),
+        format!("--watch-namespace={ns}"),
+        "--lease-name=cosmosq-operator-e2e".into(),
+    ];
+    if let Some(identity) = &s.identity {
+        args.push(format!("--identity={identity}"));
+    }
+    let config = Config::try_parse_from(args).expect("valid settings");
+    let shutdown = CancellationToken::new();
+    let operator = tokio::spawn(run_with(
+        s.client.clone(),
+        Backend::Fixed(s.cosmos.clone()),
+        config,
+        shutdown.clone(),
+    ));
+
+    // A queue is provisioned and reported ready.
+    let queues: Api<CosmosQueue> = Api::namespaced(s.client.clone(), ns);
+    let queue = json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+        "metadata": {"name": "orders"},
+        "spec": {"endpoint": "https://cosmosq.emulator.local/",
+                 "credentials": {"workloadIdentity": {}},
+                 "database": ns, "container": "orders", "deletionPolicy": "Delete"}
+    });
+    queues
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(queue).unwrap(),
+        )
+        .await
+        .expect("create the CosmosQueue");
+    until(&queues, "orders", "the queue to be ready", |q| {
+        q.and_then(|q| q.status.as_ref())
+            .is_some_and(|s| ready(&s.conditions) && s.partitions == Some(4))
+    })
+    .await;
+    assert!(container_exists(&s.cosmos, ns, "orders").await);
+    assert!(container_exists(&s.cosmos, ns, "orders-leases").await);
+
+    // A group gets its Deployment with the sidecar injected.
+    let groups: Api<QueueConsumerGroup> = Api::namespaced(s.client.clone(), ns);
+    let group = json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
+        "metadata": {"name": "billing"},
+        "spec": {"queueRef": {"name": "orders"}, "startFrom": "beginning",
+                 "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
+                 "app": {"port": 8080},
+                 "scaling": {"targetBacklogPerReplica": 10, "maxReplicas": 3}}
+    });
+    groups
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(group).unwrap(),
+        )
+        .await
+        .expect("create the QueueConsumerGroup");
+    let deployments: Api<Deployment> = Api::namespaced(s.client.clone(), ns);
+    until(&deployments, "billing-workers", "the Deployment", |d| {
+        d.and_then(|d| d.spec.as_ref())
+            .and_then(|s| s.template.spec.as_ref())
+            .is_some_and(|p| p.containers.iter().any(|c| c.name == "cosmosq-sidecar"))
+    })
+    .await;
+
+    // A backlog scales it to the maximum, and the status says why.
+    let q = Queue::open(&s.cosmos, QueueConfig::new(ns, "orders"))
+        .await
+        .expect("open the queue");
+    let batch = (0..100)
+        .map(|i| NewMessage::json(json!({"n": i})))
+        .collect();
+    for result in q.enqueue_batch(batch).await {
+        result.expect("enqueue");
+    }
+    until(&deployments, "billing-workers", "3 replicas", |d| {
+        d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(3)
+    })
+    .await;
+    until(&groups, "billing", "the group's status", |g| {
+        g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
+            s.backlog == Some(100) && s.desired_replicas == Some(3) && ready(&s.conditions)
+        })
+    })
+    .await;
+    let status = groups.get("billing").await.unwrap().status.unwrap();
+    assert_eq!(
+        status.last_scale_reason.as_deref(),
+        Some("backlog 100: scaling up to 3")
+    );
+    assert_eq!(status.ranges.len(), 4, "lag and owner per range");
+    let types: Vec<&str> = status.conditions.iter().map(|c| c.type_.as_str()).collect();
+    assert!(
+        types.contains(&"Ready") && types.contains(&"Degraded"),
+        "{types:?}"
+    );
+    until(&queues, "orders", "the queue's backlog", |q| {
+        q.and_then(|q| q.status.as_ref()).and_then(|s| s.backlog) == Some(100)
+    })
+    .await;
+    let leases: Api<Lease> = Api::namespaced(s.client.clone(), ns);
+    let holder = leases
+        .get("cosmosq-operator-e2e")
+        .await
+        .expect("the leader Lease")
+        .spec
+        .and_then(|s| s.holder_identity);
+    assert!(holder.is_some(), "a leader holds the Lease");
+
+    // Deleting the group removes what it owned; deleting the queue honours `Delete`.
+    groups
+        .delete("billing", &DeleteParams::background())
+        .await
+        .expect("delete the group");
+    until(
+        &deployments,
+        "billing-workers",
+        "the Deployment to go",
+        |d| d.is_none(),
+    )
+    .await;
+    queues
+        .delete("orders", &DeleteParams::default())
+        .await
+        .expect("delete the queue");
+    until(&queues, "orders", "the queue to go", |q| q.is_none()).await;
+    assert!(!container_exists(&s.cosmos, ns, "orders").await);
+    assert!(!container_exists(&s.cosmos, ns, "orders-leases").await);
+
+    // A graceful stop releases the Lease at once.
+    shutdown.cancel();
+    operator
+        .await
+        .expect("the operator task")
+        .expect("the operator stops cleanly");
+    let released = leases
+        .get("cosmosq-operator-e2e")
+        .await
+        .unwrap()
+        .spec
+        .and_then(|s| s.holder_identity);
+    assert_eq!(released, None, "released on shutdown");
+}

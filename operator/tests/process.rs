@@ -1,0 +1,118 @@
+//! The operator binary as Kubernetes runs it: configured by flags, reaching the API server
+//! through a kubeconfig (here the in-memory one, served over HTTP), becoming leader, serving
+//! its probes and metrics, and on SIGTERM releasing its Lease and exiting 0.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cosmosq_operator::fake::FakeApiServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+const LEASES: &str = "apis/coordination.k8s.io/v1/leases";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A plain HTTP/1.0 GET: status code and body.
+async fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    let code = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+    Some((code, body))
+}
+
+// Several threads: the in-memory API server must keep answering while the test waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_leads_serves_probes_and_stops_cleanly_on_sigterm() {
+    let fake = FakeApiServer::new();
+    let stop = CancellationToken::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let api_port = listener.local_addr().unwrap().port();
+    tokio::spawn(fake.clone().serve(listener, stop.clone()));
+    let dir = std::env::temp_dir().join(format!("cosmosq-operator-process-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
+             clusters: [{{name: fake, cluster: {{server: 'http://127.0.0.1:{api_port}'}}}}]\n\
+             users: [{{name: fake, user: {{}}}}]\n\
+             contexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\n"
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let mut operator = Command::new(env!("CARGO_BIN_EXE_cosmosq-operator"))
+        .env("KUBECONFIG", &kubeconfig)
+        .env(
+            "RUST_LOG",
+            std::env::var("COSMOSQ_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--lease-namespace", "cosmosq", "--identity", "operator-0"])
+        .stdout(if std::env::var_os("COSMOSQ_TEST_LOG").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        })
+        .spawn()
+        .expect("the operator binary");
+
+    // It takes the Lease and becomes ready.
+    let started = Instant::now();
+    loop {
+        if let Ok(Some(status)) = operator.try_wait() {
+            panic!("the operator exited early: {status}");
+        }
+        let leading = fake
+            .get(LEASES, "cosmosq", "cosmosq-operator")
+            .is_some_and(|l| l["spec"]["holderIdentity"] == "operator-0");
+        if leading
+            && get(port, "/readyz")
+                .await
+                .is_some_and(|(code, _)| code == 200)
+        {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "never became ready"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (code, metrics) = get(port, "/metrics").await.unwrap();
+    assert_eq!(code, 200);
+    assert!(metrics.contains("cosmosq_operator_leader 1"), "{metrics}");
+
+    let _ = Command::new("kill")
+        .args(["-TERM", &operator.id().to_string()])
+        .status();
+    let status = tokio::task::spawn_blocking(move || operator.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status}");
+    let lease = fake.get(LEASES, "cosmosq", "cosmosq-operator").unwrap();
+    assert!(
+        lease["spec"].get("holderIdentity").is_none(),
+        "released: {lease}"
+    );
+    stop.cancel();
+    let _ = std::fs::remove_dir_all(&dir);
+}
