@@ -108,6 +108,7 @@ pub struct Cosmos {
     backend: Backend,
     client: kube::Client,
     queues: Mutex<HashMap<String, (Option<i64>, Queue)>>,
+    clients: Mutex<HashMap<u64, CosmosClient>>,
 }
 
 impl Cosmos {
@@ -116,6 +117,7 @@ impl Cosmos {
             backend,
             client,
             queues: Mutex::default(),
+            clients: Mutex::default(),
         }
     }
 
@@ -159,7 +161,23 @@ impl Cosmos {
             args.auth = Auth::Key;
             args.key = Some(value);
         }
-        Ok(args.connect().await?)
+        // One client per account and credential: queues of one account share its connections
+        // and metadata caches. The map is keyed by a hash; the key itself is not kept there.
+        let fingerprint = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            (&args.endpoint, &args.key).hash(&mut hasher);
+            hasher.finish()
+        };
+        if let Some(client) = self.clients.lock().await.get(&fingerprint) {
+            return Ok(client.clone());
+        }
+        let client = args.connect().await?;
+        self.clients
+            .lock()
+            .await
+            .insert(fingerprint, client.clone());
+        Ok(client)
     }
 
     /// The queue's engine handle; its containers must exist.
@@ -204,7 +222,8 @@ impl Cosmos {
         Ok(cosmosq_queue::provision::deprovision(&client, &config).await?)
     }
 
-    /// Drops the open handle, so the next use reconnects (and re-reads the Secret).
+    /// Drops the open handle, so the next use re-reads the Secret (a rotated key gets a new
+    /// client; the account's client stays shared).
     pub async fn forget(&self, cq: &CosmosQueue) {
         self.queues.lock().await.remove(&Self::key(cq));
     }
