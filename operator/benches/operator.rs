@@ -16,7 +16,6 @@ use cosmosq_queue::{NewMessage, Queue, QueueConfig};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
-use tokio_util::sync::CancellationToken;
 
 const QUEUES: usize = 50;
 const GROUPS_PER_QUEUE: usize = 2;
@@ -81,23 +80,9 @@ async fn main() {
         .await
         .expect("emulator");
     let fake = FakeApiServer::new();
-    let stop = CancellationToken::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let api_port = listener.local_addr().unwrap().port();
-    tokio::spawn(fake.clone().serve(listener, stop.clone()));
     let dir = std::env::temp_dir().join(format!("cosmosq-operator-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
-             clusters: [{{name: fake, cluster: {{server: 'http://127.0.0.1:{api_port}'}}}}]\n\
-             users: [{{name: fake, user: {{}}}}]\n\
-             contexts: [{{name: fake, context: {{cluster: fake, user: fake, namespace: bench}}}}]\n"
-        ),
-    )
-    .unwrap();
+    let (kubeconfig, stop) = fake.serve_localhost(&dir).await.unwrap();
     let client = fake.client();
     let secrets: Api<Secret> = Api::namespaced(client.clone(), "bench");
     let secret = json!({"metadata": {"name": "cosmos-key"},

@@ -38,6 +38,14 @@ pub struct GroupFigures {
 /// Latest figures by QueueConsumerGroup (namespace, name).
 pub type Figures = Arc<RwLock<BTreeMap<(String, String), GroupFigures>>>;
 
+/// A reconciler's error, as the errors metric counts it.
+pub trait ReconcileFailure: std::fmt::Display {
+    /// The resource kind the reconciler serves.
+    const RESOURCE: &'static str;
+    /// A bounded label: what kind of error.
+    fn kind(&self) -> &'static str;
+}
+
 pub struct Context {
     pub client: Client,
     pub defaults: Defaults,
@@ -69,6 +77,18 @@ impl Context {
             figures: Figures::default(),
             changed: None,
         }
+    }
+
+    /// Counts and times one reconcile of `kind`.
+    pub async fn measured<T>(&self, kind: &str, work: impl std::future::Future<Output = T>) -> T {
+        let started = std::time::Instant::now();
+        self.metrics.reconciles.with_label_values(&[kind]).inc();
+        let result = work.await;
+        self.metrics
+            .reconcile_duration
+            .with_label_values(&[kind])
+            .observe(started.elapsed().as_secs_f64());
+        result
     }
 
     /// Publishes an Event; failing to is logged, never fatal (Events are best effort).

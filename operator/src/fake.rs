@@ -212,6 +212,29 @@ impl FakeApiServer {
         }
     }
 
+    /// Serves on a free localhost port and writes a kubeconfig for it into `dir` (for a real
+    /// operator process: `KUBECONFIG=<path>`). Cancel the token to stop serving.
+    pub async fn serve_localhost(
+        &self,
+        dir: &std::path::Path,
+    ) -> std::io::Result<(std::path::PathBuf, tokio_util::sync::CancellationToken)> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(self.clone().serve(listener, stop.clone()));
+        let kubeconfig = dir.join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
+                 clusters: [{{name: fake, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n\
+                 users: [{{name: fake, user: {{}}}}]\n\
+                 contexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\n"
+            ),
+        )?;
+        Ok((kubeconfig, stop))
+    }
+
     /// How many requests were served per `METHOD collection[/subresource]`.
     pub fn requests(&self) -> BTreeMap<String, u64> {
         self.state.lock().expect("state").requests.clone()

@@ -3,7 +3,7 @@
 //! and wait for a change; transient errors go back to the controller, which retries.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use kube::api::{Patch, PatchParams};
@@ -15,7 +15,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use crate::apply::{apply_group, ApplyError, FIELD_MANAGER};
-use crate::context::Context;
+use crate::context::{Context, ReconcileFailure};
 use crate::cosmos::group_config;
 use crate::status;
 
@@ -38,9 +38,10 @@ pub enum ReconcileError {
     NoNamespace(String),
 }
 
-impl ReconcileError {
-    /// For the errors metric: a bounded set.
-    pub fn kind(&self) -> &'static str {
+impl ReconcileFailure for ReconcileError {
+    const RESOURCE: &'static str = KIND;
+
+    fn kind(&self) -> &'static str {
         match self {
             ReconcileError::Apply(_) => "apply",
             ReconcileError::Kube(_) => "kube",
@@ -62,14 +63,7 @@ pub async fn reconcile_group(
     qcg: Arc<QueueConsumerGroup>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
-    let started = Instant::now();
-    ctx.metrics.reconciles.with_label_values(&[KIND]).inc();
-    let result = reconcile(&qcg, &ctx).await;
-    ctx.metrics
-        .reconcile_duration
-        .with_label_values(&[KIND])
-        .observe(started.elapsed().as_secs_f64());
-    result
+    ctx.measured(KIND, reconcile(&qcg, &ctx)).await
 }
 
 async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, ReconcileError> {

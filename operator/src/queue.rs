@@ -4,7 +4,7 @@
 //! resource go.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cosmosq_crds::{CosmosQueue, DeletionPolicy};
 use kube::api::{Patch, PatchParams};
@@ -16,7 +16,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use crate::apply::FIELD_MANAGER;
-use crate::context::Context;
+use crate::context::{Context, ReconcileFailure};
 use crate::cosmos::CosmosError;
 use crate::status;
 
@@ -36,8 +36,10 @@ pub enum QueueReconcileError {
     NoNamespace(String),
 }
 
-impl QueueReconcileError {
-    pub fn kind(&self) -> &'static str {
+impl ReconcileFailure for QueueReconcileError {
+    const RESOURCE: &'static str = KIND;
+
+    fn kind(&self) -> &'static str {
         match self {
             QueueReconcileError::Kube(_) => "kube",
             QueueReconcileError::Deprovision(_) => "cosmos",
@@ -51,16 +53,18 @@ pub async fn reconcile_queue(
     cq: Arc<CosmosQueue>,
     ctx: Arc<Context>,
 ) -> Result<Action, QueueReconcileError> {
-    let started = Instant::now();
-    ctx.metrics.reconciles.with_label_values(&[KIND]).inc();
+    ctx.measured(KIND, reconcile(cq, &ctx)).await
+}
+
+async fn reconcile(cq: Arc<CosmosQueue>, ctx: &Context) -> Result<Action, QueueReconcileError> {
     let namespace = cq
         .namespace()
         .ok_or_else(|| QueueReconcileError::NoNamespace(cq.name_any()))?;
     let api: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
-    let result = finalizer(&api, FINALIZER, cq, |event| async {
+    finalizer(&api, FINALIZER, cq, |event| async {
         match event {
-            Finalizer::Apply(cq) => apply(&cq, &ctx).await,
-            Finalizer::Cleanup(cq) => cleanup(&cq, &ctx).await,
+            Finalizer::Apply(cq) => apply(&cq, ctx).await,
+            Finalizer::Cleanup(cq) => cleanup(&cq, ctx).await,
         }
     })
     .await
@@ -68,12 +72,7 @@ pub async fn reconcile_queue(
         kube::runtime::finalizer::Error::ApplyFailed(e)
         | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
         other => QueueReconcileError::Finalizer(other.to_string()),
-    });
-    ctx.metrics
-        .reconcile_duration
-        .with_label_values(&[KIND])
-        .observe(started.elapsed().as_secs_f64());
-    result
+    })
 }
 
 async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcileError> {
@@ -86,10 +85,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             .map_err(CosmosError::from),
         Err(e) => Err(e),
     };
-    let generation = cq.metadata.generation;
-    let previous = cq.status.clone().unwrap_or_default();
-    let now = status::now();
-    let (conditions, partitions, action) = match provisioned {
+    let (ok, reason, message, partitions, action) = match provisioned {
         Ok((provisioned, partitions)) => {
             let created: Vec<&str> = [
                 (provisioned.created_database, "database"),
@@ -123,25 +119,13 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
                 )
                 .await;
             }
-            let c = |type_, ok, reason| {
-                status::condition(
-                    &previous.conditions,
-                    type_,
-                    ok,
-                    reason,
-                    message.clone(),
-                    generation,
-                    now.clone(),
-                )
-            };
+            let action = Action::requeue(Duration::from_secs(300));
             (
-                vec![
-                    c(status::READY, true, "Provisioned"),
-                    c(status::PROVISIONED, true, "Provisioned"),
-                    c(status::DEGRADED, false, "Provisioned"),
-                ],
+                true,
+                "Provisioned",
+                message,
                 Some(partitions as i32),
-                Action::requeue(Duration::from_secs(300)),
+                action,
             )
         }
         Err(e) => {
@@ -164,28 +148,33 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
                 .inc();
             ctx.event(cq, EventType::Warning, reason, "Provision", message.clone())
                 .await;
-            let c = |type_, ok| {
-                status::condition(
-                    &previous.conditions,
-                    type_,
-                    ok,
-                    reason,
-                    message.clone(),
-                    generation,
-                    now.clone(),
-                )
-            };
-            (
-                vec![
-                    c(status::READY, false),
-                    c(status::PROVISIONED, false),
-                    c(status::DEGRADED, true),
-                ],
-                previous.partitions,
-                action,
-            )
+            let previous = cq.status.as_ref().and_then(|s| s.partitions);
+            (false, reason, message, previous, action)
         }
     };
+    let generation = cq.metadata.generation;
+    let previous = cq
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    let now = status::now();
+    let condition = |type_, ok| {
+        status::condition(
+            &previous,
+            type_,
+            ok,
+            reason,
+            message.clone(),
+            generation,
+            now.clone(),
+        )
+    };
+    let conditions = [
+        condition(status::READY, ok),
+        condition(status::PROVISIONED, ok),
+        condition(status::DEGRADED, !ok),
+    ];
     let mut status = json!({"conditions": conditions, "observedGeneration": generation});
     if let Some(partitions) = partitions {
         status["partitions"] = json!(partitions);

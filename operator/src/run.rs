@@ -24,12 +24,12 @@ use tracing::{info, warn};
 
 use crate::build::Defaults;
 use crate::config::Config;
-use crate::context::Context;
+use crate::context::{Context, ReconcileFailure};
 use crate::cosmos::{Backend, Cosmos};
-use crate::group::{self, reconcile_group, ReconcileError};
+use crate::group::reconcile_group;
 use crate::http::{self, HttpError, Shared};
 use crate::leader::{LeaderElection, LeaderError, Settings};
-use crate::queue::{self, reconcile_queue, QueueReconcileError};
+use crate::queue::reconcile_queue;
 use crate::scaler::Scaler;
 
 /// The label the leader puts on its own pod; the external-metrics Service selects it.
@@ -192,6 +192,40 @@ where
     }
 }
 
+/// A cache of `K` and the stream of its spec and finalizer changes. Only those trigger
+/// reconciles: the status writes of the reconcilers and the scaling loop must not trigger
+/// reconciles of their own.
+fn spec_changes<K>(
+    client: &Client,
+    namespace: Option<&str>,
+) -> (
+    reflector::Store<K>,
+    impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+)
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    let changes = watcher(
+        watch_api::<K>(client, namespace),
+        watcher::Config::default().any_semantic(),
+    )
+    .default_backoff()
+    .reflect(writer)
+    .applied_objects()
+    .predicate_filter(
+        predicates::generation.combine(predicates::finalizers),
+        Default::default(),
+    );
+    (store, changes)
+}
+
 /// The two controllers and the scaling loop, until `work` is cancelled.
 async fn run_controllers(
     client: &Client,
@@ -202,35 +236,10 @@ async fn run_controllers(
     work: CancellationToken,
 ) {
     let ns = config.watch_namespace.as_deref();
-    // Reconcile on spec changes (generation) and finalizer changes only: the status writes of
-    // the reconcilers and the scaling loop must not trigger reconciles of their own.
-    let (queue_store, writer) = reflector::store();
-    let queue_changes = watcher(
-        watch_api::<CosmosQueue>(client, ns),
-        watcher::Config::default().any_semantic(),
-    )
-    .default_backoff()
-    .reflect(writer)
-    .applied_objects()
-    .predicate_filter(
-        predicates::generation.combine(predicates::finalizers),
-        Default::default(),
-    );
+    let (queue_store, queue_changes) = spec_changes::<CosmosQueue>(client, ns);
     let queues = Controller::for_stream(queue_changes, queue_store.clone())
         .graceful_shutdown_on(work.clone().cancelled_owned());
-
-    let (group_store, writer) = reflector::store();
-    let group_changes = watcher(
-        watch_api::<QueueConsumerGroup>(client, ns),
-        watcher::Config::default().any_semantic(),
-    )
-    .default_backoff()
-    .reflect(writer)
-    .applied_objects()
-    .predicate_filter(
-        predicates::generation.combine(predicates::finalizers),
-        Default::default(),
-    );
+    let (group_store, group_changes) = spec_changes::<QueueConsumerGroup>(client, ns);
     let groups = Controller::for_stream(group_changes, group_store.clone())
         .owns(
             watch_api::<Deployment>(client, ns),
@@ -258,14 +267,14 @@ async fn run_controllers(
     );
 
     let queue_loop = queues
-        .run(reconcile_queue, queue_error_policy, ctx.clone())
+        .run(reconcile_queue, error_policy, ctx.clone())
         .for_each(|result| async move {
             if let Err(e) = result {
                 warn!(error = %e, "CosmosQueue controller");
             }
         });
     let group_loop = groups
-        .run(reconcile_group, group_error_policy, ctx.clone())
+        .run(reconcile_group, error_policy, ctx.clone())
         .for_each(|result| async move {
             if let Err(e) = result {
                 warn!(error = %e, "QueueConsumerGroup controller");
@@ -312,29 +321,17 @@ async fn run_controllers(
     );
 }
 
-fn queue_error_policy(
-    cq: Arc<CosmosQueue>,
-    error: &QueueReconcileError,
-    ctx: Arc<Context>,
-) -> Action {
+/// Counts the failure and retries after 15 s (the controller's queue deduplicates).
+fn error_policy<K, E>(object: Arc<K>, error: &E, ctx: Arc<Context>) -> Action
+where
+    K: Resource,
+    E: ReconcileFailure,
+{
     ctx.metrics
         .reconcile_errors
-        .with_label_values(&[queue::KIND, error.kind()])
+        .with_label_values(&[E::RESOURCE, error.kind()])
         .inc();
-    warn!(queue = %cq.name_any(), namespace = ?cq.namespace(), %error, "reconcile failed; retrying");
-    Action::requeue(std::time::Duration::from_secs(15))
-}
-
-fn group_error_policy(
-    qcg: Arc<QueueConsumerGroup>,
-    error: &ReconcileError,
-    ctx: Arc<Context>,
-) -> Action {
-    ctx.metrics
-        .reconcile_errors
-        .with_label_values(&[group::KIND, error.kind()])
-        .inc();
-    warn!(group = %qcg.name_any(), namespace = ?qcg.namespace(), %error, "reconcile failed; retrying");
+    warn!(kind = E::RESOURCE, name = %object.name_any(), namespace = ?object.namespace(), %error, "reconcile failed; retrying");
     Action::requeue(std::time::Duration::from_secs(15))
 }
 

@@ -51,7 +51,8 @@ fn ready(conditions: &[Condition]) -> bool {
         .any(|c| c.type_ == "Ready" && c.status == "True")
 }
 
-async fn container_exists(client: &CosmosClient, db: &str, name: &str) -> bool {
+/// Whether a container exists in the emulator.
+pub async fn container_exists(client: &CosmosClient, db: &str, name: &str) -> bool {
     match client
         .database_client(db)
         .container_client(name, None)

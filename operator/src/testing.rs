@@ -172,14 +172,4 @@ pub async fn emulator_context() -> (
     (std::sync::Arc::new(ctx), server, cosmos_client)
 }
 
-/// Whether a container exists in the emulator.
-pub async fn container_exists(client: &cosmosq_queue::CosmosClient, db: &str, name: &str) -> bool {
-    match client
-        .database_client(db)
-        .container_client(name, None)
-        .await
-    {
-        Ok(container) => container.read(None).await.is_ok(),
-        Err(_) => false,
-    }
-}
+pub use crate::scenario::container_exists;

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use cosmosq_operator::fake::FakeApiServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_util::sync::CancellationToken;
 
 const LEASES: &str = "apis/coordination.k8s.io/v1/leases";
 
@@ -39,23 +38,9 @@ async fn get(port: u16, path: &str) -> Option<(u16, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_leads_serves_probes_and_stops_cleanly_on_sigterm() {
     let fake = FakeApiServer::new();
-    let stop = CancellationToken::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let api_port = listener.local_addr().unwrap().port();
-    tokio::spawn(fake.clone().serve(listener, stop.clone()));
     let dir = std::env::temp_dir().join(format!("cosmosq-operator-process-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
-             clusters: [{{name: fake, cluster: {{server: 'http://127.0.0.1:{api_port}'}}}}]\n\
-             users: [{{name: fake, user: {{}}}}]\n\
-             contexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\n"
-        ),
-    )
-    .unwrap();
+    let (kubeconfig, stop) = fake.serve_localhost(&dir).await.unwrap();
     let port = free_port();
     let mut operator = Command::new(env!("CARGO_BIN_EXE_cosmosq-operator"))
         .env("KUBECONFIG", &kubeconfig)
