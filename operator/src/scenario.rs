@@ -11,7 +11,7 @@ use cosmosq_queue::{CosmosClient, NewMessage, Queue, QueueConfig};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::wait::await_condition;
 use kube::{Api, Client, Resource};
 use serde_json::json;
@@ -133,6 +133,30 @@ pub async fn operator_scenario(s: Scenario) {
             .and_then(|s| s.template.spec.as_ref())
             .is_some_and(|p| p.containers.iter().any(|c| c.name == "cosmosq-sidecar"))
     })
+    .await;
+
+    // A spec change reaches the Deployment.
+    groups
+        .patch(
+            "billing",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"concurrency": 4}})),
+        )
+        .await
+        .expect("change the group");
+    until(
+        &deployments,
+        "billing-workers",
+        "the changed concurrency",
+        |d| {
+            d.and_then(|d| d.spec.as_ref())
+                .and_then(|s| s.template.spec.as_ref())
+                .into_iter()
+                .flat_map(|p| p.containers.iter())
+                .flat_map(|c| c.env.iter().flatten())
+                .any(|e| e.name == "COSMOSQ_MAX_CONCURRENCY" && e.value.as_deref() == Some("4"))
+        },
+    )
     .await;
 
     // A backlog scales it to the maximum, and the status says why.
