@@ -477,6 +477,9 @@ pub struct RangeStatus {
     pub backlog: i64,
 }
 
+/// Where `crdgen` writes the YAML, relative to this crate: here, and the Helm chart's `crds/`.
+pub const MANIFEST_DIRS: [&str; 2] = [".", "../charts/cosmosq/crds"];
+
 /// The CRDs as the YAML `crdgen` writes, by file name.
 pub fn manifests() -> Vec<(&'static str, String)> {
     vec![
@@ -497,13 +500,17 @@ mod tests {
 
     #[test]
     fn committed_yaml_is_what_crdgen_writes() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         for (file, yaml) in manifests() {
-            let committed = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
-            assert!(
-                committed == yaml,
-                "crds/{file} is stale: run `cargo run -p cosmosq-crds --bin crdgen`"
-            );
+            for dir in MANIFEST_DIRS {
+                let path = root.join(dir).join(file);
+                let committed = std::fs::read_to_string(&path).unwrap_or_default();
+                assert!(
+                    committed == yaml,
+                    "{} is stale: run `cargo run -p cosmosq-crds --bin crdgen`",
+                    path.display()
+                );
+            }
         }
     }
 
