@@ -42,7 +42,12 @@ struct State {
     log: Vec<Change>,
     /// Requests served, by `METHOD collection[/subresource]`.
     requests: BTreeMap<String, u64>,
+    /// What each client did, as RBAC sees it: (actor, API group, resource, verb).
+    verbs: std::collections::BTreeSet<(String, String, String, String)>,
 }
+
+/// The header naming who sent a request (see [`FakeApiServer::client_as`]).
+const ACTOR: &str = "x-fake-actor";
 
 #[derive(Clone)]
 pub struct FakeApiServer {
@@ -63,6 +68,23 @@ struct Target {
     namespace: Option<String>,
     name: Option<String>,
     subresource: Option<String>,
+}
+
+impl Target {
+    /// The API group and the resource (with its subresource) RBAC rules name.
+    fn rbac_resource(&self) -> (String, String) {
+        let mut parts = self.collection.split('/');
+        let group = match parts.next() {
+            Some("apis") => parts.next().unwrap_or_default().to_owned(),
+            _ => String::new(),
+        };
+        let resource = self.collection.rsplit('/').next().unwrap_or_default();
+        let resource = match &self.subresource {
+            Some(sub) => format!("{resource}/{sub}"),
+            None => resource.to_owned(),
+        };
+        (group, resource)
+    }
 }
 
 fn parse(path: &str) -> Option<Target> {
@@ -163,12 +185,31 @@ impl FakeApiServer {
 
     /// A client whose requests this server answers.
     pub fn client(&self) -> kube::Client {
+        self.client_as("client")
+    }
+
+    /// A client whose calls are recorded under `actor` (see [`Self::verbs_of`]).
+    pub fn client_as(&self, actor: &str) -> kube::Client {
         let server = self.clone();
-        let service = tower::service_fn(move |request: Request<Body>| {
+        let actor = http::HeaderValue::from_str(actor).expect("a header value");
+        let service = tower::service_fn(move |mut request: Request<Body>| {
             let server = server.clone();
+            request.headers_mut().insert(ACTOR, actor.clone());
             async move { Ok::<_, Infallible>(server.handle(request).await) }
         });
         kube::Client::new(service, "default")
+    }
+
+    /// The (API group, resource, verb) triples `actor` used: what its RBAC must allow.
+    pub fn verbs_of(&self, actor: &str) -> std::collections::BTreeSet<(String, String, String)> {
+        self.state
+            .lock()
+            .expect("state")
+            .verbs
+            .iter()
+            .filter(|(a, ..)| a == actor)
+            .map(|(_, g, r, v)| (g.clone(), r.clone(), v.clone()))
+            .collect()
     }
 
     /// Serves over plain HTTP (for a real operator process, via a kubeconfig) until `stop`.
@@ -253,6 +294,11 @@ impl FakeApiServer {
 
     async fn handle(&self, request: Request<Body>) -> Response<ResponseBody> {
         let method = request.method().clone();
+        let actor = request
+            .headers()
+            .get(ACTOR)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
         let path = request.uri().path().to_owned();
         let query = request.uri().query().unwrap_or_default().to_owned();
         let content_type = request
@@ -269,6 +315,18 @@ impl FakeApiServer {
             Err(_) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", "body"),
         };
         let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let watching = matches!(query_param(&query, "watch").as_deref(), Some("true" | "1"));
+        let creates_by_apply = method == Method::PATCH
+            && content_type.starts_with("application/apply-patch")
+            && target.subresource.is_none()
+            && target.name.as_deref().is_some_and(|name| {
+                self.get(
+                    &target.collection,
+                    target.namespace.as_deref().unwrap_or_default(),
+                    name,
+                )
+                .is_none()
+            });
         {
             let mut state = self.state.lock().expect("state");
             let key = match &target.subresource {
@@ -276,8 +334,30 @@ impl FakeApiServer {
                 None => format!("{method} {}", target.collection),
             };
             *state.requests.entry(key).or_default() += 1;
+            let verb = match (&method, &target.name) {
+                (&Method::GET, Some(_)) => "get",
+                (&Method::GET, None) if watching => "watch",
+                (&Method::GET, None) => "list",
+                (&Method::POST, _) => "create",
+                (&Method::PUT, _) => "update",
+                (&Method::DELETE, _) => "delete",
+                _ => "patch",
+            };
+            let actor = actor.unwrap_or_default();
+            let (group, resource) = target.rbac_resource();
+            let mut record = |verb: &str| {
+                state.verbs.insert((
+                    actor.clone(),
+                    group.clone(),
+                    resource.clone(),
+                    verb.to_owned(),
+                ));
+            };
+            record(verb);
+            if creates_by_apply {
+                record("create");
+            }
         }
-        let watching = matches!(query_param(&query, "watch").as_deref(), Some("true" | "1"));
         match (&method, &target.name) {
             (&Method::GET, None) if watching => self.watch(&target, &query),
             (&Method::GET, None) => self.list(&target, &query),

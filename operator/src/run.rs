@@ -354,6 +354,7 @@ mod tests {
     use crate::scenario::{operator_scenario, Scenario};
     use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
     use kube::api::PostParams;
+    use std::collections::BTreeSet;
 
     #[tokio::test]
     async fn the_operator_provisions_runs_scales_and_cleans_up() {
@@ -371,6 +372,7 @@ mod tests {
 
         operator_scenario(Scenario {
             client: client.clone(),
+            operator_client: server.client_as("operator"),
             cosmos,
             namespace: "shop".into(),
             identity: Some("operator-0".into()),
@@ -394,5 +396,67 @@ mod tests {
                 <= 2,
             "scaled once or twice, not every round: {log:?}"
         );
+
+        // The chart's RBAC allows every call the operator made, and grants nothing it never
+        // makes (but for the calls of paths this scenario does not take, named here).
+        let granted = chart_rbac();
+        let used = server.verbs_of("operator");
+        let denied: Vec<_> = used.difference(&granted).collect();
+        assert!(
+            denied.is_empty(),
+            "the chart's RBAC does not allow {denied:?}"
+        );
+        let not_taken: BTreeSet<(String, String, String)> = [
+            ("cosmosq.io", "queueconsumergroups/finalizers", "update"), // blockOwnerDeletion
+            ("autoscaling", "horizontalpodautoscalers", "create"),      // HPA mode
+            ("autoscaling", "horizontalpodautoscalers", "patch"),       // HPA mode
+            ("", "secrets", "get"),                                     // key Secrets
+            ("events.k8s.io", "events", "patch"),                       // repeated Events
+            ("coordination.k8s.io", "leases", "update"),                // renewals (2 s)
+        ]
+        .into_iter()
+        .map(|(g, r, v)| (g.to_owned(), r.to_owned(), v.to_owned()))
+        .collect();
+        let unused: Vec<_> = granted
+            .difference(&used)
+            .filter(|rule| !not_taken.contains(*rule))
+            .collect();
+        assert!(
+            unused.is_empty(),
+            "the chart grants what the operator never uses: {unused:?}"
+        );
+    }
+
+    /// (API group, resource, verb) of every rule in the chart's RBAC template.
+    fn chart_rbac() -> BTreeSet<(String, String, String)> {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../charts/cosmosq/templates/rbac.yaml"
+        );
+        // The rules are plain YAML; only names and labels are templated.
+        let text: String = std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .filter(|l| !l.contains("{{"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let mut granted = BTreeSet::new();
+        for document in serde_yaml::Deserializer::from_str(&text) {
+            let doc: serde_json::Value = serde::Deserialize::deserialize(document).unwrap();
+            for rule in doc["rules"].as_array().into_iter().flatten() {
+                for group in rule["apiGroups"].as_array().unwrap() {
+                    for resource in rule["resources"].as_array().unwrap() {
+                        for verb in rule["verbs"].as_array().unwrap() {
+                            granted.insert((
+                                group.as_str().unwrap().to_owned(),
+                                resource.as_str().unwrap().to_owned(),
+                                verb.as_str().unwrap().to_owned(),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        granted
     }
 }

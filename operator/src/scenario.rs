@@ -22,7 +22,10 @@ use crate::cosmos::Backend;
 use crate::run::run_with;
 
 pub struct Scenario {
+    /// What the user's side (kubectl) uses.
     pub client: Client,
+    /// What the operator uses (the same client on a real cluster).
+    pub operator_client: Client,
     /// Where the queues live (the emulator).
     pub cosmos: CosmosClient,
     /// Everything is created in this namespace; it must exist.
@@ -80,7 +83,7 @@ pub async fn operator_scenario(s: Scenario) {
     let config = Config::try_parse_from(args).expect("valid settings");
     let shutdown = CancellationToken::new();
     let operator = tokio::spawn(run_with(
-        s.client.clone(),
+        s.operator_client.clone(),
         Backend::Fixed(s.cosmos.clone()),
         config,
         shutdown.clone(),

@@ -58,6 +58,7 @@ async fn the_operator_on_a_real_cluster() {
     let emulator = Emulator::in_process(EmulatorOptions::default()).expect("emulator");
     operator_scenario(Scenario {
         client: client.clone(),
+        operator_client: client.clone(),
         cosmos: emulator.client().await.expect("emulator client"),
         namespace: namespace.clone(),
         identity: None,
