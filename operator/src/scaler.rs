@@ -229,6 +229,16 @@ impl Scaler {
         let key = ObjectRef::from_obj(qcg);
         let state = self.state.lock().await.entry(key).or_default().clone();
         let mut state = state.lock().await;
+        if state.last_scale.is_none() {
+            // After a restart, the last scale is what the status says (not forgotten).
+            let status = qcg.status.as_ref();
+            if let (Some(at), Some(reason)) = (
+                status.and_then(|s| s.last_scale_time.clone()),
+                status.and_then(|s| s.last_scale_reason.clone()),
+            ) {
+                state.last_scale = Some((at, reason));
+            }
+        }
         let sample = estimate.as_ref().ok().map(|e| Sample {
             at_ms: now,
             lsn: e.lsn(),
@@ -740,7 +750,15 @@ mod tests {
 
     #[tokio::test]
     async fn hpa_mode_measures_but_leaves_the_replicas_to_the_hpa() {
-        let (scaler, mut server, group) = setup(json!({"mode": "HPA"}), 150, "orders").await;
+        let (scaler, mut server, mut group) = setup(json!({"mode": "HPA"}), 150, "orders").await;
+        // What an earlier operator process recorded survives this one's first write.
+        group["status"] = json!({"lastScaleTime": "2026-11-30T09:00:00Z",
+                                 "lastScaleReason": "backlog 900: scaling up to 9"});
+        let scaler = Scaler::new(
+            scaler.ctx.clone(),
+            store(vec![group.clone()]),
+            scaler.queues.clone(),
+        );
         let verifier = tokio::spawn(async move {
             server.deployment(2).await;
             server.scaler_status(GROUP_STATUS, group).await
@@ -768,6 +786,8 @@ mod tests {
             ),
             (Some(150), Some(2))
         );
+        assert_eq!(status["lastScaleReason"], "backlog 900: scaling up to 9");
+        assert_eq!(status["lastScaleTime"], "2026-11-30T09:00:00Z");
         let figures = scaler.ctx.figures.read().await;
         assert_eq!(
             figures[&("shop".to_owned(), "billing".to_owned())].backlog,
