@@ -735,4 +735,61 @@ mod tests {
             Some(120)
         );
     }
+
+    /// Every key of `input` is in `output` (serde dropped nothing as unknown), at `path`.
+    fn nothing_dropped(input: &serde_json::Value, output: &serde_json::Value, path: &str) {
+        if let (Some(input), Some(output)) = (input.as_object(), output.as_object()) {
+            for (key, value) in input {
+                let here = format!("{path}.{key}");
+                let Some(kept) = output.get(key) else {
+                    panic!("{here} is not a field of the resource");
+                };
+                nothing_dropped(value, kept, &here);
+            }
+        }
+    }
+
+    #[test]
+    fn the_examples_are_valid_and_build() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        let mut queues = Vec::new();
+        let mut groups = Vec::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let text = std::fs::read_to_string(&path).unwrap();
+            for document in serde_yaml::Deserializer::from_str(&text) {
+                let value: serde_json::Value = serde::Deserialize::deserialize(document).unwrap();
+                let file = path.file_name().unwrap().to_string_lossy().to_string();
+                match value["kind"].as_str() {
+                    Some("CosmosQueue") => {
+                        let cq: CosmosQueue = serde_json::from_value(value.clone()).unwrap();
+                        nothing_dropped(&value, &serde_json::to_value(&cq).unwrap(), &file);
+                        queues.push(cq);
+                    }
+                    Some("QueueConsumerGroup") => {
+                        let qcg: QueueConsumerGroup =
+                            serde_json::from_value(value.clone()).unwrap();
+                        nothing_dropped(&value, &serde_json::to_value(&qcg).unwrap(), &file);
+                        groups.push(qcg);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!((queues.len(), groups.len()), (2, 2));
+        for mut qcg in groups {
+            qcg.metadata.uid = Some("uid".into());
+            let queue = queues
+                .iter()
+                .find(|q| q.metadata.name.as_ref() == Some(&qcg.spec.queue_ref.name))
+                .expect("the group's queue is an example too");
+            deployment(&qcg, queue, &defaults()).unwrap();
+            hpa(&qcg).unwrap();
+            crate::cosmos::group_config(&qcg).unwrap();
+            crate::scaler::policy(&qcg).unwrap();
+        }
+        for queue in &queues {
+            crate::cosmos::queue_config(&queue.spec).unwrap();
+        }
+    }
 }
