@@ -176,3 +176,38 @@ impl Default for Metrics {
         Self::new()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Every metric the chart's Grafana dashboard queries is one the operator or the sidecar
+    /// exports.
+    #[test]
+    fn the_dashboard_queries_only_metrics_that_exist() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let dashboard =
+            std::fs::read_to_string(root.join("charts/cosmosq/dashboards/cosmosq.json")).unwrap();
+        let operator = std::fs::read_to_string(root.join("operator/src/metrics.rs")).unwrap();
+        let sidecar = std::fs::read_to_string(root.join("sidecar/src/metrics.rs")).unwrap();
+        let mut names: Vec<String> = Vec::new();
+        let mut rest = dashboard.as_str();
+        while let Some(at) = rest.find("cosmosq_") {
+            let name: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            rest = &rest[at + name.len()..];
+            names.push(name);
+        }
+        assert!(names.len() > 10, "{names:?}");
+        for name in names {
+            let name = name.trim_end_matches("_bucket");
+            // The sidecar's registry adds the `cosmosq_` prefix to its names.
+            let unprefixed = name.trim_start_matches("cosmosq_");
+            assert!(
+                operator.contains(&format!("\"{name}\""))
+                    || sidecar.contains(&format!("\"{unprefixed}\"")),
+                "the dashboard queries {name}, which nothing exports"
+            );
+        }
+    }
+}
