@@ -477,6 +477,9 @@ pub struct RangeStatus {
     pub backlog: i64,
 }
 
+/// Where `crdgen` writes the reference, relative to this crate.
+pub const REFERENCE_PATH: &str = "../docs/crds.md";
+
 /// Where `crdgen` writes the YAML, relative to this crate: here, and the Helm chart's `crds/`.
 pub const MANIFEST_DIRS: [&str; 2] = [".", "../charts/cosmosq/crds"];
 
@@ -492,6 +495,115 @@ pub fn manifests() -> Vec<(&'static str, String)> {
             serde_yaml::to_string(&QueueConsumerGroup::crd()).expect("CRD serializes"),
         ),
     ]
+}
+
+/// The CRD reference (`docs/crds.md`), generated from the same schema the API server checks.
+pub fn reference_markdown() -> String {
+    let mut out = String::from(
+        "# CRD reference\n\nGenerated from the CRDs' schema by `cargo run -p cosmosq-crds --bin crdgen`;\n\
+         a test fails when it is stale. Validation listed here is enforced by the API server at\n\
+         `kubectl apply`.\n",
+    );
+    for crd in [CosmosQueue::crd(), QueueConsumerGroup::crd()] {
+        let crd = serde_json::to_value(crd).expect("CRD serializes");
+        let version = &crd["spec"]["versions"][0];
+        out.push_str(&format!(
+            "\n## {} (`{}/{}`, short name `{}`)\n\n",
+            crd["spec"]["names"]["kind"].as_str().unwrap_or_default(),
+            crd["spec"]["group"].as_str().unwrap_or_default(),
+            version["name"].as_str().unwrap_or_default(),
+            crd["spec"]["names"]["shortNames"][0]
+                .as_str()
+                .unwrap_or_default(),
+        ));
+        out.push_str(
+            "| field | type | default | validation | meaning |\n| --- | --- | --- | --- | --- |\n",
+        );
+        let schema = &version["schema"]["openAPIV3Schema"]["properties"];
+        for part in ["spec", "status"] {
+            reference_rows(&schema[part], part, &mut out);
+        }
+    }
+    out
+}
+
+fn reference_rows(schema: &serde_json::Value, path: &str, out: &mut String) {
+    let cell = |text: String| text.replace('|', "\\|").replace('\n', " ");
+    let kind = match schema["type"].as_str() {
+        Some("array") => format!(
+            "array of {}",
+            schema["items"]["type"].as_str().unwrap_or("object")
+        ),
+        Some(t) => t.to_owned(),
+        None => "any".to_owned(),
+    };
+    let mut rules = Vec::new();
+    if let Some(values) = schema["enum"].as_array() {
+        let values: Vec<String> = values
+            .iter()
+            .map(|v| format!("`{}`", v.as_str().unwrap_or_default()))
+            .collect();
+        rules.push(format!("one of {}", values.join(", ")));
+    }
+    for (key, label) in [
+        ("minimum", "≥"),
+        ("maximum", "≤"),
+        ("minLength", "length ≥"),
+        ("maxLength", "length ≤"),
+    ] {
+        if let Some(n) = schema[key].as_f64() {
+            rules.push(format!("{label} {n}"));
+        }
+    }
+    if let Some(pattern) = schema["pattern"].as_str() {
+        rules.push(format!("matches `{pattern}`"));
+    }
+    for rule in schema["x-kubernetes-validations"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        rules.push(rule["message"].as_str().unwrap_or_default().to_owned());
+    }
+    if schema["x-kubernetes-preserve-unknown-fields"] == true {
+        rules.push("free-form".to_owned());
+    }
+    let default = match &schema["default"] {
+        serde_json::Value::Null => String::new(),
+        serde_json::Value::Object(_) => String::new(),
+        v => format!(
+            "`{}`",
+            v.as_str()
+                .map(str::to_owned)
+                .unwrap_or_else(|| v.to_string())
+        ),
+    };
+    let description = schema["description"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    if path != "spec" && path != "status" {
+        out.push_str(&format!(
+            "| `{path}` | {kind} | {default} | {} | {} |\n",
+            cell(rules.join("; ")),
+            cell(description)
+        ));
+    }
+    // Conditions are the standard Kubernetes type; no need to repeat its fields.
+    if path.ends_with(".conditions") {
+        return;
+    }
+    let properties = if schema["type"] == "array" {
+        &schema["items"]["properties"]
+    } else {
+        &schema["properties"]
+    };
+    let suffix = if schema["type"] == "array" { "[]" } else { "" };
+    if let Some(properties) = properties.as_object() {
+        for (name, child) in properties {
+            reference_rows(child, &format!("{path}{suffix}.{name}"), out);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -511,6 +623,27 @@ mod tests {
                     path.display()
                 );
             }
+        }
+    }
+
+    #[test]
+    fn committed_reference_is_what_crdgen_writes() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(REFERENCE_PATH);
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == reference_markdown(),
+            "{} is stale: run `cargo run -p cosmosq-crds --bin crdgen`",
+            path.display()
+        );
+        for field in [
+            "`spec.scaling.minReplicas`",
+            "`status.ranges[].owner`",
+            "`spec.deletionPolicy`",
+        ] {
+            assert!(
+                committed.contains(field),
+                "{field} missing from the reference"
+            );
         }
     }
 

@@ -1,5 +1,5 @@
 //! Writes the CRD YAML next to this crate (`crds/*.yaml`) and into the Helm chart
-//! (`charts/cosmosq/crds/`); `--stdout` prints them instead.
+//! (`charts/cosmosq/crds/`), and the reference `docs/crds.md`; `--stdout` prints the YAML only.
 
 fn main() -> std::io::Result<()> {
     let to_stdout = std::env::args().any(|a| a == "--stdout");
@@ -13,6 +13,11 @@ fn main() -> std::io::Result<()> {
             std::fs::write(root.join(dir).join(file), &yaml)?;
             println!("wrote {}", root.join(dir).join(file).display());
         }
+    }
+    if !to_stdout {
+        let path = root.join(cosmosq_crds::REFERENCE_PATH);
+        std::fs::write(&path, cosmosq_crds::reference_markdown())?;
+        println!("wrote {}", path.display());
     }
     Ok(())
 }
