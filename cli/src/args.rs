@@ -27,6 +27,12 @@ pub enum Command {
     Enqueue(crate::enqueue::EnqueueArgs),
     /// Inspect and act on a group's dead letters.
     Dlq(crate::dlq::DlqArgs),
+    /// Per group: backlog, lag, oldest message, dead letters; per range: owner, lag, backlog.
+    Stats(crate::inspect::InspectArgs),
+    /// Who holds which feed range, per group.
+    Leases(crate::inspect::InspectArgs),
+    /// Look at the oldest retained messages without consuming them.
+    Peek(crate::inspect::PeekArgs),
     /// Measure request units and throughput of the engine on the embedded emulator.
     #[cfg(feature = "emulator")]
     Bench(crate::bench::BenchArgs),
@@ -110,6 +116,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Enqueue(args) => crate::enqueue::run(args).await,
         Command::Dlq(args) => crate::dlq::run(args).await,
+        Command::Stats(args) => crate::inspect::run_stats(args).await,
+        Command::Leases(args) => crate::inspect::run_leases(args).await,
+        Command::Peek(args) => crate::inspect::run_peek(args).await,
         #[cfg(feature = "emulator")]
         Command::Bench(args) => crate::bench::run(args).await,
     }

@@ -10,6 +10,7 @@ mod dlq;
 #[cfg(feature = "emulator")]
 mod emulator;
 mod enqueue;
+mod inspect;
 mod output;
 #[cfg(feature = "emulator")]
 mod seed;

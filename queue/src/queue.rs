@@ -99,6 +99,66 @@ impl Queue {
         Ok(ranges.len())
     }
 
+    /// Up to `limit` retained messages, oldest first per range, without consuming anything.
+    /// Documents that are not messages (written by something else) are counted, not shown.
+    pub async fn peek(&self, limit: usize) -> Result<(Vec<Message>, usize)> {
+        use futures::StreamExt;
+        let mut pages = crate::feed::open(
+            self.messages(),
+            azure_data_cosmos::FeedScope::full_container(),
+            crate::config::StartFrom::Beginning,
+            None,
+            limit.clamp(1, 1000) as u32,
+            "peek",
+        )
+        .await?;
+        let (mut messages, mut unreadable) = (Vec::new(), 0);
+        while messages.len() < limit {
+            let Some(page) = pages.next().await else {
+                break;
+            };
+            let page = page.map_err(QueueError::cosmos("peek"))?;
+            self.charges()
+                .record_diagnostics("peek", &page.diagnostics());
+            if page.items().is_empty() {
+                break;
+            }
+            for doc in page.items().iter().filter_map(|i| i.current()) {
+                match Message::from_document(doc, self.pk_field()) {
+                    Ok(m) if messages.len() < limit => messages.push(m),
+                    Ok(_) => {}
+                    Err(_) => unreadable += 1,
+                }
+            }
+        }
+        Ok((messages, unreadable))
+    }
+
+    /// The consumer groups that have leases on this queue.
+    pub async fn group_names(&self) -> Result<Vec<String>> {
+        #[derive(serde::Deserialize)]
+        struct Row {
+            group: String,
+        }
+        let query = crate::sql::query(
+            "SELECT c.group FROM c WHERE c.type = @type",
+            &[("@type", serde_json::json!(crate::lease::LEASE_DOC_TYPE))],
+        )?;
+        let rows: Vec<Row> = crate::sql::collect(
+            self.leases(),
+            query,
+            azure_data_cosmos::FeedScope::full_container(),
+            None,
+            self.charges(),
+            "list groups",
+        )
+        .await?;
+        let mut names: Vec<String> = rows.into_iter().map(|r| r.group).collect();
+        names.sort();
+        names.dedup();
+        Ok(names)
+    }
+
     /// A consumer group of this queue.
     pub fn group(&self, config: GroupConfig) -> Result<Group> {
         config.validate()?;
