@@ -245,15 +245,24 @@ async fn keda(
     }
 }
 
+/// Binds a listener; done before anything else starts, so a taken port stops the operator
+/// at once with a clear error instead of leaving it running without probes.
+pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, HttpError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| HttpError::Bind { addr, source })
+}
+
 /// Serves plain HTTP until `shutdown`.
 pub async fn serve(
-    addr: SocketAddr,
+    listener: tokio::net::TcpListener,
     router: Router,
     shutdown: CancellationToken,
 ) -> Result<(), HttpError> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| HttpError::Bind { addr, source })?;
+    let addr = listener.local_addr().map_err(|source| HttpError::Bind {
+        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+        source,
+    })?;
     info!(%addr, "serving metrics, health and the KEDA endpoint");
     axum::serve(listener, router)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
@@ -294,16 +303,13 @@ pub fn tls_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>, 
 /// Serves HTTPS until `shutdown`: each connection's handshake runs in its own task, so a slow
 /// client cannot hold up the others.
 pub async fn serve_tls(
-    addr: SocketAddr,
+    listener: tokio::net::TcpListener,
     router: Router,
     tls: Arc<rustls::ServerConfig>,
     shutdown: CancellationToken,
 ) -> Result<(), HttpError> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| HttpError::Bind { addr, source })?;
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    info!(%addr, "serving external.metrics.k8s.io over TLS");
+    info!(addr = ?listener.local_addr().ok(), "serving external.metrics.k8s.io over TLS");
     loop {
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),

@@ -79,16 +79,18 @@ pub async fn run_with(
     // The HTTP surface comes first: the kubelet probes a standby too.
     let shared = Shared::new(ctx.metrics.clone(), ctx.figures.clone());
     let router = http::router(shared.clone());
+    let listener = http::bind(config.listen).await?;
+    let secure = match (&config.tls_cert_file, &config.tls_key_file) {
+        (Some(cert), Some(key)) => Some((
+            http::bind(config.secure_listen).await?,
+            http::tls_config(cert, key)?,
+        )),
+        _ => None,
+    };
     let mut servers = tokio::task::JoinSet::new();
-    servers.spawn(http::serve(config.listen, router.clone(), shutdown.clone()));
-    if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
-        let tls = http::tls_config(cert, key)?;
-        servers.spawn(http::serve_tls(
-            config.secure_listen,
-            router,
-            tls,
-            shutdown.clone(),
-        ));
+    servers.spawn(http::serve(listener, router.clone(), shutdown.clone()));
+    if let Some((listener, tls)) = secure {
+        servers.spawn(http::serve_tls(listener, router, tls, shutdown.clone()));
     }
     let pod = config.identity.clone().map(|name| {
         (

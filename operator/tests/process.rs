@@ -101,3 +101,43 @@ async fn the_binary_leads_serves_probes_and_stops_cleanly_on_sigterm() {
     stop.cancel();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_port_stops_the_binary_with_a_clear_error() {
+    let fake = FakeApiServer::new();
+    let dir = std::env::temp_dir().join(format!("cosmosq-operator-port-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (kubeconfig, stop) = fake.serve_localhost(&dir).await.unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let operator = Command::new(env!("CARGO_BIN_EXE_cosmosq-operator"))
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "warn")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--lease-namespace", "cosmosq"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the operator binary");
+    let output = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::task::spawn_blocking(move || operator.wait_with_output()),
+    )
+    .await
+    .expect("the operator exits at once")
+    .unwrap()
+    .unwrap();
+    assert!(!output.status.success(), "{}", output.status);
+    let logs = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        logs.contains(&format!("listening on 127.0.0.1:{port}")),
+        "{logs}"
+    );
+    assert!(
+        fake.get(LEASES, "cosmosq", "cosmosq-operator").is_none(),
+        "it never competed for leadership"
+    );
+    drop(taken);
+    stop.cancel();
+    let _ = std::fs::remove_dir_all(&dir);
+}
