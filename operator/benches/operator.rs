@@ -21,14 +21,6 @@ const QUEUES: usize = 50;
 const GROUPS_PER_QUEUE: usize = 2;
 const LATENCY_SAMPLES: usize = 40;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `VmRSS` and `VmHWM` (peak) of a process, in KiB (Linux).
 fn memory_kib(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -99,7 +91,7 @@ async fn main() {
     let mut operator = Command::new(env!("CARGO_BIN_EXE_cosmosq-operator"))
         .env("KUBECONFIG", &kubeconfig)
         .env("RUST_LOG", "warn")
-        .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+        .args(["--listen", "127.0.0.1:0"]) // nothing here reads it
         .args(["--lease-namespace", "bench", "--identity", "operator-0"])
         .args(["--scale-interval", "5s"])
         .stdout(Stdio::null())

@@ -46,6 +46,15 @@ struct State {
     verbs: std::collections::BTreeSet<(String, String, String, String)>,
 }
 
+impl State {
+    /// The stored object, if any.
+    fn object(&self, collection: &str, namespace: &str, name: &str) -> Option<&Value> {
+        self.objects
+            .get(collection)?
+            .get(&(namespace.to_owned(), name.to_owned()))
+    }
+}
+
 /// The header naming who sent a request (see [`FakeApiServer::client_as`]).
 const ACTOR: &str = "x-fake-actor";
 
@@ -283,13 +292,8 @@ impl FakeApiServer {
 
     /// An object as stored, if it exists.
     pub fn get(&self, collection: &str, namespace: &str, name: &str) -> Option<Value> {
-        self.state
-            .lock()
-            .expect("state")
-            .objects
-            .get(collection)
-            .and_then(|c| c.get(&(namespace.to_owned(), name.to_owned())))
-            .cloned()
+        let state = self.state.lock().expect("state");
+        state.object(collection, namespace, name).cloned()
     }
 
     async fn handle(&self, request: Request<Body>) -> Response<ResponseBody> {
@@ -460,19 +464,16 @@ impl FakeApiServer {
         kind: &'static str,
         mut object: Value,
     ) -> Value {
+        let text = |field: &str| {
+            object["metadata"][field]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let (namespace, name) = (text("namespace"), text("name"));
         // Like the API server, a write that changes nothing is a no-op: same version, no event.
         if kind == "MODIFIED" {
-            let key = (
-                object["metadata"]["namespace"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-                object["metadata"]["name"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-            );
-            if let Some(existing) = state.objects.get(collection).and_then(|c| c.get(&key)) {
+            if let Some(existing) = state.object(collection, &namespace, &name) {
                 let mut unversioned = existing.clone();
                 unversioned["metadata"]["resourceVersion"] =
                     object["metadata"]["resourceVersion"].clone();
@@ -484,14 +485,6 @@ impl FakeApiServer {
         state.resource_version += 1;
         let rv = state.resource_version;
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        let namespace = object["metadata"]["namespace"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        let name = object["metadata"]["name"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
         let objects = state.objects.entry(collection.to_owned()).or_default();
         if kind == "DELETED" {
             objects.remove(&(namespace.clone(), name));
@@ -522,11 +515,10 @@ impl FakeApiServer {
                     .map(|prefix| format!("{prefix}{}", state.resource_version + 1))
             })
             .unwrap_or_default();
-        let exists = state
-            .objects
-            .get(&target.collection)
-            .is_some_and(|c| c.contains_key(&(namespace.clone(), name.clone())));
-        if exists {
+        if state
+            .object(&target.collection, &namespace, &name)
+            .is_some()
+        {
             return status_error(StatusCode::CONFLICT, "AlreadyExists", "already exists");
         }
         let meta = &mut object["metadata"];
@@ -556,11 +548,7 @@ impl FakeApiServer {
     ) -> Response<ResponseBody> {
         let mut state = self.state.lock().expect("state");
         let namespace = target.namespace.clone().unwrap_or_default();
-        let existing = state
-            .objects
-            .get(&target.collection)
-            .and_then(|c| c.get(&(namespace.clone(), name.to_owned())))
-            .cloned();
+        let existing = state.object(&target.collection, &namespace, name).cloned();
         let apply = content_type.starts_with("application/apply-patch");
         let mut object = match (existing, apply) {
             (Some(object), _) => object,
@@ -654,12 +642,7 @@ impl FakeApiServer {
     fn replace(&self, target: &Target, name: &str, mut body: Value) -> Response<ResponseBody> {
         let mut state = self.state.lock().expect("state");
         let namespace = target.namespace.clone().unwrap_or_default();
-        let Some(existing) = state
-            .objects
-            .get(&target.collection)
-            .and_then(|c| c.get(&(namespace, name.to_owned())))
-            .cloned()
-        else {
+        let Some(existing) = state.object(&target.collection, &namespace, name).cloned() else {
             return status_error(StatusCode::NOT_FOUND, "NotFound", "not found");
         };
         if body["metadata"]["resourceVersion"] != existing["metadata"]["resourceVersion"] {
@@ -685,12 +668,7 @@ impl FakeApiServer {
     fn delete(&self, target: &Target, name: &str) -> Response<ResponseBody> {
         let mut state = self.state.lock().expect("state");
         let namespace = target.namespace.clone().unwrap_or_default();
-        let Some(mut object) = state
-            .objects
-            .get(&target.collection)
-            .and_then(|c| c.get(&(namespace, name.to_owned())))
-            .cloned()
-        else {
+        let Some(mut object) = state.object(&target.collection, &namespace, name).cloned() else {
             return status_error(StatusCode::NOT_FOUND, "NotFound", "not found");
         };
         let has_finalizers = object["metadata"]["finalizers"]
