@@ -328,6 +328,15 @@ struct RangeProcessor<H> {
     stats: Arc<ConsumerStats>,
 }
 
+/// The range's lease is gone. Deliveries already under way finish and settle under their own
+/// claims; those still waiting for a permit are not started: the checkpoint never passed them,
+/// so the new owner reads them again. (Delivering them anyway would only hand the app a second
+/// copy in stream mode, and waste a claim attempt in exclusive mode.)
+fn abandon(lost: &CancellationToken, deliveries: &mut JoinSet<()>) {
+    lost.cancel();
+    deliveries.detach_all();
+}
+
 /// A page of the feed whose messages are not all settled yet.
 struct PageSlot {
     seq: u64,
@@ -358,6 +367,8 @@ impl<H: Handler> RangeProcessor<H> {
         );
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<u64>();
         let mut deliveries = JoinSet::new();
+        // Cancelled when the range is lost: deliveries still waiting for a permit step aside.
+        let lost = CancellationToken::new();
         let mut window: VecDeque<PageSlot> = VecDeque::new();
         let mut in_flight = 0usize;
         let mut next_seq = 0u64;
@@ -397,14 +408,14 @@ impl<H: Handler> RangeProcessor<H> {
                             // Fencing: another host owns the range now; read nothing more from it.
                             warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease lost; stopped reading the range");
                             // Deliveries in flight finish and settle under their own claims.
-                            deliveries.detach_all();
+                            abandon(&lost, &mut deliveries);
                             return RangeExit::Lost;
                         }
                         Err(LeaseError::Other(e)) => {
                             warn!(%group, lease = %label, error = %e, "lease renewal failed; retrying");
                             if self.now() - lease.timestamp > duration_ms(self.options.lease_expire) {
                                 warn!(%group, lease = %label, "lease expired without renewal; stopped reading the range");
-                                deliveries.detach_all();
+                                abandon(&lost, &mut deliveries);
                                 return RangeExit::Lost;
                             }
                         }
@@ -412,7 +423,7 @@ impl<H: Handler> RangeProcessor<H> {
                 }
                 _ = flush.tick(), if checkpoint != lease.continuation => {
                     if let Some(exit) = self.write_checkpoint(&mut lease, &checkpoint).await {
-                        deliveries.detach_all();
+                        abandon(&lost, &mut deliveries);
                         return exit;
                     }
                 }
@@ -428,7 +439,7 @@ impl<H: Handler> RangeProcessor<H> {
                                 // lease is still ours before handing out a page (1 RU a page).
                                 if stream && !self.still_owned(&lease).await {
                                     warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease taken by another host; stopped reading the range");
-                                    deliveries.detach_all();
+                                    abandon(&lost, &mut deliveries);
                                     return RangeExit::Lost;
                                 }
                             }
@@ -449,6 +460,7 @@ impl<H: Handler> RangeProcessor<H> {
                                 let worker = Arc::clone(&self.worker);
                                 let permits = Arc::clone(&self.permits);
                                 let done = done_tx.clone();
+                                let lost = lost.clone();
                                 // FIFO per key: each message waits for its key's previous one.
                                 let (settled, previous) = if ordered {
                                     let (tx, rx) = oneshot::channel::<()>();
@@ -460,7 +472,11 @@ impl<H: Handler> RangeProcessor<H> {
                                     if let Some(previous) = previous {
                                         let _ = previous.await;
                                     }
-                                    let _permit = permits.acquire_owned().await.expect("never closed");
+                                    let _permit = tokio::select! {
+                                        biased;
+                                        _ = lost.cancelled() => return,
+                                        permit = permits.acquire_owned() => permit.expect("never closed"),
+                                    };
                                     worker.process(message).await;
                                     drop(settled);
                                     let _ = done.send(seq);

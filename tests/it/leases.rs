@@ -772,3 +772,66 @@ async fn idle_polling_backs_off_to_the_ceiling_and_work_resets_it() {
     host.stop.cancel();
     host.task.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stolen_range_hands_its_queued_deliveries_to_the_new_owner() {
+    // Regression: a host that lost a range went on delivering every message it had read ahead
+    // (a page waiting for permits), so in stream mode the app got each of them twice.
+    const MESSAGES: usize = 20;
+    let fixture = Fixture::new(1).await;
+    let config = GroupConfig::new("s")
+        .with_mode(DeliveryMode::Stream)
+        .with_start_from(StartFrom::Beginning);
+    enqueue(&fixture, 0..MESSAGES).await;
+    let a_deliveries = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (gate, gate_rx) = tokio::sync::watch::channel(false);
+    let a = start(
+        &fixture,
+        &config,
+        HostOptions {
+            max_concurrency: 1,
+            ..fast("a")
+        },
+        {
+            let a_deliveries = Arc::clone(&a_deliveries);
+            move |_d: Delivery| {
+                a_deliveries.fetch_add(1, Ordering::SeqCst);
+                let mut gate = gate_rx.clone();
+                async move {
+                    let _ = gate.wait_for(|open| *open).await;
+                    Outcome::Complete
+                }
+            }
+        },
+    );
+    eventually(
+        "a is working on its first message",
+        Duration::from_secs(5),
+        || async { a_deliveries.load(Ordering::SeqCst) == 1 },
+    )
+    .await;
+    // Another host takes the range (as after a pause longer than the lease expiry).
+    let store = LeaseStore::new(fixture.queue.clone(), "s");
+    let lease = store.list().await.unwrap().remove(0);
+    store
+        .acquire(&lease, "thief", fixture.queue.clock().now_ms())
+        .await
+        .unwrap();
+    eventually("a notices the loss", Duration::from_secs(5), || async {
+        a.stats.leases_lost.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // a leaves (so it cannot win the range back); its delivery under way is still at the app.
+    stop_all(vec![a]).await;
+    gate.send(true).unwrap();
+    // The thief never renews; b takes the range once it expires and delivers all of it.
+    let ledger = Arc::new(Ledger::default());
+    let b = start(&fixture, &config, fast("b"), recording(&ledger));
+    ledger.wait_until(|l| l.delivered("s") == MESSAGES).await;
+    assert_eq!(
+        a_deliveries.load(Ordering::SeqCst),
+        1,
+        "a delivered only what was under way when it lost the range"
+    );
+    stop_all(vec![b]).await;
+}
