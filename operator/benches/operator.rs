@@ -63,7 +63,7 @@ async fn until(
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+    cosmosq_queue::measure::percentile(sorted, p).unwrap_or(f64::NAN)
 }
 
 #[tokio::main]

@@ -21,7 +21,8 @@ pub mod metrics;
 pub mod queue;
 pub mod run;
 pub mod scaler;
-pub mod scaling;
+/// The pure scaling decision lives in the engine, shared with `cosmosq demo`.
+pub use cosmosq_queue::scaling;
 #[cfg(any(test, feature = "testkit"))]
 pub mod scenario;
 pub mod status;

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup, RangeStatus, ScalingMode};
 use cosmosq_queue::estimate::GroupEstimate;
-use cosmosq_queue::lease::LeaseStore;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -28,7 +27,7 @@ use tracing::{debug, info, warn};
 use crate::build::{group_name, workers_name};
 use crate::context::{Context, GroupFigures};
 use crate::cosmos::{group_config, CosmosError};
-use crate::scaling::{self, Decision, History, Observation, Policy, Reason, Sample};
+use crate::scaling::{Autoscaler, Decision, Policy, Reason};
 use crate::status::{self, SCALER_MANAGER};
 
 /// Ranges listed in a group's status; beyond this the status would grow past what `kubectl`
@@ -48,8 +47,7 @@ pub enum ScalerError {
 /// What the loop remembers of a group between rounds.
 #[derive(Default)]
 struct GroupState {
-    history: History,
-    last_sample: Option<Sample>,
+    scaling: Autoscaler,
     last_scale: Option<(Time, String)>,
     /// The status last written, so an unchanged one is not written again.
     written: Option<Value>,
@@ -206,19 +204,10 @@ impl Scaler {
 
         let estimate: Result<GroupEstimate, CosmosError> = async {
             let queue = self.ctx.cosmos.queue(&cq).await?;
-            let start_from = group_config.start_from;
             let group = queue.group(group_config)?;
-            let mut estimate = group.estimate().await?;
-            if estimate.ranges.is_empty() {
-                // No host has started yet (or the group sits at zero): create its leases, so
-                // its backlog becomes visible and can wake it from zero.
-                LeaseStore::new(queue.clone(), group.name())
-                    .with_start_from(start_from)
-                    .reconcile(now, LEASE_EXPIRY_MS)
-                    .await?;
-                estimate = group.estimate().await?;
-            }
-            Ok(estimate)
+            Ok(group
+                .estimate_or_create_leases(now, LEASE_EXPIRY_MS)
+                .await?)
         }
         .await;
         if estimate.is_err() {
@@ -239,29 +228,11 @@ impl Scaler {
                 state.last_scale = Some((at, reason));
             }
         }
-        let sample = estimate.as_ref().ok().map(|e| Sample {
-            at_ms: now,
-            lsn: e.lsn(),
-            backlog: e.backlog(),
-            replicas: current,
-        });
-        let (arrival_rate, rate_per_replica) = match (&state.last_sample, &sample) {
-            (Some(prev), Some(next)) => scaling::rates(prev, next),
-            _ => (None, None),
-        };
-        if sample.is_some() {
-            state.last_sample = sample;
-        }
-        let backlog = estimate.as_ref().ok().map(GroupEstimate::backlog);
-        let observation = Observation {
-            now_ms: now,
-            backlog,
-            arrival_rate,
-            rate_per_replica,
-            leases: estimate.as_ref().map_or(0, |e| e.ranges.len() as u32),
-            current_replicas: current,
-        };
-        let decision = scaling::decide(&policy, &observation, &mut state.history);
+        let (observation, decision) =
+            state
+                .scaling
+                .round(&policy, now, estimate.as_ref().ok(), current);
+        let backlog = observation.backlog;
         let description = decision.reason.describe(&decision, backlog);
         let labels = [
             namespace.as_str(),
@@ -524,6 +495,7 @@ mod tests {
     use crate::testing::{
         emulator_context, group_json, json_response, queue_json, ApiServerVerifier,
     };
+    use cosmosq_queue::lease::LeaseStore;
     use cosmosq_queue::NewMessage;
     use http::{Method, StatusCode};
     use kube::runtime::reflector::store::Writer;

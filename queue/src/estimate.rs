@@ -130,6 +130,25 @@ impl Group {
         })
     }
 
+    /// [`estimate`](Self::estimate) for a scaler. A group no host has started yet (or one
+    /// sitting at zero workers) has no leases, so its backlog would be invisible and could
+    /// never wake it: its leases are created first, at the group's start position.
+    pub async fn estimate_or_create_leases(
+        &self,
+        now: i64,
+        lease_expire_ms: i64,
+    ) -> Result<GroupEstimate> {
+        let estimate = self.estimate().await?;
+        if !estimate.ranges.is_empty() {
+            return Ok(estimate);
+        }
+        LeaseStore::new(self.queue().clone(), self.name())
+            .with_start_from(self.config().start_from)
+            .reconcile(now, lease_expire_ms)
+            .await?;
+        self.estimate().await
+    }
+
     /// Messages read and not yet settled that the lag does not count, bucketed by lease.
     async fn pending_by_range(&self, leases: &[Lease]) -> Result<Vec<Vec<Pending>>> {
         let query = sql::query(

@@ -25,10 +25,12 @@ mod feed;
 pub mod group;
 pub mod host;
 pub mod lease;
+pub mod measure;
 pub mod message;
 pub mod producer;
 pub mod provision;
 pub mod queue;
+pub mod scaling;
 mod sql;
 
 pub use azure_data_cosmos::CosmosClient;

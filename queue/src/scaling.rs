@@ -13,6 +13,8 @@
 
 use std::collections::VecDeque;
 
+use crate::estimate::GroupEstimate;
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {
     pub min_replicas: u32,
@@ -123,6 +125,51 @@ pub fn rates(prev: &Sample, now: &Sample) -> (Option<f64>, Option<f64>) {
         (settled > 0.0).then(|| settled / secs / f64::from(replicas))
     });
     (arrival, per_replica)
+}
+
+/// One group's scaling across rounds: what [`decide`] remembers and the previous sample the
+/// rates are measured against. The operator keeps one per QueueConsumerGroup; `cosmosq demo`
+/// one per group it runs.
+#[derive(Clone, Debug, Default)]
+pub struct Autoscaler {
+    history: History,
+    last_sample: Option<Sample>,
+}
+
+impl Autoscaler {
+    /// One round: measures rates against the previous estimate and decides. `estimate` is
+    /// `None` when it failed (replicas are kept).
+    pub fn round(
+        &mut self,
+        policy: &Policy,
+        now_ms: i64,
+        estimate: Option<&GroupEstimate>,
+        current_replicas: u32,
+    ) -> (Observation, Decision) {
+        let sample = estimate.map(|e| Sample {
+            at_ms: now_ms,
+            lsn: e.lsn(),
+            backlog: e.backlog(),
+            replicas: current_replicas,
+        });
+        let (arrival_rate, rate_per_replica) = match (&self.last_sample, &sample) {
+            (Some(prev), Some(next)) => rates(prev, next),
+            _ => (None, None),
+        };
+        if sample.is_some() {
+            self.last_sample = sample;
+        }
+        let observation = Observation {
+            now_ms,
+            backlog: estimate.map(GroupEstimate::backlog),
+            arrival_rate,
+            rate_per_replica,
+            leases: estimate.map_or(0, |e| e.ranges.len() as u32),
+            current_replicas,
+        };
+        let decision = decide(policy, &observation, &mut self.history);
+        (observation, decision)
+    }
 }
 
 fn div_ceil_f(a: f64, b: f64) -> u32 {
@@ -462,5 +509,54 @@ mod tests {
                 reason: Reason::ScaleUp
             }
         );
+    }
+
+    fn estimate(ranges: &[(u64, u64)]) -> GroupEstimate {
+        GroupEstimate {
+            group: "g".into(),
+            ranges: ranges
+                .iter()
+                .map(|&(lsn, backlog)| crate::estimate::RangeEstimate {
+                    min_epk: String::new(),
+                    max_epk: "FF".into(),
+                    owner: None,
+                    lag: Some(backlog),
+                    backlog,
+                    oldest_unsettled_at: None,
+                    checkpointed: true,
+                    lsn: Some(lsn),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_autoscaler_measures_rates_between_rounds_and_keeps_replicas_on_errors() {
+        let mut scaler = Autoscaler::default();
+        // Round 1: 150 waiting on 2 replicas, no rate yet: the backlog alone says 2.
+        let (obs, d) = scaler.round(
+            &policy(),
+            0,
+            Some(&estimate(&[(1_000, 75), (1_000, 75)])),
+            2,
+        );
+        assert_eq!(
+            (obs.backlog, obs.leases, obs.arrival_rate),
+            (Some(150), 2, None)
+        );
+        assert_eq!(d.replicas, 2);
+        // A failed estimate in between keeps the replicas and the last sample.
+        let (_, d) = scaler.round(&policy(), 5_000, None, 2);
+        assert_eq!(d.reason, Reason::EstimateFailed);
+        // Round 3, 10 s after the first: 1,000 arrived (LSNs), the backlog held at 150, so the
+        // 2 saturated replicas settled 50 msg/s each while 100 msg/s arrive.
+        let (obs, _) = scaler.round(
+            &policy(),
+            10_000,
+            Some(&estimate(&[(1_500, 75), (1_500, 75)])),
+            2,
+        );
+        assert_eq!(obs.arrival_rate, Some(100.0));
+        assert_eq!(obs.rate_per_replica, Some(50.0));
     }
 }

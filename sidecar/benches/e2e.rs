@@ -52,8 +52,7 @@ async fn wait_for(received: &Received, n: usize, peak_rss: &mut u64, pid: u32) {
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
+    cosmosq_queue::measure::percentile(sorted, p).unwrap_or(f64::NAN)
 }
 
 #[tokio::main]
