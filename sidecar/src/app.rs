@@ -192,6 +192,47 @@ pub fn classify(status: u16, retry_after: Option<&str>, body: &[u8]) -> Answer {
     }
 }
 
+/// Judges an answer from its first bytes only (it was longer than the sidecar reads). A 2xx
+/// JSON answer counts by a `status` found in those bytes; without one it is retried, never
+/// taken as success, since the status may sit beyond the cut. Other answers count as whole.
+pub fn classify_prefix(status: u16, retry_after: Option<&str>, prefix: &[u8]) -> Answer {
+    let json = prefix
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_some_and(|b| *b == b'{');
+    if !(200..300).contains(&status) || !json {
+        return classify(status, retry_after, prefix);
+    }
+    match status_in_prefix(prefix) {
+        Some(value) => classify(
+            status,
+            retry_after,
+            &serde_json::to_vec(&json!({ "status": value })).expect("a string serializes"),
+        ),
+        None => Answer::Retry {
+            reason: format!(
+                "the app's answer is over {0} KB and holds no status in its first {0} KB",
+                prefix.len() / 1024
+            ),
+            after: None,
+        },
+    }
+}
+
+/// The string value of the first `"status"` key in a JSON text cut short.
+fn status_in_prefix(prefix: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(prefix);
+    let mut rest = text.as_ref();
+    while let Some(at) = rest.find("\"status\"") {
+        rest = &rest[at + "\"status\"".len()..];
+        let after_colon = rest.trim_start().strip_prefix(':')?.trim_start();
+        if let Some(value) = after_colon.strip_prefix('"') {
+            return value.find('"').map(|end| value[..end].to_owned());
+        }
+    }
+    None
+}
+
 /// `Retry-After` in seconds (the HTTP-date form is treated as absent: back-off applies).
 fn parse_retry_after(value: &str) -> Option<Duration> {
     value.trim().parse::<u64>().ok().map(Duration::from_secs)
@@ -357,6 +398,36 @@ mod tests {
             None,
             "non-ASCII stays out of headers"
         );
+    }
+
+    #[test]
+    fn an_answer_cut_at_the_limit_counts_by_the_status_in_its_start() {
+        let padding = "x".repeat(70_000);
+        let cut = |text: String| text.into_bytes()[..64 * 1024].to_vec();
+        let retry_first = cut(format!(r#"{{"status": "RETRY", "log": "{padding}"}}"#));
+        assert!(matches!(
+            classify_prefix(200, None, &retry_first),
+            Answer::Retry { ref reason, .. } if reason == "the app answered RETRY"
+        ));
+        let success_first = cut(format!(
+            r#"{{"log0": "x", "status":"SUCCESS", "log": "{padding}"}}"#
+        ));
+        assert_eq!(classify_prefix(200, None, &success_first), Answer::Success);
+        // The status may be beyond the cut: never taken for a success.
+        let status_last = cut(format!(r#"{{"log": "{padding}", "status": "DROP"}}"#));
+        assert!(matches!(
+            classify_prefix(200, None, &status_last),
+            Answer::Retry { ref reason, .. } if reason.contains("no status in its first 64 KB")
+        ));
+        // Not JSON, or not 2xx: the start says all there is.
+        assert_eq!(
+            classify_prefix(200, None, &cut(padding.clone())),
+            Answer::Success
+        );
+        assert!(matches!(
+            classify_prefix(500, None, &cut(format!("{{{padding}"))),
+            Answer::Retry { ref reason, .. } if reason == "the app answered HTTP 500"
+        ));
     }
 
     #[test]

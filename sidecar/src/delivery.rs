@@ -10,8 +10,8 @@ use crate::app::{self, Answer, Format};
 use crate::breaker::{Breaker, Permit};
 use crate::metrics::Metrics;
 
-/// The most of an answer's body we read: enough for `{"status": ...}`; a 10 MB answer is cut
-/// here (and, not being JSON then, counts like any non-JSON 2xx body).
+/// The most of an answer's body we read: enough for `{"status": ...}`. A longer answer is
+/// judged by [`app::classify_prefix`]; the rest is dropped with the connection.
 const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
 /// The app behind localhost, as a [`Handler`].
@@ -98,18 +98,40 @@ impl AppClient {
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_owned);
                 let mut body = Vec::new();
-                loop {
+                let mut cut_off = None;
+                while body.len() <= MAX_ANSWER_BYTES {
                     match tokio::time::timeout(self.timeout, response.chunk()).await {
-                        Ok(Ok(Some(chunk))) if body.len() < MAX_ANSWER_BYTES => {
-                            body.extend_from_slice(&chunk)
+                        Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
+                        Ok(Ok(None)) => break,
+                        Ok(Err(e)) => {
+                            cut_off = Some(format!("the app's answer was cut off: {e}"));
+                            break;
                         }
-                        Ok(Ok(Some(_))) => break, // enough: the rest is dropped with the connection
-                        _ => break,
+                        Err(_) => {
+                            cut_off = Some(format!(
+                                "the app's answer did not finish within {:?}",
+                                self.timeout
+                            ));
+                            break;
+                        }
                     }
                 }
-                body.truncate(MAX_ANSWER_BYTES);
-                let answer = app::classify(status, retry_after.as_deref(), &body);
-                let hard = status >= 500 && !matches!(answer, Answer::Retry { after: Some(_), .. });
+                let crashed = cut_off.is_some();
+                let answer = match cut_off {
+                    // Half an answer is no answer: the app may have crashed mid-way.
+                    Some(reason) => Answer::Retry {
+                        reason,
+                        after: None,
+                    },
+                    None if body.len() > MAX_ANSWER_BYTES => {
+                        body.truncate(MAX_ANSWER_BYTES);
+                        warn!(message_id = %delivery.message.id, limit = MAX_ANSWER_BYTES, "the app's answer is longer than the limit; judging it by its start");
+                        app::classify_prefix(status, retry_after.as_deref(), &body)
+                    }
+                    None => app::classify(status, retry_after.as_deref(), &body),
+                };
+                let hard = crashed
+                    || status >= 500 && !matches!(answer, Answer::Retry { after: Some(_), .. });
                 if hard {
                     self.metrics.app_errors.with_label_values(&["status"]).inc();
                 }

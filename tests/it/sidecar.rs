@@ -22,7 +22,23 @@ enum Act {
     Hang,
     Sleep(Duration, u16),
     Wait, // until released
+    /// Starts a 200 answer, then dies mid-body (the process crashing mid-request).
+    Crash,
+    /// A 200 answer of ten megabytes, in this shape.
+    Huge(HugeBody),
 }
+
+#[derive(Clone, Copy, Debug)]
+enum HugeBody {
+    /// `{"status":"RETRY", "log": "xxx…"}`: the status is in the part the sidecar reads.
+    JsonStatusFirst,
+    /// `{"log": "xxx…", "status":"SUCCESS"}`: the status is beyond it.
+    JsonStatusLast,
+    /// Ten megabytes of text: not JSON, so a success (Dapr's rule).
+    Text,
+}
+
+const TEN_MB: usize = 10 * 1024 * 1024;
 
 type Script = Arc<dyn Fn(&str, u32) -> Act + Send + Sync>;
 
@@ -108,6 +124,26 @@ impl TestApp {
                 self.changed.notify_waiters();
                 self.release.notified().await;
                 (200, "")
+            }
+            Act::Crash => {
+                let parts: Vec<Result<&'static str, std::io::Error>> = vec![
+                    Ok(r#"{"status":"#),
+                    Err(std::io::Error::other("the app crashed")),
+                ];
+                return axum::body::Body::from_stream(futures::stream::iter(parts)).into_response();
+            }
+            Act::Huge(shape) => {
+                let padding = "x".repeat(TEN_MB);
+                let body = match shape {
+                    HugeBody::JsonStatusFirst => {
+                        format!(r#"{{"status":"RETRY","log":"{padding}"}}"#)
+                    }
+                    HugeBody::JsonStatusLast => {
+                        format!(r#"{{"log":"{padding}","status":"SUCCESS"}}"#)
+                    }
+                    HugeBody::Text => padding,
+                };
+                return (StatusCode::OK, body).into_response();
             }
         };
         let mut response = (StatusCode::from_u16(status).unwrap(), text.to_owned()).into_response();
@@ -234,6 +270,10 @@ async fn every_kind_of_answer_settles_as_the_contract_says() {
         ("garbage", _) => Act::Answer(200, "<html>not json</html>"),
         ("unknown-status", 1) => Act::Answer(200, r#"{"status":"MAYBE"}"#),
         ("unknown-status", _) => Act::Answer(200, ""),
+        ("crashes-once", 1) => Act::Crash,
+        ("huge-retry-once", 1) => Act::Huge(HugeBody::JsonStatusFirst),
+        ("huge-status-last-once", 1) => Act::Huge(HugeBody::JsonStatusLast),
+        ("huge-text", _) => Act::Huge(HugeBody::Text),
         _ => Act::Answer(200, ""),
     });
     app.serve(listener, script).await;
@@ -248,6 +288,10 @@ async fn every_kind_of_answer_settles_as_the_contract_says() {
         "slow",
         "garbage",
         "unknown-status",
+        "crashes-once",
+        "huge-retry-once",
+        "huge-status-last-once",
+        "huge-text",
     ];
     for id in ids {
         fixture
@@ -269,6 +313,15 @@ async fn every_kind_of_answer_settles_as_the_contract_says() {
         ("slow", (MessageState::Completed, vec![1])),
         ("garbage", (MessageState::Completed, vec![1])),
         ("unknown-status", (MessageState::Completed, vec![1, 2])),
+        // Half an answer is no answer.
+        ("crashes-once", (MessageState::Completed, vec![1, 2])),
+        // Ten megabytes: read up to 64 KB, judged by a status found there, else retried.
+        ("huge-retry-once", (MessageState::Completed, vec![1, 2])),
+        (
+            "huge-status-last-once",
+            (MessageState::Completed, vec![1, 2]),
+        ),
+        ("huge-text", (MessageState::Completed, vec![1])),
     ]);
     for (id, (final_state, _)) in &expected {
         eventually(
@@ -315,7 +368,7 @@ async fn every_kind_of_answer_settles_as_the_contract_says() {
     };
     assert_eq!(
         get(r#"cosmosq_deliveries_total{group="g",outcome="completed",queue="q"}"#),
-        8.0
+        12.0
     );
     assert_eq!(
         get(r#"cosmosq_deliveries_total{group="g",outcome="dead_lettered",queue="q"}"#),
