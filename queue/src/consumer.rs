@@ -16,10 +16,42 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 
+use crate::backoff::RetryPolicy;
 use crate::error::{QueueError, Result};
 use crate::feed::FeedReader;
 use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome, StateDoc};
 use crate::message::Message;
+
+/// Back-off between attempts to record a message's fate after a Cosmos error the SDK did not
+/// retry away (a long 429 storm, 503s, timeouts, resets).
+const RECORD_RETRY: RetryPolicy = RetryPolicy {
+    max_delivery_attempts: u32::MAX,
+    initial_backoff: Duration::from_millis(50),
+    max_backoff: Duration::from_secs(5),
+    multiplier: 2.0,
+    jitter: 0.2,
+};
+
+/// A handler that panics fails the delivery like an error would (retried, then dead-lettered):
+/// otherwise the task would die with the message unsettled and its range could never drain.
+async fn guarded(handling: impl Future<Output = Outcome>) -> Outcome {
+    use futures::FutureExt as _;
+    match std::panic::AssertUnwindSafe(handling).catch_unwind().await {
+        Ok(outcome) => outcome,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string payload".to_owned());
+            error!(panic = %what, "the handler panicked; the delivery counts as failed");
+            Outcome::Retry {
+                error: format!("the handler panicked: {what}"),
+                delay: None,
+            }
+        }
+    }
+}
 
 /// One delivery handed to a [`Handler`].
 #[derive(Clone, Debug)]
@@ -238,7 +270,8 @@ impl<H: Handler> Consumer<H> {
                                     _ = shutdown.cancelled() => break,
                                 };
                                 let worker = self.worker();
-                                tasks.spawn(async move { worker.process(message).await; drop(permit); });
+                                let shutdown = shutdown.clone();
+                                tasks.spawn(async move { worker.process(message, &shutdown).await; drop(permit); });
                             }
                         }
                         Err(e) => {
@@ -277,10 +310,16 @@ pub(crate) struct Worker<H> {
 }
 
 impl<H: Handler> Worker<H> {
-    pub(crate) async fn process(&self, message: Message) {
+    /// Claims, delivers and settles a message read from the change feed. Returns whether its
+    /// fate is recorded in the database; when it is not (Cosmos kept failing until `give_up`),
+    /// the caller must not checkpoint past it, so the feed brings it back.
+    pub(crate) async fn process(&self, message: Message, give_up: &CancellationToken) -> bool {
+        let mut failures = 0;
         loop {
             match self.group.claim(&message, &self.holder).await {
-                Ok(ClaimOutcome::Claimed(claim)) => return self.deliver(message, claim).await,
+                Ok(ClaimOutcome::Claimed(claim)) => {
+                    return self.deliver(message, claim, give_up).await
+                }
                 // Ordered groups hold the key: wait for the earlier holder's lock to expire or
                 // the message's time to come, then try again; the key's later messages wait.
                 Ok(ClaimOutcome::Held { until, .. }) if self.group.config().ordered => {
@@ -290,10 +329,60 @@ impl<H: Handler> Worker<H> {
                     self.wait_until(due).await
                 }
                 Ok(other) => {
-                    return debug!(message_id = %message.id, outcome = ?other, "not claimed")
+                    debug!(message_id = %message.id, outcome = ?other, "not claimed");
+                    return true;
                 }
-                Err(e) => return self.failed("claim", &message.id, e),
+                // Nothing is recorded yet and the feed has moved on: keep trying.
+                Err(e) => {
+                    if !self
+                        .keep_trying("claim", &message.id, e, &mut failures, None, give_up)
+                        .await
+                    {
+                        return false;
+                    }
+                }
             }
+        }
+    }
+
+    /// After a failed write: waits its back-off and says whether to try again. Gives up when
+    /// `give_up` fires or at `deadline` (epoch ms). The first failure of a message is a
+    /// warning with its context; repeats are debug, so a storm of errors logs once per message.
+    async fn keep_trying(
+        &self,
+        step: &str,
+        message_id: &str,
+        e: QueueError,
+        failures: &mut u32,
+        deadline: Option<i64>,
+        give_up: &CancellationToken,
+    ) -> bool {
+        ConsumerStats::bump(&self.stats.errors);
+        *failures += 1;
+        if *failures == 1 {
+            warn!(group = self.group.name(), message_id, step, error = %e, "step failed; retrying with back-off");
+        } else {
+            debug!(group = self.group.name(), message_id, step, attempt = *failures, error = %e, "step failed again");
+        }
+        let delay = RECORD_RETRY.backoff_random(*failures);
+        let now = self.group.queue().clock().now_ms();
+        if deadline.is_some_and(|d| now + crate::clock::duration_ms(delay) >= d) {
+            warn!(
+                group = self.group.name(),
+                message_id,
+                step,
+                failures = *failures,
+                "giving up before the lock expires; the message will be delivered again"
+            );
+            return false;
+        }
+        tokio::select! {
+            biased;
+            _ = give_up.cancelled() => {
+                warn!(group = self.group.name(), message_id, step, failures = *failures, "stopped retrying; the message stays ahead of the checkpoint");
+                false
+            }
+            _ = tokio::time::sleep(delay) => true,
         }
     }
 
@@ -317,7 +406,11 @@ impl<H: Handler> Worker<H> {
             Err(e) => return self.failed("claim", &id, e),
         };
         match self.group.queue().read_message(&pk, &id).await {
-            Ok(Some(message)) => self.deliver(message, claim).await,
+            Ok(Some(message)) => {
+                // The state document exists: at worst its lock expires and it comes back.
+                self.deliver(message, claim, &CancellationToken::new())
+                    .await;
+            }
             Ok(None) => {
                 // Retention removed the message while it waited: record it where users look.
                 warn!(group = self.group.name(), message_id = %id, "message expired before it could be delivered again");
@@ -337,7 +430,13 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    async fn deliver(&self, message: Message, mut claim: Claim) {
+    /// Returns whether the outcome (or the claim that brings the message back) is recorded.
+    async fn deliver(
+        &self,
+        message: Message,
+        mut claim: Claim,
+        give_up: &CancellationToken,
+    ) -> bool {
         let id = message.id.clone();
         let outcome = loop {
             ConsumerStats::bump(&self.stats.delivered);
@@ -348,7 +447,7 @@ impl<H: Handler> Worker<H> {
                 queue: self.group.queue().name().into(),
             };
             let outcome = self
-                .holding(&mut claim, self.handler.handle(delivery))
+                .holding(&mut claim, guarded(self.handler.handle(delivery)))
                 .await;
             // Ordered groups retry in place, keeping the key, until the attempts run out.
             match outcome {
@@ -363,7 +462,10 @@ impl<H: Handler> Worker<H> {
                         .retry_in_place(&mut claim, &self.holder, &error)
                         .await
                     {
-                        return self.failed("retry", &id, e);
+                        // A claim exists (or, in stream mode, the lease fences the range):
+                        // the lock's expiry or the feed brings the message back.
+                        self.failed("retry", &id, e);
+                        return claim.is_recorded();
                     }
                     ConsumerStats::bump(&self.stats.retried);
                     self.holding(&mut claim, tokio::time::sleep(backoff)).await;
@@ -371,30 +473,50 @@ impl<H: Handler> Worker<H> {
                 other => break other,
             }
         };
-        let settled = match outcome {
-            Outcome::Complete => self
-                .group
-                .complete(&claim)
-                .await
-                .map(|_| &self.stats.completed),
-            Outcome::Retry { error, delay } => {
-                self.group
-                    .retry(&claim, &error, delay)
+        // Exclusive mode: the claim is recorded, so giving up at the lock's expiry loses
+        // nothing (the sweep delivers it again); retrying until then spares the app a repeat.
+        // Stream mode's first delivery has no state document: the outcome must be written.
+        let deadline = claim.locked_until.filter(|_| claim.is_recorded());
+        let mut failures = 0;
+        loop {
+            let settled = match &outcome {
+                Outcome::Complete => self
+                    .group
+                    .complete(&claim)
+                    .await
+                    .map(|_| &self.stats.completed),
+                Outcome::Retry { error, delay } => self
+                    .group
+                    .retry(&claim, error, *delay)
                     .await
                     .map(|r| match r {
                         RetryOutcome::Scheduled { .. } => &self.stats.retried,
                         RetryOutcome::DeadLettered => &self.stats.dead_lettered,
-                    })
+                    }),
+                Outcome::DeadLetter { reason, error } => self
+                    .group
+                    .dead_letter(&claim, reason, error)
+                    .await
+                    .map(|_| &self.stats.dead_lettered),
+            };
+            match settled {
+                Ok(counter) => {
+                    ConsumerStats::bump(counter);
+                    return true;
+                }
+                Err(e @ QueueError::LockLost { .. }) => {
+                    self.failed("settle", &id, e);
+                    return true;
+                }
+                Err(e) => {
+                    if !self
+                        .keep_trying("settle", &id, e, &mut failures, deadline, give_up)
+                        .await
+                    {
+                        return claim.is_recorded();
+                    }
+                }
             }
-            Outcome::DeadLetter { reason, error } => self
-                .group
-                .dead_letter(&claim, &reason, &error)
-                .await
-                .map(|_| &self.stats.dead_lettered),
-        };
-        match settled {
-            Ok(counter) => ConsumerStats::bump(counter),
-            Err(e) => self.failed("settle", &id, e),
         }
     }
 

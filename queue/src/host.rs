@@ -343,6 +343,9 @@ struct PageSlot {
     /// The position after this page: where reading resumes once it and all before it settle.
     token: Option<String>,
     remaining: usize,
+    /// A message whose fate could not be written: the checkpoint stays before this page, so
+    /// the range's next reader delivers it again.
+    unrecorded: bool,
 }
 
 impl<H: Handler> RangeProcessor<H> {
@@ -365,10 +368,14 @@ impl<H: Handler> RangeProcessor<H> {
             self.options.page_size,
             Arc::clone(self.group.queue().charges()),
         );
-        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<u64>();
+        // (page, whether the message's fate is recorded).
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u64, bool)>();
         let mut deliveries = JoinSet::new();
         // Cancelled when the range is lost: deliveries still waiting for a permit step aside.
         let lost = CancellationToken::new();
+        // Cancelled when the range is lost or drains: deliveries stop retrying failed writes,
+        // and what they could not record holds the checkpoint.
+        let give_up = CancellationToken::new();
         let mut window: VecDeque<PageSlot> = VecDeque::new();
         let mut in_flight = 0usize;
         let mut next_seq = 0u64;
@@ -391,13 +398,15 @@ impl<H: Handler> RangeProcessor<H> {
                 biased;
                 _ = stop.cancelled(), if reading => {
                     reading = false;
+                    give_up.cancel();
                     debug!(%group, lease = %label, in_flight, "draining range");
                 }
-                Some(seq) = done_rx.recv() => {
+                Some((seq, recorded)) = done_rx.recv() => {
                     while deliveries.try_join_next().is_some() {}
                     in_flight -= 1;
                     if let Some(slot) = window.iter_mut().find(|s| s.seq == seq) {
                         slot.remaining -= 1;
+                        slot.unrecorded |= !recorded;
                     }
                     advance(&mut window, &mut checkpoint);
                 }
@@ -445,7 +454,7 @@ impl<H: Handler> RangeProcessor<H> {
                             }
                             let seq = next_seq;
                             next_seq += 1;
-                            let mut slot = PageSlot { seq, token, remaining: 0 };
+                            let mut slot = PageSlot { seq, token, remaining: 0, unrecorded: false };
                             for doc in docs {
                                 let message = match Message::from_document(&doc, self.group.queue().config().partition_key_field()) {
                                     Ok(m) => m,
@@ -461,6 +470,7 @@ impl<H: Handler> RangeProcessor<H> {
                                 let permits = Arc::clone(&self.permits);
                                 let done = done_tx.clone();
                                 let lost = lost.clone();
+                                let give_up = give_up.clone();
                                 // FIFO per key: each message waits for its key's previous one.
                                 let (settled, previous) = if ordered {
                                     let (tx, rx) = oneshot::channel::<()>();
@@ -477,9 +487,9 @@ impl<H: Handler> RangeProcessor<H> {
                                         _ = lost.cancelled() => return,
                                         permit = permits.acquire_owned() => permit.expect("never closed"),
                                     };
-                                    worker.process(message).await;
+                                    let recorded = worker.process(message, &give_up).await;
                                     drop(settled);
-                                    let _ = done.send(seq);
+                                    let _ = done.send((seq, recorded));
                                 });
                             }
                             window.push_back(slot);
@@ -548,9 +558,12 @@ impl<H: Handler> RangeProcessor<H> {
 }
 
 /// Pops the settled pages at the front of the window; the checkpoint becomes the position
-/// after the last of them — never past a page with an unsettled message.
+/// after the last of them — never past a page with an unsettled or unrecorded message.
 fn advance(window: &mut VecDeque<PageSlot>, checkpoint: &mut Option<String>) {
-    while window.front().is_some_and(|s| s.remaining == 0) {
+    while window
+        .front()
+        .is_some_and(|s| s.remaining == 0 && !s.unrecorded)
+    {
         let slot = window.pop_front().expect("checked");
         if slot.token.is_some() {
             *checkpoint = slot.token;
@@ -567,7 +580,25 @@ mod tests {
             seq,
             token: Some(token.into()),
             remaining,
+            unrecorded: false,
         }
+    }
+
+    #[test]
+    fn checkpoint_never_passes_a_message_whose_fate_was_not_written() {
+        let mut window: VecDeque<PageSlot> = [
+            slot(0, "t0", 0),
+            PageSlot {
+                unrecorded: true,
+                ..slot(1, "t1", 0)
+            },
+            slot(2, "t2", 0),
+        ]
+        .into();
+        let mut checkpoint = Some("start".to_string());
+        advance(&mut window, &mut checkpoint);
+        assert_eq!(checkpoint.as_deref(), Some("t0"));
+        assert_eq!(window.len(), 2, "held at the unrecorded page");
     }
 
     #[test]
