@@ -83,6 +83,10 @@ pub struct StateDoc {
     pub state: MessageState,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// New with every lock (Service Bus' lock token). A write whose answer was lost (a
+    /// timeout after the service applied it) is recognised as ours by it when read back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock_token: Option<String>,
     /// Lock expiry (Locked) or next delivery time (Retry, Scheduled), epoch ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub due: Option<i64>,
@@ -125,6 +129,7 @@ impl StateDoc {
             message_pk: message.partition_key.clone(),
             state,
             owner: None,
+            lock_token: None,
             due: None,
             attempts: 0,
             enqueued_at: message.enqueued_at,
@@ -149,6 +154,7 @@ impl StateDoc {
     fn lock(&mut self, owner: &str, now_ms: i64, lock: Duration) {
         self.state = MessageState::Locked;
         self.owner = Some(owner.into());
+        self.lock_token = Some(uuid::Uuid::new_v4().simple().to_string());
         self.due = Some(now_ms + duration_ms(lock));
         self.attempts += 1;
         self.first_attempt_at.get_or_insert(now_ms);
@@ -178,6 +184,14 @@ pub struct Claim {
     /// The state document as this holder last wrote it (absent for a stream first delivery).
     state: Option<Box<StateDoc>>,
     expires_at: Option<i64>,
+}
+
+impl Claim {
+    /// Whether a state document records this delivery (its lock's expiry or retry time brings
+    /// the message back if the outcome is never written).
+    pub fn is_recorded(&self) -> bool {
+        self.state.is_some()
+    }
 }
 
 /// What a claim attempt found.
@@ -281,9 +295,12 @@ impl Group {
         let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Retry);
         doc.lock(holder, now, self.config.lock_duration);
         doc.refresh_ttl(now);
-        match self.create(&doc, "claim").await? {
-            Write::Done(doc) => Ok(ClaimOutcome::Claimed(self.claim_from(*doc))),
-            _ => self.claim_existing(message, holder).await,
+        match self.create(&doc, "claim").await {
+            Ok(Write::Done(doc)) => Ok(ClaimOutcome::Claimed(self.claim_from(*doc))),
+            Ok(_) => self.claim_existing(message, holder).await,
+            Err(e) => Ok(ClaimOutcome::Claimed(
+                self.claim_from(self.landed(&doc, e).await?),
+            )),
         }
     }
 
@@ -340,7 +357,11 @@ impl Group {
         let mut next = doc;
         next.lock(holder, now, self.config.lock_duration);
         next.refresh_ttl(now);
-        match self.replace(&next, &etag, "claim").await? {
+        let written = match self.replace(&next, &etag, "claim").await {
+            Ok(written) => written,
+            Err(e) => Write::Done(Box::new(self.landed(&next, e).await?)),
+        };
+        match written {
             Write::Done(doc) => {
                 if recovered {
                     info!(group = self.name(), message_id = %doc.id, attempt = doc.attempts, holder, "recovered a message whose lock expired");
@@ -376,7 +397,7 @@ impl Group {
         let mut next = StateDoc::clone(current);
         next.due = Some(now + duration_ms(self.config.lock_duration));
         let etag = current.etag.clone().unwrap_or_default();
-        match self.replace(&next, &etag, "renew").await? {
+        match self.replace_own(&next, &etag, "renew").await? {
             Write::Done(doc) => {
                 claim.locked_until = doc.due;
                 claim.state = Some(doc);
@@ -434,7 +455,7 @@ impl Group {
         let written = match &claim.state {
             Some(current) => {
                 let etag = current.etag.clone().unwrap_or_default();
-                self.replace(&next, &etag, "retry").await?
+                self.replace_own(&next, &etag, "retry").await?
             }
             None => self.create(&next, "retry").await?,
         };
@@ -471,6 +492,7 @@ impl Group {
             message_pk: claim.message_pk.clone(),
             state: MessageState::Retry,
             owner: None,
+            lock_token: None,
             due: None,
             attempts: claim.attempt,
             enqueued_at: claim.enqueued_at,
@@ -495,7 +517,7 @@ impl Group {
         let written = match &claim.state {
             Some(current) => {
                 let etag = current.etag.clone().unwrap_or_default();
-                self.replace(&next, &etag, op).await?
+                self.replace_own(&next, &etag, op).await?
             }
             None => self.create(&next, op).await?,
         };
@@ -569,6 +591,50 @@ impl Group {
             .create_item(doc.pk.clone(), &doc.id, doc, None)
             .await;
         self.written(doc, result, op)
+    }
+
+    /// The document as written when `doc`'s write failed without an answer but took effect
+    /// (the service applied it and the response was lost); `e` when it did not, or it
+    /// cannot be told.
+    async fn landed(&self, doc: &StateDoc, e: QueueError) -> Result<StateDoc> {
+        match self.read_state(&doc.message_pk, &doc.id).await {
+            Ok(Some(current))
+                if current.lock_token.is_some()
+                    && current.lock_token == doc.lock_token
+                    && current.state == doc.state
+                    && current.attempts == doc.attempts =>
+            {
+                debug!(group = self.name(), message_id = %doc.id, error = %e, "the write took effect although its answer was lost");
+                Ok(current)
+            }
+            _ => Err(e),
+        }
+    }
+
+    /// Replaces the state document of a claim this holder has: on an ETag mismatch, looks
+    /// whether the document still carries the claim's lock token. Then the change was ours
+    /// (an earlier attempt whose answer was lost, or a renewal): done if it is already what
+    /// `doc` says, else written again on the current ETag. Otherwise the lock is lost.
+    async fn replace_own(&self, doc: &StateDoc, etag: &str, op: &'static str) -> Result<Write> {
+        let lost = match self.replace(doc, etag, op).await? {
+            Write::Lost => Write::Lost,
+            other => return Ok(other),
+        };
+        let Some(current) = self.read_state(&doc.message_pk, &doc.id).await? else {
+            return Ok(Write::Missing);
+        };
+        if current.lock_token.is_none() || current.lock_token != doc.lock_token {
+            return Ok(lost);
+        }
+        if current.state == doc.state && current.attempts == doc.attempts && current.due == doc.due
+        {
+            return Ok(Write::Done(Box::new(current)));
+        }
+        if current.state != MessageState::Locked {
+            return Ok(lost);
+        }
+        let etag = current.etag.clone().unwrap_or_default();
+        self.replace(doc, &etag, op).await
     }
 
     pub(crate) async fn replace(
