@@ -10,25 +10,32 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The time source of a [`crate::Queue`]; cheap to clone.
 #[derive(Clone, Debug, Default)]
-pub struct Clock(Option<Arc<AtomicI64>>);
+pub struct Clock(Option<Arc<AtomicI64>>, i64);
 
 impl Clock {
     /// The machine's clock.
     pub fn system() -> Self {
-        Self(None)
+        Self(None, 0)
     }
 
     /// A clock that only moves when told to, starting at `start_ms`.
     pub fn manual(start_ms: i64) -> Self {
-        Self(Some(Arc::new(AtomicI64::new(start_ms))))
+        Self(Some(Arc::new(AtomicI64::new(start_ms))), 0)
+    }
+
+    /// The machine's clock, off by `skew_ms` (what a host whose clock drifted sees; the
+    /// fault suite runs hosts with skews within the lease expiry).
+    pub fn skewed(skew_ms: i64) -> Self {
+        Self(None, skew_ms)
     }
 
     /// Milliseconds since the Unix epoch.
     pub fn now_ms(&self) -> i64 {
-        match &self.0 {
+        let now = match &self.0 {
             Some(ms) => ms.load(Ordering::SeqCst),
             None => system_now_ms(),
-        }
+        };
+        now + self.1
     }
 
     /// Moves a manual clock forward. Returns `false` (and does nothing) on the system clock.
@@ -75,6 +82,14 @@ mod tests {
         let copy = clock.clone();
         copy.advance(Duration::from_millis(5));
         assert_eq!(clock.now_ms(), 3_005, "clones share one time");
+    }
+
+    #[test]
+    fn a_skewed_clock_runs_ahead_or_behind_by_its_skew() {
+        let (ahead, behind) = (Clock::skewed(2_000), Clock::skewed(-2_000));
+        let (a, b, now) = (ahead.now_ms(), behind.now_ms(), system_now_ms());
+        assert!((a - now - 2_000).abs() < 1_000, "{a} vs {now}");
+        assert!((now - b - 2_000).abs() < 1_000, "{b} vs {now}");
     }
 
     #[test]

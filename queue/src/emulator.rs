@@ -112,6 +112,23 @@ impl Emulator {
 
     /// A client whose requests go straight to the in-memory store (no sockets).
     pub async fn client(&self) -> Result<CosmosClient> {
+        self.build_client(CosmosClientBuilder::new()).await
+    }
+
+    /// [`Self::client`] with the SDK's fault injection in front of the store: the rules see
+    /// every request this client makes, after the SDK's own retry policies decide to send it.
+    #[cfg(feature = "fault-injection")]
+    pub async fn client_with_faults(
+        &self,
+        rules: Vec<Arc<azure_data_cosmos::fault_injection::FaultInjectionRule>>,
+    ) -> Result<CosmosClient> {
+        let builder = CosmosClientBuilder::new()
+            .with_fault_injection_rules(rules)
+            .map_err(QueueError::cosmos("fault injection rules"))?;
+        self.build_client(builder).await
+    }
+
+    async fn build_client(&self, builder: CosmosClientBuilder) -> Result<CosmosClient> {
         let runtime = CosmosRuntimeBuilder::from(self.http.runtime_builder())
             .build()
             .await
@@ -121,7 +138,7 @@ impl Emulator {
             .as_str()
             .parse()
             .map_err(|_| QueueError::Config("emulator endpoint".into()))?;
-        CosmosClientBuilder::new()
+        builder
             .with_runtime(runtime)
             .build(
                 AccountReference::with_authentication_key(endpoint, Secret::new(EMULATOR_KEY)),

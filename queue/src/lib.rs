@@ -33,6 +33,9 @@ pub mod queue;
 pub mod scaling;
 mod sql;
 
+/// The SDK's fault injection, for the fault suite ([`emulator::Emulator::client_with_faults`]).
+#[cfg(feature = "fault-injection")]
+pub use azure_data_cosmos::fault_injection;
 pub use azure_data_cosmos::CosmosClient;
 pub use backoff::RetryPolicy;
 pub use charge::{ChargeSnapshot, RequestCharges};

@@ -3,6 +3,7 @@
 
 mod consume;
 mod emulator;
+mod faults;
 mod leases;
 mod operator;
 mod sidecar;
