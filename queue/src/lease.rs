@@ -192,6 +192,60 @@ pub fn subdivide(min: &str, max: &str, parts: u32) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The leases to create so that every physical range is read: the parts no lease covers. A
+/// part is cut along the same grid as a new group's finer leases (`per_partition`), so hosts
+/// that see different stages of one creation write the same leases, never overlapping ones.
+pub fn missing_leases(
+    physical: &[(String, String)],
+    leases: &[(String, String)],
+    per_partition: u32,
+) -> Vec<(String, String)> {
+    // Same point, same key: pad to 16 bytes ("FF" is the end of the key space).
+    let key = |hex: &str| {
+        if hex.eq_ignore_ascii_case("FF") {
+            "FF".to_owned()
+        } else {
+            format!("{:0<32}", hex.to_ascii_uppercase())
+        }
+    };
+    let mut covered: Vec<&(String, String)> = leases.iter().collect();
+    covered.sort_by_key(|(min, _)| key(min));
+    let mut missing = Vec::new();
+    for (pmin, pmax) in physical {
+        let mut gaps = Vec::new();
+        let mut cursor = pmin.as_str();
+        for (lmin, lmax) in &covered {
+            if key(lmax) <= key(cursor) || key(lmin) >= key(pmax) {
+                continue;
+            }
+            if key(lmin) > key(cursor) {
+                gaps.push((cursor.to_owned(), lmin.clone()));
+            }
+            cursor = lmax;
+        }
+        if key(cursor) < key(pmax) {
+            gaps.push((cursor.to_owned(), pmax.clone()));
+        }
+        let grid = subdivide(pmin, pmax, per_partition);
+        for (gmin, gmax) in gaps {
+            let pieces: Vec<(String, String)> = grid
+                .iter()
+                .filter(|(lo, hi)| key(lo) >= key(&gmin) && key(hi) <= key(&gmax))
+                .cloned()
+                .collect();
+            let tiles = pieces.first().is_some_and(|(lo, _)| key(lo) == key(&gmin))
+                && pieces.last().is_some_and(|(_, hi)| key(hi) == key(&gmax))
+                && pieces.windows(2).all(|w| key(&w[0].1) == key(&w[1].0));
+            if tiles {
+                missing.extend(pieces);
+            } else {
+                missing.push((gmin, gmax));
+            }
+        }
+    }
+    missing
+}
+
 /// The physical ranges that now cover `lease`'s range, when it split into two or more;
 /// empty otherwise (including when ranges merged: a lease keeps reading its EPK sub-range).
 pub fn split_children(lease: &Lease, physical: &[(String, String)]) -> Vec<(String, String)> {
@@ -339,25 +393,31 @@ impl LeaseStore {
             .await
             .map_err(QueueError::cosmos("read feed ranges"))?;
         let physical: Vec<(String, String)> = ranges.iter().map(range_bounds).collect();
-        let leases = self.list().await?;
-        if leases.is_empty() {
-            let mut created = 0;
-            for (min, max) in &physical {
-                for (lo, hi) in subdivide(min, max, per_partition) {
-                    let position = match self.start_from {
-                        StartFrom::Now => self.position_now(&lo, &hi).await?,
-                        StartFrom::Beginning => None,
-                    };
-                    self.create(&Lease::new(&self.group, &lo, &hi, position, now))
-                        .await?;
-                    created += 1;
-                }
+        let mut leases = self.list().await?;
+        // A new group's leases, or those an interrupted creation (an error after some were
+        // written) left out: a range without a lease would never be read.
+        let bounds: Vec<(String, String)> = leases
+            .iter()
+            .map(|l| (l.min_epk.clone(), l.max_epk.clone()))
+            .collect();
+        let missing = missing_leases(&physical, &bounds, per_partition);
+        if !missing.is_empty() {
+            for (lo, hi) in &missing {
+                let position = match self.start_from {
+                    StartFrom::Now => self.position_now(lo, hi).await?,
+                    StartFrom::Beginning => None,
+                };
+                self.create(&Lease::new(&self.group, lo, hi, position, now))
+                    .await?;
             }
-            info!(group = %self.group, leases = created, "created leases for a new group");
-            return Ok(Reconciled {
-                leases: self.list().await?,
-                split_pending: Vec::new(),
-            });
+            info!(group = %self.group, leases = missing.len(), existing = leases.len(), "created leases for the ranges without one");
+            leases = self.list().await?;
+            if bounds.is_empty() {
+                return Ok(Reconciled {
+                    leases,
+                    split_pending: Vec::new(),
+                });
+            }
         }
         let mut split_pending = Vec::new();
         let mut changed = false;
@@ -519,6 +579,37 @@ pub enum LeaseError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn missing_leases_fill_exactly_the_gaps_an_interrupted_creation_left() {
+        let physical = pairs(&[("", "20"), ("20", "FF")]);
+        // A new group: one lease per physical range.
+        assert_eq!(missing_leases(&physical, &[], 1), physical);
+        // Creation stopped after the first: only the second is missing.
+        assert_eq!(
+            missing_leases(&physical, &pairs(&[("", "20")]), 1),
+            pairs(&[("20", "FF")])
+        );
+        // Every range covered (a merged partition read by its two old leases): nothing.
+        let merged = pairs(&[("", "FF")]);
+        assert!(missing_leases(&merged, &physical, 1).is_empty());
+        // Same points written differently are the same point.
+        assert!(missing_leases(&pairs(&[("", "2")]), &pairs(&[("", "20000000")]), 1).is_empty());
+        // Finer leases: the missing ones are cut on the same grid as a new group's, so two
+        // hosts seeing different stages of the creation write identical leases.
+        let grid = subdivide("", "FF", 4);
+        let made = vec![grid[0].clone(), grid[2].clone()];
+        assert_eq!(
+            missing_leases(&pairs(&[("", "FF")]), &made, 4),
+            vec![grid[1].clone(), grid[3].clone()]
+        );
+    }
 
     fn token(active: Value) -> String {
         let state = json!({"op": "ChangeFeed", "rid": "r", "root": {"kind": "unordered_merge", "active_tokens": active, "start_from": {"kind": "beginning"}}});
