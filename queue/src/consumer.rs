@@ -315,8 +315,13 @@ impl<H: Handler> Worker<H> {
     /// the caller must not checkpoint past it, so the feed brings it back.
     pub(crate) async fn process(&self, message: Message, give_up: &CancellationToken) -> bool {
         let mut failures = 0;
+        let token = crate::group::new_lock_token();
         loop {
-            match self.group.claim(&message, &self.holder).await {
+            match self
+                .group
+                .claim_with_token(&message, &self.holder, &token)
+                .await
+            {
                 Ok(ClaimOutcome::Claimed(claim)) => {
                     return self.deliver(message, claim, give_up).await
                 }
@@ -396,6 +401,12 @@ impl<H: Handler> Worker<H> {
 
     pub(crate) async fn process_due(&self, doc: StateDoc) {
         let (pk, id) = (doc.message_pk.clone(), doc.id.clone());
+        // Read before taking over: a failed read then costs nothing, where after the take-over
+        // it would burn one of the message's delivery attempts.
+        let message = match self.group.queue().read_message(&pk, &id).await {
+            Ok(message) => message,
+            Err(e) => return self.failed("read message", &id, e),
+        };
         let claim = match self.group.take_over(doc, &self.holder).await {
             Ok(ClaimOutcome::Claimed(claim)) => claim,
             Ok(ClaimOutcome::DeadLettered) => {
@@ -405,13 +416,13 @@ impl<H: Handler> Worker<H> {
             Ok(_) => return,
             Err(e) => return self.failed("claim", &id, e),
         };
-        match self.group.queue().read_message(&pk, &id).await {
-            Ok(Some(message)) => {
+        match message {
+            Some(message) => {
                 // The state document exists: at worst its lock expires and it comes back.
                 self.deliver(message, claim, &CancellationToken::new())
                     .await;
             }
-            Ok(None) => {
+            None => {
                 // Retention removed the message while it waited: record it where users look.
                 warn!(group = self.group.name(), message_id = %id, "message expired before it could be delivered again");
                 if let Err(e) = self
@@ -426,7 +437,6 @@ impl<H: Handler> Worker<H> {
                     self.failed("dead-letter", &id, e);
                 }
             }
-            Err(e) => self.failed("read message", &id, e),
         }
     }
 

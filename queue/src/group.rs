@@ -114,6 +114,11 @@ pub struct StateDoc {
     pub etag: Option<String>,
 }
 
+/// A fresh lock token.
+pub fn new_lock_token() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
 /// The partition key of a group's state documents for messages with `message_pk`.
 pub fn state_pk(group: &str, message_pk: &str) -> String {
     format!("{group}|{message_pk}")
@@ -151,10 +156,10 @@ impl StateDoc {
             .map(|at| ((at - now_ms) / 1000).max(0) + STATE_TTL_MARGIN_SECS);
     }
 
-    fn lock(&mut self, owner: &str, now_ms: i64, lock: Duration) {
+    fn lock(&mut self, owner: &str, now_ms: i64, lock: Duration, token: &str) {
         self.state = MessageState::Locked;
         self.owner = Some(owner.into());
-        self.lock_token = Some(uuid::Uuid::new_v4().simple().to_string());
+        self.lock_token = Some(token.to_owned());
         self.due = Some(now_ms + duration_ms(lock));
         self.attempts += 1;
         self.first_attempt_at.get_or_insert(now_ms);
@@ -269,6 +274,19 @@ impl Group {
 
     /// Tries to take `message` for delivery by `holder`, as read from the change feed.
     pub async fn claim(&self, message: &Message, holder: &str) -> Result<ClaimOutcome> {
+        self.claim_with_token(message, holder, &new_lock_token())
+            .await
+    }
+
+    /// [`Self::claim`] with the lock token to write. Retrying a failed claim with the same
+    /// token takes the lock back if the failed attempt did take effect (its answer was lost);
+    /// a fresh token would find the message locked, by itself, until the lock expired.
+    pub async fn claim_with_token(
+        &self,
+        message: &Message,
+        holder: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
         let now = self.now();
         let expires_at = self.expires_at(message);
         if !message.is_visible(now) {
@@ -278,7 +296,7 @@ impl Group {
             doc.refresh_ttl(now);
             return match self.create(&doc, "schedule").await? {
                 Write::Done(_) => Ok(ClaimOutcome::NotYetDue { due }),
-                _ => self.claim_existing(message, holder).await,
+                _ => self.claim_existing(message, holder, token).await,
             };
         }
         if self.config.mode == DeliveryMode::Stream {
@@ -293,20 +311,25 @@ impl Group {
             }));
         }
         let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Retry);
-        doc.lock(holder, now, self.config.lock_duration);
+        doc.lock(holder, now, self.config.lock_duration, token);
         doc.refresh_ttl(now);
         match self.create(&doc, "claim").await {
             Ok(Write::Done(doc)) => Ok(ClaimOutcome::Claimed(self.claim_from(*doc))),
-            Ok(_) => self.claim_existing(message, holder).await,
+            Ok(_) => self.claim_existing(message, holder, token).await,
             Err(e) => Ok(ClaimOutcome::Claimed(
                 self.claim_from(self.landed(&doc, e).await?),
             )),
         }
     }
 
-    async fn claim_existing(&self, message: &Message, holder: &str) -> Result<ClaimOutcome> {
+    async fn claim_existing(
+        &self,
+        message: &Message,
+        holder: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
         match self.read_state(&message.partition_key, &message.id).await? {
-            Some(doc) => self.take_over(doc, holder).await,
+            Some(doc) => self.take_over_with_token(doc, holder, token).await,
             // Created and already gone (TTL) between our create and read: nothing to deliver.
             None => Ok(ClaimOutcome::Gone),
         }
@@ -315,6 +338,21 @@ impl Group {
     /// Takes a message whose state document exists (found by the sweep, or by a claim that
     /// lost the create): succeeds when its lock expired or its retry/schedule time has come.
     pub async fn take_over(&self, doc: StateDoc, holder: &str) -> Result<ClaimOutcome> {
+        self.take_over_with_token(doc, holder, &new_lock_token())
+            .await
+    }
+
+    /// [`Self::take_over`] writing `token`; a document already locked with it is ours.
+    pub async fn take_over_with_token(
+        &self,
+        doc: StateDoc,
+        holder: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
+        if doc.state == MessageState::Locked && doc.lock_token.as_deref() == Some(token) {
+            debug!(group = self.name(), message_id = %doc.id, "an earlier claim attempt took effect although its answer was lost");
+            return Ok(ClaimOutcome::Claimed(self.claim_from(doc)));
+        }
         let now = self.now();
         let due = doc.due.unwrap_or(i64::MIN);
         match doc.state {
@@ -355,7 +393,7 @@ impl Group {
         }
         let recovered = doc.state == MessageState::Locked;
         let mut next = doc;
-        next.lock(holder, now, self.config.lock_duration);
+        next.lock(holder, now, self.config.lock_duration, token);
         next.refresh_ttl(now);
         let written = match self.replace(&next, &etag, "claim").await {
             Ok(written) => written,
@@ -448,7 +486,9 @@ impl Group {
     pub async fn retry_in_place(&self, claim: &mut Claim, holder: &str, error: &str) -> Result<()> {
         let now = self.now();
         let mut next = self.next_state(claim, now);
-        next.lock(holder, now, self.config.lock_duration);
+        // Same token: still this claim, so a lost answer is recognised like a renewal's.
+        let token = next.lock_token.clone().unwrap_or_else(new_lock_token);
+        next.lock(holder, now, self.config.lock_duration, &token);
         next.attempts = claim.attempt + 1;
         next.last_error = Some(truncate(error));
         next.refresh_ttl(now);
@@ -703,7 +743,7 @@ mod tests {
             .into_message(1_000)
             .unwrap();
         let mut doc = StateDoc::new("g", &message, Some(61_000), MessageState::Retry);
-        doc.lock("host-a", 2_000, Duration::from_secs(30));
+        doc.lock("host-a", 2_000, Duration::from_secs(30), "t1");
         doc.refresh_ttl(2_000);
         doc.etag = Some("\"e1\"".into());
         let value = serde_json::to_value(&doc).unwrap();
