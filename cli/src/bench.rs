@@ -158,6 +158,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         (DeliveryMode::Exclusive, 1, args.messages),
         (DeliveryMode::Stream, 1, args.messages),
         (DeliveryMode::Exclusive, 2, args.messages),
+        (DeliveryMode::Stream, 2, args.messages),
         (DeliveryMode::Exclusive, 8, few),
         (DeliveryMode::Stream, 8, few),
     ] {

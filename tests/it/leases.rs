@@ -757,9 +757,11 @@ async fn stolen_mid_delivery(mode: DeliveryMode) {
             MESSAGES - 1,
             "{mode:?}: b skips the message a still held"
         );
-        eventually("b's completions are written", Duration::from_secs(5), || async {
-            b_stats.completed.load(Ordering::Relaxed) == MESSAGES as u64 - 1
-        })
+        eventually(
+            "b's completions are written",
+            Duration::from_secs(5),
+            || async { b_stats.completed.load(Ordering::Relaxed) == MESSAGES as u64 - 1 },
+        )
         .await;
         let group = fixture.group(config.clone());
         for i in 0..MESSAGES {
