@@ -66,6 +66,49 @@ async fn one_holder_at_a_time_until_the_lock_expires() {
 }
 
 #[tokio::test]
+async fn writes_whose_answer_was_lost_are_recognised_by_their_lock_token() {
+    let (fixture, clock) = Fixture::with_manual_clock(1).await;
+    let group = fixture.group(GroupConfig::new("g").with_lock_duration(Duration::from_secs(30)));
+    let message = enqueue(&fixture, "m1").await;
+
+    // A claim that took effect without an answer: retried with its token, it is ours at once
+    // (a fresh token would find the message held, by us, until the lock expired).
+    let token = "t-1";
+    let first = claimed(group.claim_with_token(&message, "a", token).await.unwrap());
+    let again = claimed(group.claim_with_token(&message, "a", token).await.unwrap());
+    assert_eq!(
+        again.attempt, first.attempt,
+        "the same delivery, not a new one"
+    );
+    assert!(matches!(
+        group.claim(&message, "a").await.unwrap(),
+        ClaimOutcome::Held { .. }
+    ));
+
+    // A renewal the service applied but whose answer never came: the holder's copy keeps the
+    // old ETag. Completing with it still works: the document carries the holder's token.
+    let mut applied = first.clone();
+    group.renew(&mut applied).await.unwrap();
+    group.complete(&first).await.unwrap();
+    // And a retry of that completion (its answer lost too) is done, not a lost lock.
+    group.complete(&first).await.unwrap();
+    assert!(matches!(
+        group.claim(&message, "c").await.unwrap(),
+        ClaimOutcome::Settled(MessageState::Completed)
+    ));
+
+    // Another holder's lock is never taken for ours.
+    let other = enqueue(&fixture, "m2").await;
+    let stale = claimed(group.claim(&other, "a").await.unwrap());
+    clock.advance(Duration::from_secs(31));
+    let due = group.due(10).await.unwrap();
+    let current = claimed(group.take_over(due[0].clone(), "b").await.unwrap());
+    let late = group.complete(&stale).await.unwrap_err();
+    assert!(matches!(late, QueueError::LockLost { .. }), "{late}");
+    group.complete(&current).await.unwrap();
+}
+
+#[tokio::test]
 async fn renewal_keeps_the_lock() {
     let (fixture, clock) = Fixture::with_manual_clock(1).await;
     let group = fixture.group(GroupConfig::new("g").with_lock_duration(Duration::from_secs(30)));
