@@ -7,6 +7,7 @@
 //! and releases its leases at once so others take them without waiting for expiry.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -117,6 +118,10 @@ pub struct Host<H> {
 }
 
 impl<H: Handler> Host<H> {
+    fn stream(&self) -> bool {
+        self.group.config().mode == crate::config::DeliveryMode::Stream
+    }
+
     pub fn new(group: Group, handler: H, options: HostOptions) -> Self {
         let store = LeaseStore::new(group.queue().clone(), group.name())
             .with_start_from(group.config().start_from);
@@ -251,6 +256,29 @@ impl<H: Handler> Host<H> {
             let Some(lease) = reconciled.leases.iter().find(|l| l.id == take.lease_id) else {
                 continue;
             };
+            let me = self.options.name.as_str();
+            if lease.reserved_for_other(me, now, expire) {
+                continue; // being handed over to the host that asked for it
+            }
+            // Stream groups ask a live owner to hand a lease over rather than steal it: a steal
+            // makes the new owner deliver again everything since the last checkpoint. Only an
+            // owner that does not answer within the expiry has the lease taken.
+            if let (Some(victim), true) = (&take.steal_from, self.stream()) {
+                if lease.handover_to.as_deref() != Some(me) {
+                    match self.store.request_handover(lease, me, now).await {
+                        Ok(_) => {
+                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %victim, to = %me, "asked for the lease for balance")
+                        }
+                        Err(LeaseError::Lost) => {}
+                        Err(LeaseError::Other(e)) => return Err(e),
+                    }
+                    continue;
+                }
+                if lease.handover_at.is_some_and(|at| now - at < expire) {
+                    continue; // asked; the owner is draining
+                }
+                warn!(group = self.group.name(), lease = %lease.range_label(), owner = %victim, "the owner did not hand the lease over in time; taking it");
+            }
             match self.store.acquire(lease, &self.options.name, now).await {
                 Ok(lease) => {
                     match &take.steal_from {
@@ -332,9 +360,21 @@ struct RangeProcessor<H> {
 /// claims; those still waiting for a permit are not started: the checkpoint never passed them,
 /// so the new owner reads them again. (Delivering them anyway would only hand the app a second
 /// copy in stream mode, and waste a claim attempt in exclusive mode.)
-fn abandon(lost: &CancellationToken, deliveries: &mut JoinSet<()>) {
-    lost.cancel();
+fn abandon(step_aside: &CancellationToken, deliveries: &mut JoinSet<()>) {
+    step_aside.cancel();
     deliveries.detach_all();
+}
+
+/// Another host asked for the range (stream groups): stop reading, let what is under way
+/// settle, then the drain checkpoints and releases it (the release keeps the asker's claim).
+fn hand_over(lease: &Lease, reading: &mut bool, draining: &[&CancellationToken]) {
+    if *reading {
+        info!(group = %lease.group, lease = %lease.range_label(), to = lease.handover_to.as_deref().unwrap_or_default(), "handing the range over: draining, then checkpoint and release");
+        *reading = false;
+        for token in draining {
+            token.cancel();
+        }
+    }
 }
 
 /// A page of the feed whose messages are not all settled yet.
@@ -371,8 +411,13 @@ impl<H: Handler> RangeProcessor<H> {
         // (page, whether the message's fate is recorded).
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u64, bool)>();
         let mut deliveries = JoinSet::new();
-        // Cancelled when the range is lost: deliveries still waiting for a permit step aside.
-        let lost = CancellationToken::new();
+        // Cancelled when the range is lost: deliveries still waiting for a permit step aside
+        // (unrecorded, so the checkpoint stays before them and the next owner reads them).
+        let step_aside = CancellationToken::new();
+        // Cancelled when the range drains or is handed over: the same, except within a page
+        // that has started (the checkpoint moves by whole pages, so a page half done would be
+        // delivered again by the next owner). The drain then takes at most about a page.
+        let draining = CancellationToken::new();
         // Cancelled when the range is lost or drains: deliveries stop retrying failed writes,
         // and what they could not record holds the checkpoint.
         let give_up = CancellationToken::new();
@@ -388,6 +433,8 @@ impl<H: Handler> RangeProcessor<H> {
         let ordered = self.group.config().ordered;
         let stream = self.group.config().mode == crate::config::DeliveryMode::Stream;
         let mut chains: HashMap<String, oneshot::Receiver<()>> = HashMap::new();
+        // The last delivery's "got a permit" signal (unordered groups).
+        let mut in_feed_order: Option<oneshot::Receiver<()>> = None;
 
         loop {
             let idle = in_flight == 0 && !reading;
@@ -399,6 +446,7 @@ impl<H: Handler> RangeProcessor<H> {
                 _ = stop.cancelled(), if reading => {
                     reading = false;
                     give_up.cancel();
+                    draining.cancel();
                     debug!(%group, lease = %label, in_flight, "draining range");
                 }
                 Some((seq, recorded)) = done_rx.recv() => {
@@ -413,18 +461,27 @@ impl<H: Handler> RangeProcessor<H> {
                 _ = renew.tick() => {
                     match self.store.renew(&lease, self.now()).await {
                         Ok(renewed) => lease = renewed,
-                        Err(LeaseError::Lost) => {
-                            // Fencing: another host owns the range now; read nothing more from it.
-                            warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease lost; stopped reading the range");
-                            // Deliveries in flight finish and settle under their own claims.
-                            abandon(&lost, &mut deliveries);
-                            return RangeExit::Lost;
-                        }
+                        Err(LeaseError::Lost) => match self.current(&lease).await {
+                            // Changed but still ours: another host asked for it (stream groups).
+                            Ok(Some(current)) => {
+                                lease = current;
+                                if lease.handover_to.is_some() {
+                                    hand_over(&lease, &mut reading, &[&give_up, &draining]);
+                                }
+                            }
+                            _ => {
+                                // Fencing: another host owns the range now; read nothing more.
+                                warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease lost; stopped reading the range");
+                                // Deliveries in flight finish and settle under their own claims.
+                                abandon(&step_aside, &mut deliveries);
+                                return RangeExit::Lost;
+                            }
+                        },
                         Err(LeaseError::Other(e)) => {
                             warn!(%group, lease = %label, error = %e, "lease renewal failed; retrying");
                             if self.now() - lease.timestamp > duration_ms(self.options.lease_expire) {
                                 warn!(%group, lease = %label, "lease expired without renewal; stopped reading the range");
-                                abandon(&lost, &mut deliveries);
+                                abandon(&step_aside, &mut deliveries);
                                 return RangeExit::Lost;
                             }
                         }
@@ -432,7 +489,7 @@ impl<H: Handler> RangeProcessor<H> {
                 }
                 _ = flush.tick(), if checkpoint != lease.continuation => {
                     if let Some(exit) = self.write_checkpoint(&mut lease, &checkpoint).await {
-                        abandon(&lost, &mut deliveries);
+                        abandon(&step_aside, &mut deliveries);
                         return exit;
                     }
                 }
@@ -446,15 +503,27 @@ impl<H: Handler> RangeProcessor<H> {
                                 poll.observed(docs.len(), self.options.page_size as usize);
                                 // Stream mode has no claims to stop a second reader: check the
                                 // lease is still ours before handing out a page (1 RU a page).
-                                if stream && !self.still_owned(&lease).await {
-                                    warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease taken by another host; stopped reading the range");
-                                    abandon(&lost, &mut deliveries);
-                                    return RangeExit::Lost;
+                                if stream {
+                                    match self.current(&lease).await {
+                                        Err(()) => {
+                                            warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease taken by another host; stopped reading the range");
+                                            abandon(&step_aside, &mut deliveries);
+                                            return RangeExit::Lost;
+                                        }
+                                        Ok(Some(current)) if current.handover_to.is_some() => {
+                                            // Asked for: this page is left to the next owner.
+                                            lease = current;
+                                            hand_over(&lease, &mut reading, &[&give_up, &draining]);
+                                            continue;
+                                        }
+                                        Ok(_) => {}
+                                    }
                                 }
                             }
                             let seq = next_seq;
                             next_seq += 1;
                             let mut slot = PageSlot { seq, token, remaining: 0, unrecorded: false };
+                            let page_started = Arc::new(AtomicBool::new(false));
                             for doc in docs {
                                 let message = match Message::from_document(&doc, self.group.queue().config().partition_key_field()) {
                                     Ok(m) => m,
@@ -469,7 +538,9 @@ impl<H: Handler> RangeProcessor<H> {
                                 let worker = Arc::clone(&self.worker);
                                 let permits = Arc::clone(&self.permits);
                                 let done = done_tx.clone();
-                                let lost = lost.clone();
+                                let step_aside = step_aside.clone();
+                                let draining = draining.clone();
+                                let page_started = Arc::clone(&page_started);
                                 let give_up = give_up.clone();
                                 // FIFO per key: each message waits for its key's previous one.
                                 let (settled, previous) = if ordered {
@@ -478,15 +549,42 @@ impl<H: Handler> RangeProcessor<H> {
                                 } else {
                                     (None, None)
                                 };
+                                // Otherwise, permits in feed order: when the range stops, what
+                                // is under way is then the oldest, and those stepping aside come
+                                // after it, behind the checkpoint, with nothing done after them.
+                                let (turn_done, my_turn) = if ordered {
+                                    (None, None)
+                                } else {
+                                    let (tx, rx) = oneshot::channel::<()>();
+                                    (Some(tx), in_feed_order.replace(rx))
+                                };
                                 deliveries.spawn(async move {
                                     if let Some(previous) = previous {
                                         let _ = previous.await;
                                     }
-                                    let _permit = tokio::select! {
-                                        biased;
-                                        _ = lost.cancelled() => return,
-                                        permit = permits.acquire_owned() => permit.expect("never closed"),
+                                    if let Some(turn) = my_turn {
+                                        let _ = turn.await;
+                                    }
+                                    let mut stay = false;
+                                    let _permit = loop {
+                                        tokio::select! {
+                                            biased;
+                                            _ = step_aside.cancelled() => {
+                                                let _ = done.send((seq, false));
+                                                return;
+                                            }
+                                            _ = draining.cancelled(), if !stay => {
+                                                stay = page_started.load(Ordering::SeqCst);
+                                                if !stay {
+                                                    let _ = done.send((seq, false));
+                                                    return;
+                                                }
+                                            }
+                                            permit = Arc::clone(&permits).acquire_owned() => break permit.expect("never closed"),
+                                        }
                                     };
+                                    page_started.store(true, Ordering::SeqCst);
+                                    drop(turn_done);
                                     let recorded = worker.process(message, &give_up).await;
                                     drop(settled);
                                     let _ = done.send((seq, recorded));
@@ -523,12 +621,15 @@ impl<H: Handler> RangeProcessor<H> {
         }
     }
 
-    /// Whether the lease still names this host (a read error counts as yes: renewal decides).
-    async fn still_owned(&self, lease: &Lease) -> bool {
+    /// The lease as stored when it still names this host (`Ok(None)`: a read error; renewal
+    /// decides); `Err(())` when another host owns it or it is gone.
+    async fn current(&self, lease: &Lease) -> Result<Option<Lease>, ()> {
         match self.store.read(&lease.id).await {
-            Ok(Some(current)) => current.owner.as_deref() == Some(self.options.name.as_str()),
-            Ok(None) => false,
-            Err(_) => true,
+            Ok(Some(current)) if current.owner.as_deref() == Some(self.options.name.as_str()) => {
+                Ok(Some(current))
+            }
+            Ok(_) => Err(()),
+            Err(_) => Ok(None),
         }
     }
 
@@ -546,6 +647,11 @@ impl<H: Handler> RangeProcessor<H> {
                 None
             }
             Err(LeaseError::Lost) => {
+                // Still ours (another host asked for it): write again on what is stored.
+                if let Ok(Some(current)) = self.current(lease).await {
+                    *lease = current;
+                    return Box::pin(self.write_checkpoint(lease, checkpoint)).await;
+                }
                 warn!(group = self.group.name(), lease = %lease.range_label(), "lease lost at checkpoint; stopped reading the range");
                 Some(RangeExit::Lost)
             }

@@ -44,6 +44,13 @@ pub struct Lease {
     pub timestamp: i64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpointed_at: Option<i64>,
+    /// A host that asked for this lease (stream groups hand leases over instead of having them
+    /// stolen: the owner drains, checkpoints and releases, so nothing is delivered twice).
+    /// Kept on release: the freed lease is reserved for the asker until `handover_at` expires.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handover_to: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handover_at: Option<i64>,
     #[serde(rename = "_etag", default, skip_serializing)]
     pub etag: Option<String>,
 }
@@ -67,8 +74,16 @@ impl Lease {
             continuation,
             timestamp: now,
             checkpointed_at: None,
+            handover_to: None,
+            handover_at: None,
             etag: None,
         }
+    }
+
+    /// Whether a hand-over to someone other than `me` is pending (asked within `expire_ms`).
+    pub fn reserved_for_other(&self, me: &str, now: i64, expire_ms: i64) -> bool {
+        self.handover_to.as_deref().is_some_and(|to| to != me)
+            && self.handover_at.is_some_and(|at| now - at < expire_ms)
     }
 
     /// The range this lease reads.
@@ -535,7 +550,22 @@ impl LeaseStore {
         let mut next = lease.clone();
         next.owner = Some(owner.into());
         next.timestamp = now;
+        next.handover_to = None;
+        next.handover_at = None;
         self.replace(&next, "acquire lease").await
+    }
+
+    /// Asks the owner of `lease` to hand it over to `to` (the owner's heartbeat is kept).
+    pub async fn request_handover(
+        &self,
+        lease: &Lease,
+        to: &str,
+        now: i64,
+    ) -> Result<Lease, LeaseError> {
+        let mut next = lease.clone();
+        next.handover_to = Some(to.into());
+        next.handover_at = Some(now);
+        self.replace(&next, "request lease").await
     }
 
     pub async fn renew(&self, lease: &Lease, now: i64) -> Result<Lease, LeaseError> {

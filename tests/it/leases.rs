@@ -791,3 +791,47 @@ async fn stolen_mid_delivery(mode: DeliveryMode) {
         ledger.assert_each_once("s");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_hosts_hand_leases_over_for_balance_without_delivering_anything_twice() {
+    const MESSAGES: usize = 1_500;
+    let fixture = Fixture::new(4).await;
+    let config = GroupConfig::new("s")
+        .with_mode(DeliveryMode::Stream)
+        .with_start_from(StartFrom::Beginning);
+    enqueue(&fixture, 0..MESSAGES).await;
+    let ledger = Arc::new(Ledger::default());
+    let slow = |ledger: &Arc<Ledger>| {
+        let ledger = Arc::clone(ledger);
+        move |d: Delivery| {
+            let ledger = Arc::clone(&ledger);
+            async move {
+                ledger.begin(&d);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                ledger.end(&d);
+                Outcome::Complete
+            }
+        }
+    };
+    let narrow = |name: &str| HostOptions {
+        max_concurrency: 4,
+        ..fast(name)
+    };
+    let a = start(&fixture, &config, narrow("a"), slow(&ledger));
+    ledger.wait_until(|l| l.delivered("s") >= 100).await;
+    // b joins while a holds all four ranges with work in flight: a hands ranges over.
+    let b = start(&fixture, &config, narrow("b"), slow(&ledger));
+    ledger.wait_until(|l| l.delivered("s") == MESSAGES).await;
+    let (a_stats, b_stats) = (Arc::clone(&a.stats), Arc::clone(&b.stats));
+    stop_all(vec![a, b]).await;
+    ledger.assert_each_once("s");
+    assert!(
+        b_stats.leases_acquired.load(Ordering::Relaxed) >= 1,
+        "a range was handed to b"
+    );
+    assert_eq!(
+        a_stats.leases_lost.load(Ordering::Relaxed),
+        0,
+        "handed over, not stolen"
+    );
+}
