@@ -45,7 +45,8 @@ const APP_PATH: &str = "/orders";
 /// How often the scaling decision runs (the operator's default is 15 s; the demo is brief).
 const ROUND: Duration = Duration::from_millis(500);
 /// The workers' lease expiry, also given to the leases the scaler creates for a group at zero.
-const LEASE_EXPIRE: Duration = Duration::from_secs(3);
+/// Long enough for an owner to finish a page before a lease it was asked for is taken.
+const LEASE_EXPIRE: Duration = Duration::from_secs(10);
 const DEADLINE: Duration = Duration::from_secs(600);
 
 #[derive(Args, Clone, Debug)]
