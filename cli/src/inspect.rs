@@ -2,7 +2,7 @@
 //! read without consuming anything.
 
 use clap::Args;
-use cosmosq_queue::clock::format_ms;
+use cosmosq_queue::clock::{format_ms, system_now_ms as now_ms};
 use cosmosq_queue::estimate::RangeEstimate;
 use cosmosq_queue::lease::LeaseStore;
 use cosmosq_queue::{Body, GroupConfig, Message, Queue};
@@ -10,10 +10,10 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::args::QueueArgs;
-use crate::output::{table, Format};
+use crate::output::{print, table, Format};
 
 /// The lease loop's default expiry: a lease not renewed for this long is up for grabs.
-const LEASE_EXPIRY_MS: i64 = 60_000;
+const LEASE_EXPIRY_MS: i64 = cosmosq_queue::host::DEFAULT_LEASE_EXPIRE.as_millis() as i64;
 /// Dead letters counted per group; beyond this `stats` says "at least".
 const DEAD_LETTER_COUNT_LIMIT: usize = 10_000;
 
@@ -250,28 +250,16 @@ pub fn peek_table(messages: &[Message]) -> String {
     table(&["ID", "PARTITION KEY", "ENQUEUED", "BODY"], &rows)
 }
 
-fn now_ms() -> i64 {
-    cosmosq_queue::Clock::system().now_ms()
-}
-
 pub async fn run_stats(args: InspectArgs) -> anyhow::Result<()> {
     let queue = args.queue.open().await?;
     let stats = stats(&queue, args.group.as_deref(), now_ms()).await?;
-    match args.output {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&stats)?),
-        Format::Table => print!("{}", stats_table(&stats)),
-    }
-    Ok(())
+    print(args.output, &stats[..], stats_table)
 }
 
 pub async fn run_leases(args: InspectArgs) -> anyhow::Result<()> {
     let queue = args.queue.open().await?;
     let leases = leases(&queue, args.group.as_deref(), now_ms()).await?;
-    match args.output {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&leases)?),
-        Format::Table => print!("{}", leases_table(&leases)),
-    }
-    Ok(())
+    print(args.output, &leases[..], leases_table)
 }
 
 pub async fn run_peek(args: PeekArgs) -> anyhow::Result<()> {

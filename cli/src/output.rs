@@ -9,6 +9,19 @@ pub enum Format {
     Json,
 }
 
+/// Prints `value` as pretty JSON, or as the human table `table` makes of it.
+pub fn print<T: serde::Serialize + ?Sized>(
+    format: Format,
+    value: &T,
+    table: impl FnOnce(&T) -> String,
+) -> anyhow::Result<()> {
+    match format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(value)?),
+        Format::Table => print!("{}", table(value)),
+    }
+    Ok(())
+}
+
 /// A left-aligned text table with a header row.
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup, RangeStatus, ScalingMode};
+use cosmosq_queue::clock::{duration_ms, system_now_ms as now_ms};
 use cosmosq_queue::estimate::GroupEstimate;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -33,8 +34,6 @@ use crate::status::{self, SCALER_MANAGER};
 /// Ranges listed in a group's status; beyond this the status would grow past what `kubectl`
 /// shows usefully (the metrics carry the totals).
 const MAX_RANGES_IN_STATUS: usize = 256;
-/// The sidecars' lease expiry (HostOptions' default), for leases the operator creates.
-const LEASE_EXPIRY_MS: i64 = 60_000;
 /// Groups estimated at the same time in a round.
 const CONCURRENT_ESTIMATES: usize = 8;
 
@@ -100,13 +99,6 @@ pub fn policy(qcg: &QueueConsumerGroup) -> Result<Policy, CosmosError> {
         )?,
         activation_threshold: s.activation_threshold.max(1) as u64,
     })
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
 }
 
 impl Scaler {
@@ -206,7 +198,10 @@ impl Scaler {
             let queue = self.ctx.cosmos.queue(&cq).await?;
             let group = queue.group(group_config)?;
             Ok(group
-                .estimate_or_create_leases(now, LEASE_EXPIRY_MS)
+                .estimate_or_create_leases(
+                    now,
+                    duration_ms(cosmosq_queue::host::DEFAULT_LEASE_EXPIRE),
+                )
                 .await?)
         }
         .await;

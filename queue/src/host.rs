@@ -64,7 +64,7 @@ impl HostOptions {
             sweep_interval: Duration::from_secs(5),
             lease_renew: Duration::from_secs(17),
             lease_acquire: Duration::from_secs(13),
-            lease_expire: Duration::from_secs(60),
+            lease_expire: DEFAULT_LEASE_EXPIRE,
             checkpoint_interval: Duration::from_secs(1),
             leases_per_partition: 1,
         }
@@ -366,7 +366,7 @@ fn abandon(step_aside: &CancellationToken, deliveries: &mut JoinSet<()>) {
 }
 
 /// Another host asked for the range (stream groups): stop reading, let what is under way
-/// settle, then the drain checkpoints and releases it (the release keeps the asker's claim).
+/// settle, then the drain checkpoints and releases it (the release keeps the reservation).
 fn hand_over(lease: &Lease, reading: &mut bool, draining: &[&CancellationToken]) {
     if *reading {
         info!(group = %lease.group, lease = %lease.range_label(), to = lease.handover_to.as_deref().unwrap_or_default(), "handing the range over: draining, then checkpoint and release");
@@ -376,6 +376,10 @@ fn hand_over(lease: &Lease, reading: &mut bool, draining: &[&CancellationToken])
         }
     }
 }
+
+/// The lease expiry hosts use unless told otherwise (the change feed processor's 60 s); also
+/// what tools that create or judge leases from outside a host assume.
+pub const DEFAULT_LEASE_EXPIRE: Duration = Duration::from_secs(60);
 
 /// A page of the feed whose messages are not all settled yet.
 struct PageSlot {
