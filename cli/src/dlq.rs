@@ -2,7 +2,7 @@
 
 use clap::{Args, Subcommand};
 use cosmosq_queue::clock::format_ms;
-use cosmosq_queue::{Body, GroupConfig};
+use cosmosq_queue::{Body, GroupConfig, MessageKey};
 
 use crate::args::QueueArgs;
 use crate::output::{table, Format};
@@ -43,6 +43,9 @@ pub struct Target {
     /// The message's partition key (defaults to the id, as for messages enqueued without one).
     #[arg(long)]
     pub partition_key: Option<String>,
+    /// The partition key as JSON, for keys that are not strings (`5`, `true`, `null`).
+    #[arg(long, conflicts_with = "partition_key")]
+    pub partition_key_json: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -51,6 +54,9 @@ pub struct TargetOrAll {
     pub id: Option<String>,
     #[arg(long)]
     pub partition_key: Option<String>,
+    /// The partition key as JSON, for keys that are not strings (`5`, `true`, `null`).
+    #[arg(long, conflicts_with = "partition_key")]
+    pub partition_key_json: Option<String>,
     /// Every dead letter of the group.
     #[arg(long, conflicts_with = "id")]
     pub all: bool,
@@ -70,7 +76,7 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<()> {
                         .map(|d| {
                             vec![
                                 d.message_id.clone(),
-                                d.partition_key.clone(),
+                                d.partition_key.to_string(),
                                 d.attempts.to_string(),
                                 d.reason.clone().unwrap_or_default(),
                                 d.dead_lettered_at.map(format_ms).unwrap_or_default(),
@@ -101,10 +107,11 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<()> {
             }
         }
         DlqAction::Peek(target) => {
-            let pk = target
-                .partition_key
-                .clone()
-                .unwrap_or_else(|| target.id.clone());
+            let pk = message_key(
+                &target.id,
+                target.partition_key.as_deref(),
+                target.partition_key_json.as_deref(),
+            )?;
             let Some((dead, message)) = group.peek_dead_letter(&pk, &target.id).await? else {
                 anyhow::bail!("no dead letter {} in group {}", target.id, args.group);
             };
@@ -133,12 +140,30 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn target(t: &TargetOrAll) -> anyhow::Result<(String, String)> {
+fn target(t: &TargetOrAll) -> anyhow::Result<(String, MessageKey)> {
     let id =
         t.id.clone()
             .ok_or_else(|| anyhow::anyhow!("--id or --all"))?;
-    let pk = t.partition_key.clone().unwrap_or_else(|| id.clone());
+    let pk = message_key(
+        &id,
+        t.partition_key.as_deref(),
+        t.partition_key_json.as_deref(),
+    )?;
     Ok((id, pk))
+}
+
+/// The key given as text or as JSON; the id when neither is given.
+fn message_key(id: &str, text: Option<&str>, json: Option<&str>) -> anyhow::Result<MessageKey> {
+    match (text, json) {
+        (_, Some(json)) => {
+            let value = serde_json::from_str(json)
+                .map_err(|e| anyhow::anyhow!("--partition-key-json is not JSON: {e}"))?;
+            Ok(MessageKey::from_json(value)
+                .map_err(|e| anyhow::anyhow!("--partition-key-json: {e}"))?)
+        }
+        (Some(text), None) => Ok(MessageKey::from(text)),
+        (None, None) => Ok(MessageKey::from(id)),
+    }
 }
 
 fn report(done: bool, verb: &str, id: &str) -> anyhow::Result<()> {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use cosmosq_queue::message::MessageInput;
-use cosmosq_queue::NewMessage;
+use cosmosq_queue::{MessageKey, NewMessage};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::QueueArgs;
@@ -40,7 +40,7 @@ pub fn parse_line(
     let mut message =
         NewMessage::try_from(input).map_err(|e| anyhow::anyhow!("line {line_no}: {e}"))?;
     if message.partition_key.is_none() {
-        message.partition_key = default_key.map(str::to_owned);
+        message.partition_key = default_key.map(MessageKey::from);
     }
     Ok(message)
 }
@@ -52,7 +52,7 @@ pub async fn run(args: EnqueueArgs) -> anyhow::Result<()> {
             let body = serde_json::from_str(body)
                 .map_err(|e| anyhow::anyhow!("--body is not JSON: {e}"))?;
             let mut m = NewMessage::json(body);
-            m.partition_key = args.partition_key.clone();
+            m.partition_key = args.partition_key.as_deref().map(MessageKey::from);
             vec![m]
         }
         None => {
@@ -109,9 +109,9 @@ mod tests {
     #[test]
     fn lines_get_the_default_key_and_errors_name_the_line() {
         let m = parse_line(1, r#"{"body": {"a": 1}}"#, Some("k")).unwrap();
-        assert_eq!(m.partition_key.as_deref(), Some("k"));
+        assert_eq!(m.partition_key, Some(MessageKey::from("k")));
         let m = parse_line(1, r#"{"body": 1, "partitionKey": "own"}"#, Some("k")).unwrap();
-        assert_eq!(m.partition_key.as_deref(), Some("own"));
+        assert_eq!(m.partition_key, Some(MessageKey::from("own")));
         let err = parse_line(7, r#"{"body": 1, "delay": "soon"}"#, None).unwrap_err();
         assert!(err.to_string().starts_with("line 7:"), "{err}");
         assert!(parse_line(3, "not json", None)

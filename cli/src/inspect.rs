@@ -241,7 +241,7 @@ pub fn peek_table(messages: &[Message]) -> String {
             };
             vec![
                 m.id.clone(),
-                m.partition_key.clone(),
+                m.partition_key.to_string(),
                 format_ms(m.enqueued_at),
                 body,
             ]
@@ -302,7 +302,11 @@ mod tests {
                 .unwrap();
         }
         let group = queue.group(GroupConfig::new("billing")).unwrap();
-        let m0 = queue.read_message("m0", "m0").await.unwrap().unwrap();
+        let m0 = queue
+            .read_message(&"m0".into(), "m0")
+            .await
+            .unwrap()
+            .unwrap();
         let ClaimOutcome::Claimed(claim) = group.claim(&m0, "cli-test").await.unwrap() else {
             panic!("m0 is free");
         };

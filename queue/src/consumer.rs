@@ -19,8 +19,8 @@ use tracing::{debug, error, warn};
 use crate::backoff::RetryPolicy;
 use crate::error::{QueueError, Result};
 use crate::feed::FeedReader;
-use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome, StateDoc};
-use crate::message::Message;
+use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome, StateDoc, REASON_PERMANENT_ERROR};
+use crate::message::{Message, MessageKey};
 
 /// Back-off between attempts to record a message's fate after a Cosmos error the SDK did not
 /// retry away (a long 429 storm, 503s, timeouts, resets).
@@ -28,6 +28,16 @@ const RECORD_RETRY: RetryPolicy = RetryPolicy {
     max_delivery_attempts: u32::MAX,
     initial_backoff: Duration::from_millis(50),
     max_backoff: Duration::from_secs(5),
+    multiplier: 2.0,
+    jitter: 0.2,
+};
+
+/// Back-off between attempts to renew a lock after a failed renewal: soon, since the lock is
+/// running out.
+const RENEW_RETRY: RetryPolicy = RetryPolicy {
+    max_delivery_attempts: u32::MAX,
+    initial_backoff: Duration::from_millis(200),
+    max_backoff: Duration::from_secs(2),
     multiplier: 2.0,
     jitter: 0.2,
 };
@@ -76,6 +86,14 @@ pub enum Outcome {
     DeadLetter {
         reason: String,
         error: String,
+    },
+    /// The app never saw the message (it refused the connection: not listening yet, or
+    /// restarting): no delivery attempt is counted. Delivered again after `delay` (back-off
+    /// when `None`) under the same claim; after a whole lock duration of this it counts as a
+    /// failed attempt, so an app that never comes back still ends in retries and dead letters.
+    Undelivered {
+        error: String,
+        delay: Option<Duration>,
     },
 }
 
@@ -132,6 +150,8 @@ pub struct ConsumerStats {
     pub dead_lettered: AtomicU64,
     pub lock_lost: AtomicU64,
     pub malformed: AtomicU64,
+    /// State documents left alone because this version cannot read them.
+    pub unknown_state: AtomicU64,
     pub errors: AtomicU64,
     /// Leases this host holds now (a gauge).
     pub leases_owned: AtomicU64,
@@ -245,8 +265,9 @@ impl<H: Handler> Consumer<H> {
                                 p = Arc::clone(&permits).acquire_owned() => p.expect("semaphore never closes"),
                                 _ = shutdown.cancelled() => break,
                             };
+                            let mut permit = Permit::held(Arc::clone(&permits), permit);
                             let worker = self.worker();
-                            tasks.spawn(async move { worker.process_due(doc).await; drop(permit); });
+                            tasks.spawn(async move { worker.process_due(doc, &mut permit).await; });
                         },
                         Err(e) => { ConsumerStats::bump(&self.stats.errors); warn!(group = self.group.name(), error = %e, "sweep failed; trying again next interval") }
                     }
@@ -269,9 +290,10 @@ impl<H: Handler> Consumer<H> {
                                     p = Arc::clone(&permits).acquire_owned() => p.expect("semaphore never closes"),
                                     _ = shutdown.cancelled() => break,
                                 };
+                                let mut permit = Permit::held(Arc::clone(&permits), permit);
                                 let worker = self.worker();
                                 let shutdown = shutdown.clone();
-                                tasks.spawn(async move { worker.process(message, &shutdown).await; drop(permit); });
+                                tasks.spawn(async move { worker.process(message, &shutdown, &mut permit, false).await; });
                             }
                         }
                         Err(e) => {
@@ -301,6 +323,71 @@ impl<H: Handler> Consumer<H> {
     }
 }
 
+/// What became of a message a delivery task was given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fate {
+    /// The group is done with it (completed, dead-lettered), or it is not this task's to
+    /// deliver (already settled, expired, a state another version owns).
+    Settled,
+    /// A state document brings it back (a retry, a schedule, a lock that will expire, another
+    /// holder): the checkpoint may pass it, but it is not settled yet.
+    Pending,
+    /// Nothing is recorded (Cosmos kept failing until the range stopped): the checkpoint must
+    /// stay before it so the range's next reader delivers it.
+    Unrecorded,
+}
+
+impl Fate {
+    pub(crate) fn is_recorded(self) -> bool {
+        self != Fate::Unrecorded
+    }
+}
+
+/// A delivery permit that its task gives back while it only waits (for a schedule, a back-off
+/// or the previous message of its key), so waiting never blocks working.
+pub(crate) struct Permit {
+    permits: Arc<Semaphore>,
+    held: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Permit {
+    /// Waits for a permit.
+    pub(crate) async fn acquire(permits: Arc<Semaphore>) -> Self {
+        let held = Arc::clone(&permits)
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        Self {
+            permits,
+            held: Some(held),
+        }
+    }
+
+    pub(crate) fn held(permits: Arc<Semaphore>, held: tokio::sync::OwnedSemaphorePermit) -> Self {
+        Self {
+            permits,
+            held: Some(held),
+        }
+    }
+
+    /// Runs `wait` without the permit, then takes one again.
+    async fn released_while<T>(&mut self, wait: impl Future<Output = T>) -> T {
+        self.held = None;
+        let out = wait.await;
+        self.held = Some(
+            Arc::clone(&self.permits)
+                .acquire_owned()
+                .await
+                .expect("the semaphore is never closed"),
+        );
+        out
+    }
+}
+
+/// Longest pause between looks at a message another holder has (ordered groups): its holder
+/// usually settles long before the lock would expire.
+const HELD_POLL_MAX: Duration = Duration::from_secs(5);
+
 /// Everything one delivery task needs: claim, deliver with lock renewal, settle.
 pub(crate) struct Worker<H> {
     pub(crate) group: Group,
@@ -310,49 +397,139 @@ pub(crate) struct Worker<H> {
 }
 
 impl<H: Handler> Worker<H> {
-    /// Claims, delivers and settles a message read from the change feed. Returns whether its
-    /// fate is recorded in the database; when it is not (Cosmos kept failing until `give_up`),
-    /// the caller must not checkpoint past it, so the feed brings it back.
-    pub(crate) async fn process(&self, message: Message, give_up: &CancellationToken) -> bool {
+    /// Claims, delivers and settles a message read from the change feed. When its fate is
+    /// [`Fate::Unrecorded`] (Cosmos kept failing until `give_up`), the caller must not
+    /// checkpoint past it, so the feed brings it back. `check_state`: look for a state document
+    /// first even in stream mode (a range taken over from an owner that may have left one).
+    pub(crate) async fn process(
+        &self,
+        message: Message,
+        give_up: &CancellationToken,
+        permit: &mut Permit,
+        check_state: bool,
+    ) -> Fate {
         let mut failures = 0;
+        let mut held_polls = 0;
         let token = crate::group::new_lock_token();
+        let ordered = self.group.config().ordered;
         loop {
-            match self
-                .group
-                .claim_with_token(&message, &self.holder, &token)
-                .await
-            {
+            let claimed = if check_state {
+                self.group
+                    .claim_checked(&message, &self.holder, &token)
+                    .await
+            } else {
+                self.group
+                    .claim_with_token(&message, &self.holder, &token)
+                    .await
+            };
+            match claimed {
                 Ok(ClaimOutcome::Claimed(claim)) => {
-                    return self.deliver(message, claim, give_up).await
+                    return self.deliver(message, claim, give_up, permit).await
                 }
-                // Ordered groups hold the key: wait for the earlier holder's lock to expire or
-                // the message's time to come, then try again; the key's later messages wait.
-                Ok(ClaimOutcome::Held { until, .. }) if self.group.config().ordered => {
-                    self.wait_until(until.unwrap_or(0)).await
+                // Ordered groups hold the key: the key's later messages wait behind this one,
+                // which waits (without a permit) for the earlier holder to settle or its lock
+                // to expire, or for its time to come.
+                Ok(ClaimOutcome::Held { until, .. }) if ordered => {
+                    held_polls += 1;
+                    let poll = Duration::from_millis(100 << held_polls.min(6)).min(HELD_POLL_MAX);
+                    let wait = self.until(until.unwrap_or(0)).min(poll);
+                    if !self.wait(permit, wait, give_up).await {
+                        return Fate::Unrecorded;
+                    }
                 }
-                Ok(ClaimOutcome::NotYetDue { due }) if self.group.config().ordered => {
-                    self.wait_until(due).await
+                Ok(ClaimOutcome::NotYetDue { due }) if ordered => {
+                    if !self.wait(permit, self.until(due), give_up).await {
+                        return Fate::Unrecorded;
+                    }
                 }
                 Ok(other) => {
                     debug!(message_id = %message.id, outcome = ?other, "not claimed");
-                    return true;
+                    return match other {
+                        ClaimOutcome::Held { .. } | ClaimOutcome::NotYetDue { .. } => Fate::Pending,
+                        _ => Fate::Settled,
+                    };
                 }
+                Err(e @ QueueError::UnknownState { .. }) => {
+                    ConsumerStats::bump(&self.stats.unknown_state);
+                    warn!(group = self.group.name(), message_id = %message.id, error = %e, "left alone: another version of cosmosq owns this message's state");
+                    return Fate::Settled;
+                }
+                Err(e) if e.is_permanent() => return self.refused(&message, e).await,
                 // Nothing is recorded yet and the feed has moved on: keep trying.
                 Err(e) => {
                     if !self
                         .keep_trying("claim", &message.id, e, &mut failures, None, give_up)
                         .await
                     {
-                        return false;
+                        return Fate::Unrecorded;
                     }
                 }
             }
         }
     }
 
-    /// After a failed write: waits its back-off and says whether to try again. Gives up when
-    /// `give_up` fires or at `deadline` (epoch ms). The first failure of a message is a
-    /// warning with its context; repeats are debug, so a storm of errors logs once per message.
+    /// Returns once the group's state of a message says it is settled (or gone): what the
+    /// next message of an ordered key waits for when this one's fate was left to its state
+    /// document. Looks again with back-off, holding no permit.
+    pub(crate) async fn settled(&self, key: &MessageKey, message_id: &str) {
+        let mut looks = 0;
+        loop {
+            match self.group.read_state(key, message_id).await {
+                Ok(None) => return,
+                Ok(Some(doc)) if doc.state.is_settled() => return,
+                Err(QueueError::UnknownState { .. }) => return,
+                Ok(Some(_)) | Err(_) => {}
+            }
+            looks += 1;
+            let wait = Duration::from_millis(100 << looks.min(6)).min(HELD_POLL_MAX);
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// The claim of `message` can never be written (Cosmos refused it as a request): it goes
+    /// to the dead letters with the cause, instead of being retried forever.
+    async fn refused(&self, message: &Message, cause: QueueError) -> Fate {
+        let error = format!("the claim was refused: {cause}");
+        match self
+            .group
+            .dead_letter_unclaimed(message, REASON_PERMANENT_ERROR, &error)
+            .await
+        {
+            Ok(()) => {
+                ConsumerStats::bump(&self.stats.dead_lettered);
+                Fate::Settled
+            }
+            Err(e) => {
+                ConsumerStats::bump(&self.stats.errors);
+                error!(group = self.group.name(), message_id = %message.id, cause = %cause, error = %e, "the message can be neither claimed nor dead-lettered; it stays ahead of the checkpoint");
+                Fate::Unrecorded
+            }
+        }
+    }
+
+    /// How long until `epoch_ms` by the queue's clock.
+    fn until(&self, epoch_ms: i64) -> Duration {
+        let now = self.group.queue().clock().now_ms();
+        Duration::from_millis((epoch_ms - now).max(0) as u64)
+    }
+
+    /// Waits `wait` without the permit; `false` when `give_up` fired first.
+    async fn wait(&self, permit: &mut Permit, wait: Duration, give_up: &CancellationToken) -> bool {
+        permit
+            .released_while(async {
+                tokio::select! {
+                    biased;
+                    _ = give_up.cancelled() => false,
+                    _ = tokio::time::sleep(wait) => true,
+                }
+            })
+            .await
+    }
+
+    /// After a failed write: waits its back-off and says whether to try again. Gives up on a
+    /// permanent error, when `give_up` fires or at `deadline` (epoch ms). The first failure of
+    /// a message is a warning with its context; repeats are debug, so a storm of errors logs
+    /// once per message.
     async fn keep_trying(
         &self,
         step: &str,
@@ -363,6 +540,10 @@ impl<H: Handler> Worker<H> {
         give_up: &CancellationToken,
     ) -> bool {
         ConsumerStats::bump(&self.stats.errors);
+        if e.is_permanent() {
+            error!(group = self.group.name(), message_id, step, error = %e, "step refused; not retrying it");
+            return false;
+        }
         *failures += 1;
         if *failures == 1 {
             warn!(group = self.group.name(), message_id, step, error = %e, "step failed; retrying with back-off");
@@ -391,15 +572,7 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// Sleeps until `epoch_ms` by the queue's clock, but looks again within a second: the
-    /// holder usually settles long before its lock would expire.
-    async fn wait_until(&self, epoch_ms: i64) {
-        let now = self.group.queue().clock().now_ms();
-        let wait = (epoch_ms - now).clamp(50, 1_000);
-        tokio::time::sleep(Duration::from_millis(wait as u64)).await;
-    }
-
-    pub(crate) async fn process_due(&self, doc: StateDoc) {
+    pub(crate) async fn process_due(&self, doc: StateDoc, permit: &mut Permit) {
         let (pk, id) = (doc.message_pk.clone(), doc.id.clone());
         // Read before taking over: a failed read then costs nothing, where after the take-over
         // it would burn one of the message's delivery attempts.
@@ -407,19 +580,48 @@ impl<H: Handler> Worker<H> {
             Ok(message) => message,
             Err(e) => return self.failed("read message", &id, e),
         };
-        let claim = match self.group.take_over(doc, &self.holder).await {
-            Ok(ClaimOutcome::Claimed(claim)) => claim,
-            Ok(ClaimOutcome::DeadLettered) => {
-                ConsumerStats::bump(&self.stats.dead_lettered);
-                return;
+        // A take-over whose answer was lost may have taken effect: tried again with the same
+        // token on the document as it now is, it is recognised as ours instead of burning the
+        // attempt it recorded (bounded by a lock duration, after which the sweep finds it).
+        let token = crate::group::new_lock_token();
+        let deadline = self.group.queue().clock().now_ms()
+            + crate::clock::duration_ms(self.group.config().lock_duration);
+        let (mut doc, mut failures) = (Some(doc), 0);
+        let claim = loop {
+            let current = match doc.take() {
+                Some(doc) => doc,
+                None => match self.group.read_state(&pk, &id).await {
+                    Ok(Some(doc)) => doc,
+                    Ok(None) => return,
+                    Err(e) => return self.failed("claim", &id, e),
+                },
+            };
+            match self
+                .group
+                .take_over_with_token(current, &self.holder, &token)
+                .await
+            {
+                Ok(ClaimOutcome::Claimed(claim)) => break claim,
+                Ok(ClaimOutcome::DeadLettered) => {
+                    ConsumerStats::bump(&self.stats.dead_lettered);
+                    return;
+                }
+                Ok(_) => return,
+                Err(e) => {
+                    let never = CancellationToken::new();
+                    if !self
+                        .keep_trying("claim", &id, e, &mut failures, Some(deadline), &never)
+                        .await
+                    {
+                        return;
+                    }
+                }
             }
-            Ok(_) => return,
-            Err(e) => return self.failed("claim", &id, e),
         };
         match message {
             Some(message) => {
                 // The state document exists: at worst its lock expires and it comes back.
-                self.deliver(message, claim, &CancellationToken::new())
+                self.deliver(message, claim, &CancellationToken::new(), permit)
                     .await;
             }
             None => {
@@ -429,7 +631,7 @@ impl<H: Handler> Worker<H> {
                     .group
                     .dead_letter(
                         &claim,
-                        "MessageExpired",
+                        crate::group::REASON_EXPIRED,
                         "the message expired (TTL) before a successful delivery",
                     )
                     .await
@@ -440,14 +642,15 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// Returns whether the outcome (or the claim that brings the message back) is recorded.
     async fn deliver(
         &self,
         message: Message,
         mut claim: Claim,
         give_up: &CancellationToken,
-    ) -> bool {
+        permit: &mut Permit,
+    ) -> Fate {
         let id = message.id.clone();
+        let mut undelivered_since: Option<tokio::time::Instant> = None;
         let outcome = loop {
             ConsumerStats::bump(&self.stats.delivered);
             let delivery = Delivery {
@@ -456,37 +659,62 @@ impl<H: Handler> Worker<H> {
                 group: self.group.name().into(),
                 queue: self.group.queue().name().into(),
             };
-            let outcome = self
+            let Some(outcome) = self
                 .holding(&mut claim, guarded(self.handler.handle(delivery)))
-                .await;
+                .await
+            else {
+                return Fate::Pending; // another holder has it now
+            };
             // Ordered groups retry in place, keeping the key, until the attempts run out.
             match outcome {
+                Outcome::Undelivered { error, delay }
+                    if undelivered_since
+                        .get_or_insert_with(tokio::time::Instant::now)
+                        .elapsed()
+                        < self.group.config().lock_duration =>
+                {
+                    debug!(group = self.group.name(), message_id = %id, %error, "not delivered (the app is not listening); trying again");
+                    let backoff = delay.unwrap_or_else(|| RECORD_RETRY.backoff_random(3));
+                    if self
+                        .holding(&mut claim, tokio::time::sleep(backoff))
+                        .await
+                        .is_none()
+                    {
+                        return Fate::Pending;
+                    }
+                }
+                Outcome::Undelivered { error, delay } => {
+                    break Outcome::Retry {
+                        error: format!("{error} for a whole lock duration"),
+                        delay,
+                    }
+                }
                 Outcome::Retry { error, delay }
                     if self.group.config().ordered
                         && !self.group.config().retry.exhausted(claim.attempt) =>
                 {
                     let backoff = delay
                         .unwrap_or_else(|| self.group.config().retry.backoff_random(claim.attempt));
-                    if let Err(e) = self
-                        .group
-                        .retry_in_place(&mut claim, &self.holder, &error)
-                        .await
-                    {
-                        // A claim exists (or, in stream mode, the lease fences the range):
-                        // the lock's expiry or the feed brings the message back.
-                        self.failed("retry", &id, e);
-                        return claim.is_recorded();
+                    if let Some(fate) = self.retry_in_place(&mut claim, &error, give_up).await {
+                        return fate;
                     }
                     ConsumerStats::bump(&self.stats.retried);
-                    self.holding(&mut claim, tokio::time::sleep(backoff)).await;
+                    let wait = permit.released_while(tokio::time::sleep(backoff));
+                    if self.holding(&mut claim, wait).await.is_none() {
+                        return Fate::Pending;
+                    }
                 }
                 other => break other,
             }
         };
-        // Exclusive mode: the claim is recorded, so giving up at the lock's expiry loses
-        // nothing (the sweep delivers it again); retrying until then spares the app a repeat.
-        // Stream mode's first delivery has no state document: the outcome must be written.
-        let deadline = claim.locked_until.filter(|_| claim.is_recorded());
+        // A recorded claim keeps trying until its lock's expiry, even while the range drains:
+        // giving up earlier would throw the app's answer away and burn an attempt, while at the
+        // expiry the sweep delivers it again and nothing is lost. Stream mode's first delivery
+        // has no state document: the outcome must be written before the range lets go.
+        let (deadline, give_up) = match claim.locked_until.filter(|_| claim.is_recorded()) {
+            Some(until) => (Some(until), &CancellationToken::new()),
+            None => (None, give_up),
+        };
         let mut failures = 0;
         loop {
             let settled = match &outcome {
@@ -494,36 +722,82 @@ impl<H: Handler> Worker<H> {
                     .group
                     .complete(&claim)
                     .await
-                    .map(|_| &self.stats.completed),
-                Outcome::Retry { error, delay } => self
+                    .map(|_| (&self.stats.completed, Fate::Settled)),
+                Outcome::Retry { error, delay } | Outcome::Undelivered { error, delay } => self
                     .group
                     .retry(&claim, error, *delay)
                     .await
                     .map(|r| match r {
-                        RetryOutcome::Scheduled { .. } => &self.stats.retried,
-                        RetryOutcome::DeadLettered => &self.stats.dead_lettered,
+                        RetryOutcome::Scheduled { .. } => (&self.stats.retried, Fate::Pending),
+                        RetryOutcome::DeadLettered => (&self.stats.dead_lettered, Fate::Settled),
                     }),
                 Outcome::DeadLetter { reason, error } => self
                     .group
                     .dead_letter(&claim, reason, error)
                     .await
-                    .map(|_| &self.stats.dead_lettered),
+                    .map(|_| (&self.stats.dead_lettered, Fate::Settled)),
             };
             match settled {
-                Ok(counter) => {
+                Ok((counter, fate)) => {
                     ConsumerStats::bump(counter);
-                    return true;
+                    return fate;
                 }
                 Err(e @ QueueError::LockLost { .. }) => {
                     self.failed("settle", &id, e);
-                    return true;
+                    return Fate::Pending;
                 }
                 Err(e) => {
                     if !self
                         .keep_trying("settle", &id, e, &mut failures, deadline, give_up)
                         .await
                     {
-                        return claim.is_recorded();
+                        return if claim.is_recorded() {
+                            Fate::Pending
+                        } else {
+                            Fate::Unrecorded
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records a failed delivery of an ordered group and keeps the message (and its key):
+    /// retried through transient errors until the lock's expiry (the range's stop, for a
+    /// stream first delivery that has no lock yet). `Some(fate)` when the message is no longer
+    /// this task's to deliver.
+    async fn retry_in_place(
+        &self,
+        claim: &mut Claim,
+        error: &str,
+        give_up: &CancellationToken,
+    ) -> Option<Fate> {
+        let mut failures = 0;
+        loop {
+            let deadline = claim.locked_until.filter(|_| claim.is_recorded());
+            match self.group.retry_in_place(claim, &self.holder, error).await {
+                Ok(()) => return None,
+                Err(e @ QueueError::LockLost { .. }) => {
+                    self.failed("retry", &claim.message_id, e);
+                    return Some(Fate::Pending);
+                }
+                Err(e) => {
+                    if !self
+                        .keep_trying(
+                            "retry",
+                            &claim.message_id,
+                            e,
+                            &mut failures,
+                            deadline,
+                            give_up,
+                        )
+                        .await
+                    {
+                        return Some(if claim.is_recorded() {
+                            Fate::Pending
+                        } else {
+                            Fate::Unrecorded
+                        });
                     }
                 }
             }
@@ -531,16 +805,38 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Runs `work` while renewing the claim's lock, so the message stays ours however long
-    /// the app takes (a failed renewal is reported when settling).
-    async fn holding<T>(&self, claim: &mut Claim, work: impl Future<Output = T>) -> T {
+    /// the app takes. Renewals are timed from the lock's expiry (a third of the lock before
+    /// it), and a failed one is tried again soon (429s, timeouts) rather than a whole interval
+    /// later. `None` when the lock is lost to another holder: `work` (the app's call) is then
+    /// dropped, since its answer could no longer be recorded.
+    async fn holding<T>(&self, claim: &mut Claim, work: impl Future<Output = T>) -> Option<T> {
         tokio::pin!(work);
-        let renew_every = self.group.config().lock_duration / 3;
+        let third = crate::clock::duration_ms(self.group.config().lock_duration / 3);
+        let mut failures = 0;
         loop {
+            let wait = match claim.locked_until {
+                Some(until) if failures == 0 => self.until(until - third),
+                Some(until) => RENEW_RETRY
+                    .backoff_random(failures)
+                    .min(self.until(until).max(Duration::from_millis(10))),
+                None => Duration::ZERO,
+            };
             tokio::select! {
-                out = &mut work => return out,
-                _ = tokio::time::sleep(renew_every), if claim.locked_until.is_some() => {
-                    if let Err(e) = self.group.renew(claim).await {
-                        warn!(group = self.group.name(), message_id = %claim.message_id, error = %e, "lock renewal failed");
+                out = &mut work => return Some(out),
+                _ = tokio::time::sleep(wait), if claim.locked_until.is_some() => {
+                    match self.group.renew(claim).await {
+                        Ok(()) => failures = 0,
+                        Err(e @ QueueError::LockLost { .. }) => {
+                            self.failed("renew", &claim.message_id.clone(), e);
+                            return None;
+                        }
+                        Err(e) => {
+                            failures += 1;
+                            ConsumerStats::bump(&self.stats.errors);
+                            if failures == 1 {
+                                warn!(group = self.group.name(), message_id = %claim.message_id, error = %e, "lock renewal failed; retrying soon");
+                            }
+                        }
                     }
                 }
             }

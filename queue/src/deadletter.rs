@@ -7,7 +7,7 @@ use tracing::info;
 
 use crate::error::Result;
 use crate::group::{Group, MessageState, StateDoc, STATE_DOC_TYPE};
-use crate::message::Message;
+use crate::message::{Message, MessageKey};
 use crate::sql;
 
 /// A dead-lettered message as users see it.
@@ -15,7 +15,7 @@ use crate::sql;
 #[serde(rename_all = "camelCase")]
 pub struct DeadLetter {
     pub message_id: String,
-    pub partition_key: String,
+    pub partition_key: MessageKey,
     pub group: String,
     pub reason: Option<String>,
     pub last_error: Option<String>,
@@ -73,7 +73,7 @@ impl Group {
     /// One dead letter with its message (the message is `None` once retention removed it).
     pub async fn peek_dead_letter(
         &self,
-        partition_key: &str,
+        partition_key: &MessageKey,
         message_id: &str,
     ) -> Result<Option<(DeadLetter, Option<Message>)>> {
         let Some(doc) = self.read_state(partition_key, message_id).await? else {
@@ -88,7 +88,7 @@ impl Group {
 
     /// Sends a dead letter back to its group with a fresh attempt budget; it is delivered at
     /// the next sweep. Returns `false` when it is not (or no longer) a dead letter.
-    pub async fn replay(&self, partition_key: &str, message_id: &str) -> Result<bool> {
+    pub async fn replay(&self, partition_key: &MessageKey, message_id: &str) -> Result<bool> {
         self.transition_dead_letter(
             partition_key,
             message_id,
@@ -105,7 +105,7 @@ impl Group {
     }
 
     /// Discards a dead letter for good: it is never delivered to this group again.
-    pub async fn purge(&self, partition_key: &str, message_id: &str) -> Result<bool> {
+    pub async fn purge(&self, partition_key: &MessageKey, message_id: &str) -> Result<bool> {
         self.transition_dead_letter(
             partition_key,
             message_id,
@@ -132,7 +132,7 @@ impl Group {
 
     async fn for_all_dead_letters<F, Fut>(&self, action: F) -> Result<usize>
     where
-        F: Fn(Group, String, String) -> Fut,
+        F: Fn(Group, MessageKey, String) -> Fut,
         Fut: std::future::Future<Output = Result<bool>>,
     {
         let mut done = 0;
@@ -146,7 +146,7 @@ impl Group {
 
     async fn transition_dead_letter(
         &self,
-        partition_key: &str,
+        partition_key: &MessageKey,
         message_id: &str,
         change: impl FnOnce(&mut StateDoc, i64),
         op: &'static str,
@@ -159,7 +159,9 @@ impl Group {
         }
         let etag = doc.etag.clone().unwrap_or_default();
         let mut next = doc;
-        change(&mut next, self.queue().clock().now_ms());
+        let now = self.queue().clock().now_ms();
+        change(&mut next, now);
+        next.refresh_ttl(now, self.queue().config().retention_secs());
         let done = matches!(
             self.replace(&next, &etag, op).await?,
             crate::group::Write::Done(_)

@@ -29,6 +29,14 @@ pub enum QueueError {
         id: String,
         reason: String,
     },
+    /// A group's state document that this version cannot read (written by a newer version
+    /// during a rolling upgrade, or edited by hand). It is left alone, never overwritten.
+    #[error("the state of message {id:?} in group {group} is not one this version understands: {reason}")]
+    UnknownState {
+        group: String,
+        id: String,
+        reason: String,
+    },
     #[error("invalid configuration: {0}")]
     Config(String),
     #[error("JSON: {0}")]
@@ -57,6 +65,21 @@ impl QueueError {
     /// Whether retrying the same call later may succeed (throttling, unavailability, timeouts).
     pub fn is_transient(&self) -> bool {
         matches!(self.status(), Some(408 | 410 | 429 | 449 | 500 | 503))
+    }
+
+    /// Whether the same call can never succeed: the request itself is refused (400 bad
+    /// request, 403 forbidden, 413 too large) or the data cannot be read. Retrying such an
+    /// error would loop forever; the caller records an outcome instead.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            QueueError::Cosmos { status, .. } => matches!(status, 400 | 403 | 413),
+            QueueError::InvalidMessage(_)
+            | QueueError::Malformed { .. }
+            | QueueError::UnknownState { .. }
+            | QueueError::Config(_)
+            | QueueError::Json(_) => true,
+            QueueError::LockLost { .. } => false,
+        }
     }
 }
 

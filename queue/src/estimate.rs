@@ -9,17 +9,19 @@
 //!   checkpoint; for one that starts from the beginning it is counted from the beginning.
 //!   LSNs count writes and a transactional batch is one write, so a small estimate (≤ 500,
 //!   where scale-from-zero and scale-in are decided) is refined by counting the unread items.
-//! - **Backlog** (not yet settled) = lag + messages the group has read and must still deliver:
-//!   state documents waiting for a retry or their scheduled time, and redeliveries in
-//!   progress (locked with more than one attempt). First deliveries in progress sit after the
-//!   checkpoint and are already in the lag.
+//! - **Backlog** (not yet settled) = lag + messages the group has read and must still deliver
+//!   soon: state documents whose retry or scheduled time falls within [`DUE_HORIZON`], and
+//!   redeliveries in progress (locked with more than one attempt). First deliveries in
+//!   progress sit after the checkpoint and are already in the lag. Work due later is no
+//!   backlog: a schedule a week out must not hold a group at its maximum or block scale to
+//!   zero. At most [`MAX_PENDING`] state documents are counted per estimate.
 //! - **Oldest unsettled**: the earliest enqueue time among those, and the first unread message.
 
 use std::collections::BTreeMap;
 
 use azure_data_cosmos::feed::FeedRange;
 use azure_data_cosmos::models::PartitionKeyDefinition;
-use azure_data_cosmos::{FeedScope, PartitionKey};
+use azure_data_cosmos::FeedScope;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -77,6 +79,11 @@ impl GroupEstimate {
     }
 }
 
+/// Retries and schedules due within this long count as backlog; later ones do not.
+pub const DUE_HORIZON: std::time::Duration = std::time::Duration::from_secs(60);
+/// The most state documents one estimate reads (the backlog is then a lower bound).
+pub const MAX_PENDING: usize = 10_000;
+
 /// Below this LSN distance the lag is counted item by item instead of estimated.
 const EXACT_COUNT_LIMIT: u64 = 500;
 const EXACT_COUNT_PAGE: u32 = 1000;
@@ -93,17 +100,39 @@ struct FeedLag {
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Pending {
-    message_pk: String,
+    message_pk: crate::message::MessageKey,
     enqueued_at: i64,
 }
 
 impl Group {
-    /// Estimates remaining work per lease of this group (see the module docs).
+    /// Estimates remaining work per lease of this group (see the module docs): the
+    /// operator's job, once per group.
     pub async fn estimate(&self) -> Result<GroupEstimate> {
         let leases = LeaseStore::new(self.queue().clone(), self.name())
             .list()
             .await?;
         let pending = self.pending_by_range(&leases).await?;
+        self.estimate_leases(leases, pending).await
+    }
+
+    /// The lag of the leases `owner` holds, for a host's own metrics: one small feed read per
+    /// owned range, no query over the group's state documents.
+    pub async fn estimate_owned(&self, owner: &str) -> Result<GroupEstimate> {
+        let leases: Vec<Lease> = LeaseStore::new(self.queue().clone(), self.name())
+            .list()
+            .await?
+            .into_iter()
+            .filter(|l| l.owner.as_deref() == Some(owner))
+            .collect();
+        let pending = leases.iter().map(|_| Vec::new()).collect();
+        self.estimate_leases(leases, pending).await
+    }
+
+    async fn estimate_leases(
+        &self,
+        leases: Vec<Lease>,
+        pending: Vec<Vec<Pending>>,
+    ) -> Result<GroupEstimate> {
         let mut ranges = Vec::with_capacity(leases.len());
         for (i, lease) in leases.iter().enumerate() {
             let feed = self.feed_lag(lease).await?;
@@ -151,20 +180,23 @@ impl Group {
 
     /// Messages read and not yet settled that the lag does not count, bucketed by lease.
     async fn pending_by_range(&self, leases: &[Lease]) -> Result<Vec<Vec<Pending>>> {
+        let horizon = self.queue().clock().now_ms() + crate::clock::duration_ms(DUE_HORIZON);
         let query = sql::query(
-            "SELECT c.messagePk, c.enqueuedAt FROM c WHERE c.type = @type \
-             AND c.group = @group AND (c.state = 'retry' OR c.state = 'scheduled' OR \
-             (c.state = 'locked' AND c.attempts > 1))",
+            "SELECT TOP @limit c.messagePk, c.enqueuedAt FROM c WHERE c.type = @type \
+             AND c.group = @group AND (((c.state = 'retry' OR c.state = 'scheduled') \
+             AND c.due <= @horizon) OR (c.state = 'locked' AND c.attempts > 1))",
             &[
+                ("@limit", json!(MAX_PENDING)),
                 ("@type", json!(STATE_DOC_TYPE)),
                 ("@group", json!(self.name())),
+                ("@horizon", json!(horizon)),
             ],
         )?;
         let docs: Vec<Pending> = sql::collect(
             self.queue().leases(),
             query,
             FeedScope::full_container(),
-            None,
+            Some(MAX_PENDING),
             self.queue().charges(),
             "estimate",
         )
@@ -175,12 +207,10 @@ impl Group {
         let mut key_to_lease: BTreeMap<String, Option<usize>> = BTreeMap::new();
         for doc in docs {
             let slot = *key_to_lease
-                .entry(doc.message_pk.clone())
+                .entry(doc.message_pk.canonical())
                 .or_insert_with(|| {
-                    let range = FeedRange::for_partition(
-                        PartitionKey::from(doc.message_pk.clone()),
-                        &definition,
-                    );
+                    let range =
+                        FeedRange::for_partition(doc.message_pk.to_partition_key(), &definition);
                     let epk = range.min_inclusive().to_hex();
                     leases.iter().position(|l| {
                         epk_cmp(&epk, &l.min_epk).is_ge() && epk_cmp(&epk, &l.max_epk).is_lt()
@@ -276,14 +306,15 @@ impl Group {
         let field = self.queue().config().partition_key_field();
         let (Some(id), Some(pk)) = (
             doc.get("id").and_then(Value::as_str),
-            doc.get(field).and_then(Value::as_str),
+            doc.get(field)
+                .and_then(|v| crate::message::MessageKey::from_json(v.clone()).ok()),
         ) else {
             return Ok(None);
         };
         match self
             .queue()
             .messages()
-            .read_item(pk.to_owned(), id, None)
+            .read_item(pk.to_partition_key(), id, None)
             .await
         {
             Ok(r) => {

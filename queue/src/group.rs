@@ -29,7 +29,7 @@ use tracing::{debug, info, warn};
 use crate::clock::duration_ms;
 use crate::config::{DeliveryMode, GroupConfig};
 use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND, PRECONDITION_FAILED};
-use crate::message::Message;
+use crate::message::{Message, MessageKey};
 use crate::queue::Queue;
 use crate::sql;
 
@@ -42,6 +42,11 @@ const STATE_TTL_MARGIN_SECS: i64 = 3600;
 
 /// Reason recorded when a message is dead-lettered for running out of attempts.
 pub const REASON_MAX_ATTEMPTS: &str = "MaxDeliveryAttemptsExceeded";
+/// Reason recorded when Cosmos refuses a message's claim as a request (400, 403): retrying
+/// could never succeed.
+pub const REASON_PERMANENT_ERROR: &str = "PermanentError";
+/// Reason recorded when retention removed a message before a successful delivery.
+pub const REASON_EXPIRED: &str = "MessageExpired";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -79,7 +84,8 @@ pub struct StateDoc {
     #[serde(rename = "type")]
     pub doc_type: String,
     pub group: String,
-    pub message_pk: String,
+    /// The message's partition key, with its JSON type.
+    pub message_pk: MessageKey,
     pub state: MessageState,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
@@ -119,10 +125,73 @@ pub fn new_lock_token() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
+/// Longest readable state partition key, `<group>|<key>`; Cosmos takes up to 2 KB.
+const MAX_READABLE_STATE_PK_BYTES: usize = 1024;
+/// Marks a hashed key in a state partition key (a readable one never starts with it).
+const HASHED_KEY_MARKER: char = '~';
+
 /// The partition key of a group's state documents for messages with `message_pk`.
-pub fn state_pk(group: &str, message_pk: &str) -> String {
-    format!("{group}|{message_pk}")
+///
+/// A string key stays readable (`orders|customer-7`). Keys of other JSON types, keys long
+/// enough that `<group>|<key>` would pass Cosmos' 2 KB partition-key limit, and strings that
+/// start with the marker are hashed (`orders|~<sha256 of the key's JSON>`): any valid message
+/// key then has a state document, and `5` and `"5"` never share one.
+pub fn state_pk(group: &str, message_pk: &MessageKey) -> String {
+    match message_pk.as_str() {
+        Some(s)
+            if !s.starts_with(HASHED_KEY_MARKER)
+                && group.len() + 1 + s.len() <= MAX_READABLE_STATE_PK_BYTES =>
+        {
+            format!("{group}|{s}")
+        }
+        _ => {
+            use sha2::Digest as _;
+            let digest = sha2::Sha256::digest(message_pk.canonical().as_bytes());
+            let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+            format!("{group}|{HASHED_KEY_MARKER}{hex}")
+        }
+    }
 }
+
+/// How long a state document may live (its Cosmos TTL in seconds; `None`: as long as the
+/// container keeps items), so that it never expires before what it describes has an outcome:
+/// - waiting or held (scheduled, retry, locked): until its `due` or the message's expiry,
+///   whichever is later, so a schedule beyond the message's life still ends in a dead letter
+///   (`MessageExpired`) instead of vanishing;
+/// - completed: as long as the message, so reading the feed again finds it settled;
+/// - dead-lettered or purged: as long as the message and at least one retention after
+///   settling, so a dead letter stays listable after its message is gone.
+///
+/// Plus a margin for clock skew and the sweep's interval.
+pub fn state_ttl_secs(doc: &StateDoc, now_ms: i64, retention_secs: Option<i64>) -> Option<i64> {
+    let message_expiry = doc.expires_at?;
+    let until = match doc.state {
+        MessageState::Completed => message_expiry,
+        MessageState::DeadLettered | MessageState::Purged => {
+            let kept = now_ms.saturating_add(retention_secs?.saturating_mul(1000));
+            message_expiry.max(kept)
+        }
+        MessageState::Scheduled | MessageState::Retry | MessageState::Locked => {
+            message_expiry.max(doc.due.unwrap_or(now_ms))
+        }
+    };
+    let secs = (until.saturating_sub(now_ms) / 1000).max(0) + STATE_TTL_MARGIN_SECS;
+    Some(secs.min(i64::from(i32::MAX)))
+}
+
+/// When a failed message is delivered again: after `delay`, but never after its message
+/// expires (an app's `Retry-After` can ask for any time): at the latest a moment before, so
+/// the last try still finds the message.
+pub fn retry_at(now_ms: i64, delay: Duration, expires_at: Option<i64>) -> i64 {
+    let wanted = now_ms.saturating_add(duration_ms(delay));
+    match expires_at {
+        Some(expiry) => wanted.min((expiry - RETRY_BEFORE_EXPIRY_MS).max(now_ms)),
+        None => wanted,
+    }
+}
+
+/// How long before its message's expiry a late retry is delivered.
+const RETRY_BEFORE_EXPIRY_MS: i64 = 60_000;
 
 impl StateDoc {
     fn new(group: &str, message: &Message, expires_at: Option<i64>, state: MessageState) -> Self {
@@ -149,11 +218,9 @@ impl StateDoc {
         }
     }
 
-    /// Sets the TTL so the document leaves with (a little after) its message.
-    fn refresh_ttl(&mut self, now_ms: i64) {
-        self.ttl = self
-            .expires_at
-            .map(|at| ((at - now_ms) / 1000).max(0) + STATE_TTL_MARGIN_SECS);
+    /// Sets the TTL for what the document now says (see [`state_ttl_secs`]).
+    pub(crate) fn refresh_ttl(&mut self, now_ms: i64, retention_secs: Option<i64>) {
+        self.ttl = state_ttl_secs(self, now_ms, retention_secs);
     }
 
     fn lock(&mut self, owner: &str, now_ms: i64, lock: Duration, token: &str) {
@@ -179,7 +246,7 @@ impl StateDoc {
 #[derive(Clone, Debug)]
 pub struct Claim {
     pub message_id: String,
-    pub message_pk: String,
+    pub message_pk: MessageKey,
     /// The delivery count, starting at 1.
     pub attempt: u32,
     /// Epoch ms until which the claim is exclusive (`None`: a stream-mode first delivery,
@@ -269,7 +336,11 @@ impl Group {
     }
 
     fn expires_at(&self, message: &Message) -> Option<i64> {
-        message.expires_at(self.queue.config().retention_secs())
+        self.queue.message_expires_at(message)
+    }
+
+    fn retention_secs(&self) -> Option<i64> {
+        self.queue.config().retention_secs()
     }
 
     /// Tries to take `message` for delivery by `holder`, as read from the change feed.
@@ -293,7 +364,7 @@ impl Group {
             let due = message.visible_at.unwrap_or(now);
             let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Scheduled);
             doc.due = Some(due);
-            doc.refresh_ttl(now);
+            doc.refresh_ttl(now, self.retention_secs());
             return match self.create(&doc, "schedule").await? {
                 Write::Done(_) => Ok(ClaimOutcome::NotYetDue { due }),
                 _ => self.claim_existing(message, holder, token).await,
@@ -312,13 +383,58 @@ impl Group {
         }
         let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Retry);
         doc.lock(holder, now, self.config.lock_duration, token);
-        doc.refresh_ttl(now);
+        doc.refresh_ttl(now, self.retention_secs());
         match self.create(&doc, "claim").await {
             Ok(Write::Done(doc)) => Ok(ClaimOutcome::Claimed(self.claim_from(*doc))),
             Ok(_) => self.claim_existing(message, holder, token).await,
             Err(e) => Ok(ClaimOutcome::Claimed(
                 self.claim_from(self.landed(&doc, e).await?),
             )),
+        }
+    }
+
+    /// [`Self::claim_with_token`], looking for a state document first in stream mode too: a
+    /// range taken over from an owner that did not release it may hold messages that owner
+    /// was still retrying in place (ordered groups), which must not be delivered past.
+    pub async fn claim_checked(
+        &self,
+        message: &Message,
+        holder: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
+        if self.config.mode == DeliveryMode::Stream && message.is_visible(self.now()) {
+            if let Some(doc) = self.read_state(&message.partition_key, &message.id).await? {
+                return self.take_over_with_token(doc, holder, token).await;
+            }
+        }
+        self.claim_with_token(message, holder, token).await
+    }
+
+    /// Records a message whose claim Cosmos refused for good straight in the dead letters.
+    pub async fn dead_letter_unclaimed(
+        &self,
+        message: &Message,
+        reason: &str,
+        error: &str,
+    ) -> Result<()> {
+        let now = self.now();
+        let mut doc = StateDoc::new(
+            self.name(),
+            message,
+            self.expires_at(message),
+            MessageState::DeadLettered,
+        );
+        doc.settle(MessageState::DeadLettered, now);
+        doc.reason = Some(truncate(reason));
+        doc.last_error = Some(truncate(error));
+        doc.refresh_ttl(now, self.retention_secs());
+        match self.create(&doc, "dead-letter").await? {
+            Write::Done(_) => {
+                warn!(group = self.name(), message_id = %message.id, reason, error, "message dead-lettered");
+                Ok(())
+            }
+            // Already recorded by someone: that record stands.
+            Write::Lost | Write::Missing => Ok(()),
         }
     }
 
@@ -351,7 +467,15 @@ impl Group {
     ) -> Result<ClaimOutcome> {
         if doc.state == MessageState::Locked && doc.lock_token.as_deref() == Some(token) {
             debug!(group = self.name(), message_id = %doc.id, "an earlier claim attempt took effect although its answer was lost");
-            return Ok(ClaimOutcome::Claimed(self.claim_from(doc)));
+            let mut claim = self.claim_from(doc);
+            // Found after a while (the answer was lost, then retried with back-off): the lock
+            // may be nearly over. Renew it before delivering, or the app would work on a
+            // message that another holder may take at any moment.
+            let left = claim.locked_until.unwrap_or(0) - self.now();
+            if left < duration_ms(self.config.lock_duration) * 2 / 3 {
+                self.renew(&mut claim).await?;
+            }
+            return Ok(ClaimOutcome::Claimed(claim));
         }
         let now = self.now();
         let due = doc.due.unwrap_or(i64::MIN);
@@ -378,7 +502,7 @@ impl Group {
                 "the lock of delivery {} (held by {previous_owner}) expired without an outcome",
                 doc.attempts
             ));
-            dead.refresh_ttl(now);
+            dead.refresh_ttl(now, self.retention_secs());
             return match self.replace(&dead, &etag, "dead-letter").await? {
                 Write::Done(_) => {
                     warn!(group = self.name(), message_id = %dead.id, attempts = dead.attempts, "dead-lettered: last allowed delivery never settled");
@@ -394,7 +518,7 @@ impl Group {
         let recovered = doc.state == MessageState::Locked;
         let mut next = doc;
         next.lock(holder, now, self.config.lock_duration, token);
-        next.refresh_ttl(now);
+        next.refresh_ttl(now, self.retention_secs());
         let written = match self.replace(&next, &etag, "claim").await {
             Ok(written) => written,
             Err(e) => Write::Done(Box::new(self.landed(&next, e).await?)),
@@ -434,6 +558,7 @@ impl Group {
         let now = self.now();
         let mut next = StateDoc::clone(current);
         next.due = Some(now + duration_ms(self.config.lock_duration));
+        next.refresh_ttl(now, self.retention_secs());
         let etag = current.etag.clone().unwrap_or_default();
         match self.replace_own(&next, &etag, "renew").await? {
             Write::Done(doc) => {
@@ -470,7 +595,7 @@ impl Group {
         }
         let now = self.now();
         let delay = delay.unwrap_or_else(|| self.config.retry.backoff_random(claim.attempt));
-        let at = now + duration_ms(delay);
+        let at = retry_at(now, delay, claim.expires_at);
         let mut next = self.next_state(claim, now);
         next.state = MessageState::Retry;
         next.owner = None;
@@ -491,7 +616,7 @@ impl Group {
         next.lock(holder, now, self.config.lock_duration, &token);
         next.attempts = claim.attempt + 1;
         next.last_error = Some(truncate(error));
-        next.refresh_ttl(now);
+        next.refresh_ttl(now, self.retention_secs());
         let written = match &claim.state {
             Some(current) => {
                 let etag = current.etag.clone().unwrap_or_default();
@@ -553,7 +678,7 @@ impl Group {
         mut next: StateDoc,
         op: &'static str,
     ) -> Result<()> {
-        next.refresh_ttl(self.now());
+        next.refresh_ttl(self.now(), self.retention_secs());
         let written = match &claim.state {
             Some(current) => {
                 let etag = current.etag.clone().unwrap_or_default();
@@ -580,8 +705,25 @@ impl Group {
         }
     }
 
+    /// A state document as stored, or [`QueueError::UnknownState`] when this version cannot
+    /// read it (a state a newer version added, a field of another type).
+    pub(crate) fn parse_state(&self, doc: serde_json::Value) -> Result<StateDoc> {
+        let id = doc
+            .get("id")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        serde_json::from_value(doc).map_err(|e| QueueError::UnknownState {
+            group: self.name().to_owned(),
+            id,
+            reason: e.to_string(),
+        })
+    }
+
     /// State documents whose lock expired or whose retry/schedule time has come, oldest due
-    /// first is not guaranteed; at most `limit`.
+    /// first is not guaranteed; at most `limit`. Documents this version cannot read are
+    /// reported and left out: they are another version's to handle, and must not stop the
+    /// sweep of every other message.
     pub async fn due(&self, limit: usize) -> Result<Vec<StateDoc>> {
         let query = sql::query(
             "SELECT TOP @limit * FROM c WHERE c.type = @type AND c.group = @group \
@@ -594,7 +736,7 @@ impl Group {
                 ("@now", json!(self.now())),
             ],
         )?;
-        sql::collect(
+        let docs: Vec<serde_json::Value> = sql::collect(
             self.queue.leases(),
             query,
             FeedScope::full_container(),
@@ -602,22 +744,35 @@ impl Group {
             self.queue.charges(),
             "sweep",
         )
-        .await
+        .await?;
+        Ok(docs
+            .into_iter()
+            .filter_map(|doc| match self.parse_state(doc) {
+                Ok(doc) => Some(doc),
+                Err(e) => {
+                    warn!(group = self.name(), error = %e, "left a state document alone");
+                    None
+                }
+            })
+            .collect())
     }
 
     /// The group's state of one message, if any.
-    pub async fn read_state(&self, message_pk: &str, message_id: &str) -> Result<Option<StateDoc>> {
+    pub async fn read_state(
+        &self,
+        message_pk: &MessageKey,
+        message_id: &str,
+    ) -> Result<Option<StateDoc>> {
         let pk = state_pk(self.name(), message_pk);
         match self.queue.leases().read_item(pk, message_id, None).await {
             Ok(response) => {
                 self.queue
                     .charges()
                     .record_diagnostics("read state", &response.diagnostics());
-                Ok(Some(
-                    response
-                        .into_model()
-                        .map_err(QueueError::cosmos("read state"))?,
-                ))
+                let doc: serde_json::Value = response
+                    .into_model()
+                    .map_err(QueueError::cosmos("read state"))?;
+                self.parse_state(doc).map(Some)
             }
             Err(e) if status_of(&e) == NOT_FOUND => Ok(None),
             Err(e) => Err(QueueError::cosmos("read state")(e)),
@@ -744,7 +899,7 @@ mod tests {
             .unwrap();
         let mut doc = StateDoc::new("g", &message, Some(61_000), MessageState::Retry);
         doc.lock("host-a", 2_000, Duration::from_secs(30), "t1");
-        doc.refresh_ttl(2_000);
+        doc.refresh_ttl(2_000, Some(60));
         doc.etag = Some("\"e1\"".into());
         let value = serde_json::to_value(&doc).unwrap();
         assert_eq!(value["pk"], "g|k");

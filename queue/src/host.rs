@@ -20,7 +20,7 @@ use tracing::{debug, info, warn};
 
 use crate::balance::{self, LeaseView};
 use crate::clock::duration_ms;
-use crate::consumer::{AdaptivePoll, ConsumerStats, Handler, Worker};
+use crate::consumer::{AdaptivePoll, ConsumerStats, Fate, Handler, Permit, Worker};
 use crate::error::{QueueError, Result};
 use crate::feed::FeedReader;
 use crate::group::Group;
@@ -89,6 +89,9 @@ impl HostOptions {
         Ok(())
     }
 }
+
+/// Reads of a lease before a stream page is handed out, when reads keep failing.
+const LEASE_READ_TRIES: u32 = 4;
 
 /// Keys remembered for FIFO ordering before settled ones are forgotten.
 const MAX_IDLE_CHAINS: usize = 4096;
@@ -279,6 +282,7 @@ impl<H: Handler> Host<H> {
                 }
                 warn!(group = self.group.name(), lease = %lease.range_label(), owner = %victim, "the owner did not hand the lease over in time; taking it");
             }
+            let recovering = lease.owner.is_some();
             match self.store.acquire(lease, &self.options.name, now).await {
                 Ok(lease) => {
                     match &take.steal_from {
@@ -297,6 +301,7 @@ impl<H: Handler> Host<H> {
                         permits: Arc::clone(permits),
                         options: self.options.clone(),
                         stats: Arc::clone(&self.stats),
+                        recovering,
                     };
                     let id = lease.id.clone();
                     let task =
@@ -333,8 +338,8 @@ impl<H: Handler> Host<H> {
                     let worker = Arc::clone(worker);
                     let permits = Arc::clone(permits);
                     sweeps.spawn(async move {
-                        let _permit = permits.acquire_owned().await.expect("never closed");
-                        worker.process_due(doc).await;
+                        let mut permit = Permit::acquire(permits).await;
+                        worker.process_due(doc, &mut permit).await;
                     });
                 }
             }
@@ -354,6 +359,140 @@ struct RangeProcessor<H> {
     permits: Arc<Semaphore>,
     options: HostOptions,
     stats: Arc<ConsumerStats>,
+    /// The lease was taken from an owner that did not release it (it died, or it was stolen):
+    /// that owner may have left messages mid-retry just past the checkpoint.
+    recovering: bool,
+}
+
+/// What a message of an ordered group tells the next message of its key: its id and fate.
+type KeyFate = (String, Fate);
+
+/// When a delivery may start.
+enum Turn {
+    /// Ordered groups: after the previous message of the key has settled.
+    Key {
+        previous: Option<oneshot::Receiver<KeyFate>>,
+        next: oneshot::Sender<KeyFate>,
+    },
+    /// Unordered groups: permits are taken in feed order.
+    Feed {
+        previous: Option<oneshot::Receiver<()>>,
+        next: Option<oneshot::Sender<()>>,
+    },
+}
+
+/// A range's stop signals, as its deliveries see them.
+#[derive(Clone)]
+struct Stops {
+    /// The range is lost: deliveries waiting for a permit step aside (unrecorded, so the
+    /// checkpoint stays before them and the next owner reads them).
+    step_aside: CancellationToken,
+    /// The range drains or is handed over: the same, except within a page that has started
+    /// (the checkpoint moves by whole pages, so a page half done would be delivered again by
+    /// the next owner). The drain then takes at most about a page.
+    draining: CancellationToken,
+    /// The range is lost or drains: deliveries stop retrying failed writes, and what they
+    /// could not record holds the checkpoint.
+    give_up: CancellationToken,
+}
+
+/// One message of a range on its way to the handler.
+struct RangeDelivery<H> {
+    worker: Arc<Worker<H>>,
+    permits: Arc<Semaphore>,
+    stop: Stops,
+    page_started: Arc<AtomicBool>,
+    /// Look for a state document even in stream mode (an ordered stream range taken from an
+    /// owner that may have been retrying this message in place): at most one window of
+    /// reads after such a take-over, none otherwise.
+    check_state: bool,
+}
+
+impl<H: Handler> RangeDelivery<H> {
+    async fn run(self, message: Message, turn: Turn) -> Fate {
+        match turn {
+            Turn::Key { previous, next } => {
+                let id = message.id.clone();
+                let fate = match self.after_previous_of_key(&message, previous).await {
+                    true => self.deliver(message, None).await,
+                    false => Fate::Unrecorded,
+                };
+                let _ = next.send((id, fate));
+                fate
+            }
+            Turn::Feed { previous, next } => {
+                if let Some(previous) = previous {
+                    let _ = previous.await;
+                }
+                self.deliver(message, next).await
+            }
+        }
+    }
+
+    /// Waits until the key's previous message is settled; `false` when it never will be here
+    /// (nothing recorded, or the range stopped meanwhile): this one must not overtake it.
+    async fn after_previous_of_key(
+        &self,
+        message: &Message,
+        previous: Option<oneshot::Receiver<KeyFate>>,
+    ) -> bool {
+        let Some(previous) = previous else {
+            return true;
+        };
+        let (previous_id, fate) = previous
+            .await
+            .unwrap_or_else(|_| (String::new(), Fate::Unrecorded));
+        match fate {
+            Fate::Settled => true,
+            Fate::Unrecorded => false,
+            // Its state document brings it back (its lock was lost, or expires): another
+            // delivery settles it, and only then may this one go.
+            Fate::Pending => tokio::select! {
+                biased;
+                _ = self.stop.step_aside.cancelled() => false,
+                _ = self.stop.draining.cancelled() => false,
+                _ = self.worker.settled(&message.partition_key, &previous_id) => true,
+            },
+        }
+    }
+
+    async fn deliver(self, message: Message, turn_done: Option<oneshot::Sender<()>>) -> Fate {
+        let mut stay = false;
+        let permit = loop {
+            tokio::select! {
+                biased;
+                _ = self.stop.step_aside.cancelled() => return Fate::Unrecorded,
+                _ = self.stop.draining.cancelled(), if !stay => {
+                    stay = self.page_started.load(Ordering::SeqCst);
+                    if !stay {
+                        return Fate::Unrecorded;
+                    }
+                }
+                permit = Arc::clone(&self.permits).acquire_owned() => break permit.expect("never closed"),
+            }
+        };
+        self.page_started.store(true, Ordering::SeqCst);
+        drop(turn_done);
+        let mut permit = Permit::held(Arc::clone(&self.permits), permit);
+        self.worker
+            .process(message, &self.stop.give_up, &mut permit, self.check_state)
+            .await
+    }
+}
+
+/// Drops the chains of keys whose last message settled (bounded memory); a key whose last
+/// message is still pending keeps its chain, so its next message still waits.
+fn forget_settled_keys(chains: &mut HashMap<String, oneshot::Receiver<KeyFate>>) {
+    chains.retain(|_, rx| match rx.try_recv() {
+        Err(oneshot::error::TryRecvError::Empty) => true,
+        Ok((id, Fate::Pending)) => {
+            let (tx, again) = oneshot::channel();
+            let _ = tx.send((id, Fate::Pending));
+            *rx = again;
+            true
+        }
+        Ok(_) | Err(oneshot::error::TryRecvError::Closed) => false,
+    });
 }
 
 /// The range's lease is gone. Deliveries already under way finish and settle under their own
@@ -436,7 +575,15 @@ impl<H: Handler> RangeProcessor<H> {
         let mut reading = true;
         let ordered = self.group.config().ordered;
         let stream = self.group.config().mode == crate::config::DeliveryMode::Stream;
-        let mut chains: HashMap<String, oneshot::Receiver<()>> = HashMap::new();
+        let mut chains: HashMap<String, oneshot::Receiver<KeyFate>> = HashMap::new();
+        // Messages read so far; the first window of a range taken from an owner that did not
+        // release it is checked for state that owner left (see `RangeDelivery::check_state`).
+        let mut read = 0usize;
+        let stops = Stops {
+            step_aside: step_aside.clone(),
+            draining: draining.clone(),
+            give_up: give_up.clone(),
+        };
         // The last delivery's "got a permit" signal (unordered groups).
         let mut in_feed_order: Option<oneshot::Receiver<()>> = None;
 
@@ -508,7 +655,7 @@ impl<H: Handler> RangeProcessor<H> {
                                 // Stream mode has no claims to stop a second reader: check the
                                 // lease is still ours before handing out a page (1 RU a page).
                                 if stream {
-                                    match self.current(&lease).await {
+                                    match self.current_confirmed(&lease).await {
                                         Err(()) => {
                                             warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease taken by another host; stopped reading the range");
                                             abandon(&step_aside, &mut deliveries);
@@ -539,64 +686,35 @@ impl<H: Handler> RangeProcessor<H> {
                                 };
                                 slot.remaining += 1;
                                 in_flight += 1;
-                                let worker = Arc::clone(&self.worker);
-                                let permits = Arc::clone(&self.permits);
-                                let done = done_tx.clone();
-                                let step_aside = step_aside.clone();
-                                let draining = draining.clone();
-                                let page_started = Arc::clone(&page_started);
-                                let give_up = give_up.clone();
                                 // FIFO per key: each message waits for its key's previous one.
-                                let (settled, previous) = if ordered {
-                                    let (tx, rx) = oneshot::channel::<()>();
-                                    (Some(tx), chains.insert(message.partition_key.clone(), rx))
-                                } else {
-                                    (None, None)
-                                };
                                 // Otherwise, permits in feed order: when the range stops, what
                                 // is under way is then the oldest, and those stepping aside come
                                 // after it, behind the checkpoint, with nothing done after them.
-                                let (turn_done, my_turn) = if ordered {
-                                    (None, None)
+                                let turn = if ordered {
+                                    let (tx, rx) = oneshot::channel();
+                                    Turn::Key { previous: chains.insert(message.partition_key.canonical(), rx), next: tx }
                                 } else {
-                                    let (tx, rx) = oneshot::channel::<()>();
-                                    (Some(tx), in_feed_order.replace(rx))
+                                    let (tx, rx) = oneshot::channel();
+                                    Turn::Feed { previous: in_feed_order.replace(rx), next: Some(tx) }
                                 };
+                                let check_state = self.recovering && stream && ordered && read < self.options.max_in_flight_per_range;
+                                read += 1;
+                                let delivery = RangeDelivery {
+                                    worker: Arc::clone(&self.worker),
+                                    permits: Arc::clone(&self.permits),
+                                    stop: stops.clone(),
+                                    page_started: Arc::clone(&page_started),
+                                    check_state,
+                                };
+                                let done = done_tx.clone();
                                 deliveries.spawn(async move {
-                                    if let Some(previous) = previous {
-                                        let _ = previous.await;
-                                    }
-                                    if let Some(turn) = my_turn {
-                                        let _ = turn.await;
-                                    }
-                                    let mut stay = false;
-                                    let _permit = loop {
-                                        tokio::select! {
-                                            biased;
-                                            _ = step_aside.cancelled() => {
-                                                let _ = done.send((seq, false));
-                                                return;
-                                            }
-                                            _ = draining.cancelled(), if !stay => {
-                                                stay = page_started.load(Ordering::SeqCst);
-                                                if !stay {
-                                                    let _ = done.send((seq, false));
-                                                    return;
-                                                }
-                                            }
-                                            permit = Arc::clone(&permits).acquire_owned() => break permit.expect("never closed"),
-                                        }
-                                    };
-                                    page_started.store(true, Ordering::SeqCst);
-                                    drop(turn_done);
-                                    let recorded = worker.process(message, &give_up).await;
-                                    drop(settled);
-                                    let _ = done.send((seq, recorded));
+                                    let fate = delivery.run(message, turn).await;
+                                    let _ = done.send((seq, fate.is_recorded()));
                                 });
                             }
                             window.push_back(slot);
                             if chains.len() > MAX_IDLE_CHAINS {
-                                chains.retain(|_, rx| matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
+                                forget_settled_keys(&mut chains);
                             }
                             advance(&mut window, &mut checkpoint);
                         }
@@ -635,6 +753,22 @@ impl<H: Handler> RangeProcessor<H> {
             Ok(_) => Err(()),
             Err(_) => Ok(None),
         }
+    }
+
+    /// [`Self::current`] where a read error is not taken for "still ours": read again a few
+    /// times, then treat the lease as lost (the range stops; the lease, still in this host's
+    /// name, is taken back at the next acquire round and read again from its checkpoint).
+    async fn current_confirmed(&self, lease: &Lease) -> Result<Option<Lease>, ()> {
+        for attempt in 0..LEASE_READ_TRIES {
+            match self.current(lease).await? {
+                Some(current) => return Ok(Some(current)),
+                None => {
+                    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                }
+            }
+        }
+        warn!(group = self.group.name(), lease = %lease.range_label(), "the lease could not be read; stopped reading the range");
+        Err(())
     }
 
     /// `Some(exit)` when the lease is gone.

@@ -46,7 +46,7 @@ pub use consumer::{Consumer, ConsumerOptions, ConsumerStats, Delivery, Handler, 
 pub use deadletter::DeadLetter;
 pub use error::{QueueError, Result};
 pub use group::{Claim, ClaimOutcome, Group, MessageState, RetryOutcome, StateDoc};
-pub use message::{Body, Message, MessageError, NewMessage};
+pub use message::{Body, Message, MessageError, MessageKey, NewMessage};
 pub use producer::{EnqueueError, EnqueueOutcome};
 pub use provision::provision;
 pub use queue::Queue;

@@ -19,7 +19,7 @@ const SYSTEM_PROPERTIES_ALLOWANCE: usize = 1024;
 /// The largest message document we send.
 pub const MAX_DOCUMENT_BYTES: usize = MAX_ITEM_BYTES - SYSTEM_PROPERTIES_ALLOWANCE;
 /// Cosmos' limit on a partition key value.
-const MAX_PARTITION_KEY_BYTES: usize = 2048;
+pub const MAX_PARTITION_KEY_BYTES: usize = 2048;
 
 /// Property names the engine owns in message documents (a partition key path may not use them).
 pub const RESERVED_FIELDS: &[&str] = &[
@@ -37,7 +37,7 @@ pub const RESERVED_FIELDS: &[&str] = &[
 pub enum MessageError {
     #[error("message id {0:?} must be 1-255 characters without '/', '\\', '?' or '#'")]
     InvalidId(String),
-    #[error("partition key must be 1-{MAX_PARTITION_KEY_BYTES} bytes")]
+    #[error("partition key must be a string of at most {MAX_PARTITION_KEY_BYTES} bytes, a number, true, false or null")]
     InvalidPartitionKey,
     #[error("message document is {size} bytes, over the {MAX_DOCUMENT_BYTES}-byte limit (Cosmos DB items are at most 2 MB); it was not enqueued")]
     TooLarge { size: usize },
@@ -53,6 +53,109 @@ pub enum MessageError {
     InvalidScheduledAt(String),
     #[error("{field} {value:?} is not a duration such as \"30s\" or \"1h\"")]
     InvalidDuration { field: &'static str, value: String },
+}
+
+/// A message's partition key as Cosmos stores it: a string, a number, a boolean or null.
+///
+/// It keeps its JSON type end to end. Cosmos hashes `5` and `"5"` to different partitions, so
+/// a message another producer wrote with the number 5 can only be read back, and its state
+/// found, with the number 5.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct MessageKey(Value);
+
+impl MessageKey {
+    /// A key from a JSON value; arrays, objects and strings over Cosmos' 2 KB limit are not keys.
+    pub fn from_json(value: Value) -> Result<Self, MessageError> {
+        let key = Self(value);
+        key.validate()?;
+        Ok(key)
+    }
+
+    fn validate(&self) -> Result<(), MessageError> {
+        match &self.0 {
+            Value::String(s) if s.len() <= MAX_PARTITION_KEY_BYTES => Ok(()),
+            Value::Number(n) if n.as_f64().is_some_and(f64::is_finite) => Ok(()),
+            Value::Bool(_) | Value::Null => Ok(()),
+            _ => Err(MessageError::InvalidPartitionKey),
+        }
+    }
+
+    pub fn as_json(&self) -> &Value {
+        &self.0
+    }
+
+    /// The string, when the key is one.
+    pub fn as_str(&self) -> Option<&str> {
+        self.0.as_str()
+    }
+
+    /// The key for SDK calls, with its JSON type.
+    pub fn to_partition_key(&self) -> azure_data_cosmos::PartitionKey {
+        use azure_data_cosmos::models::PartitionKeyValue;
+        match &self.0 {
+            Value::String(s) => s.clone().into(),
+            Value::Bool(b) => (*b).into(),
+            Value::Number(n) => match n.as_i64() {
+                Some(i) => i.into(),
+                None => PartitionKeyValue::try_from(n.as_f64().unwrap_or(0.0))
+                    .unwrap_or(PartitionKeyValue::NULL)
+                    .into(),
+            },
+            _ => PartitionKeyValue::NULL.into(),
+        }
+    }
+
+    /// One text per key, distinct across types (`"5"` vs `5`): for maps and hashing.
+    pub fn canonical(&self) -> String {
+        self.0.to_string()
+    }
+}
+
+/// Strings as they are; other keys as JSON (`5`, `true`, `null`).
+impl std::fmt::Display for MessageKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Value::String(s) => f.write_str(s),
+            other => write!(f, "{other}"),
+        }
+    }
+}
+
+impl From<&str> for MessageKey {
+    fn from(s: &str) -> Self {
+        Self(Value::String(s.to_owned()))
+    }
+}
+
+impl From<String> for MessageKey {
+    fn from(s: String) -> Self {
+        Self(Value::String(s))
+    }
+}
+
+impl From<&String> for MessageKey {
+    fn from(s: &String) -> Self {
+        Self(Value::String(s.clone()))
+    }
+}
+
+impl From<i64> for MessageKey {
+    fn from(n: i64) -> Self {
+        Self(Value::from(n))
+    }
+}
+
+impl From<bool> for MessageKey {
+    fn from(b: bool) -> Self {
+        Self(Value::Bool(b))
+    }
+}
+
+impl PartialEq<&str> for MessageKey {
+    fn eq(&self, other: &&str) -> bool {
+        self.0.as_str() == Some(*other)
+    }
 }
 
 /// A message body: JSON is stored as is (readable in the portal), bytes as base64.
@@ -78,7 +181,7 @@ pub struct NewMessage {
     /// Producer-given id for idempotent enqueue; generated when absent.
     pub id: Option<String>,
     /// The ordering key. Absent: the id, which spreads messages evenly over partitions.
-    pub partition_key: Option<String>,
+    pub partition_key: Option<MessageKey>,
     pub body: Body,
     pub content_type: Option<String>,
     pub metadata: BTreeMap<String, String>,
@@ -117,7 +220,7 @@ impl NewMessage {
         self
     }
 
-    pub fn with_partition_key(mut self, key: impl Into<String>) -> Self {
+    pub fn with_partition_key(mut self, key: impl Into<MessageKey>) -> Self {
         self.partition_key = Some(key.into());
         self
     }
@@ -156,10 +259,8 @@ impl NewMessage {
             }
             None => uuid::Uuid::new_v4().to_string(),
         };
-        let partition_key = self.partition_key.unwrap_or_else(|| id.clone());
-        if partition_key.is_empty() || partition_key.len() > MAX_PARTITION_KEY_BYTES {
-            return Err(MessageError::InvalidPartitionKey);
-        }
+        let partition_key = self.partition_key.unwrap_or_else(|| MessageKey::from(&id));
+        partition_key.validate()?;
         if self.metadata.keys().any(|k| k.is_empty()) {
             return Err(MessageError::EmptyMetadataKey);
         }
@@ -196,7 +297,7 @@ fn validate_id(id: &str) -> Result<(), MessageError> {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Message {
     pub id: String,
-    pub partition_key: String,
+    pub partition_key: MessageKey,
     pub body: Body,
     pub content_type: Option<String>,
     pub metadata: BTreeMap<String, String>,
@@ -225,7 +326,7 @@ impl Message {
     pub fn to_document(&self, pk_field: &str) -> Result<Value, MessageError> {
         let mut doc = Map::new();
         doc.insert("id".into(), Value::String(self.id.clone()));
-        doc.insert(pk_field.into(), Value::String(self.partition_key.clone()));
+        doc.insert(pk_field.into(), self.partition_key.as_json().clone());
         match &self.body {
             Body::Json(v) => doc.insert("body".into(), v.clone()),
             Body::Bytes(b) => doc.insert(
@@ -268,8 +369,8 @@ impl Message {
         let text = |name: &str| obj.get(name).and_then(Value::as_str).map(str::to_owned);
         let id = text("id").ok_or("no string id")?;
         let partition_key = match obj.get(pk_field) {
-            Some(Value::String(s)) => s.clone(),
-            Some(other) => other.to_string(),
+            Some(v) => MessageKey::from_json(v.clone())
+                .map_err(|e| format!("partition key property {pk_field:?}: {e}"))?,
             None => return Err(format!("no partition key property {pk_field:?}")),
         };
         let body = match (obj.get("body"), obj.get("bodyBase64")) {
@@ -321,7 +422,8 @@ impl Message {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MessageInput {
     pub id: Option<String>,
-    pub partition_key: Option<String>,
+    /// A string, number, boolean or null.
+    pub partition_key: Option<MessageKey>,
     pub body: Option<Value>,
     pub body_base64: Option<String>,
     pub content_type: Option<String>,
@@ -410,7 +512,7 @@ mod tests {
             .with_delay(Duration::from_secs(5))
             .into_message(10_000)
             .unwrap();
-        assert_eq!(msg.partition_key, msg.id);
+        assert_eq!(msg.partition_key, MessageKey::from(&msg.id));
         assert_eq!(msg.visible_at, Some(15_000));
         assert!(!msg.is_visible(14_999));
         assert!(msg.is_visible(15_000));

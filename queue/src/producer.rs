@@ -8,7 +8,7 @@ use serde_json::Value;
 use tracing::{debug, warn};
 
 use crate::error::{status_of, QueueError, Result, CONFLICT, TOO_LARGE};
-use crate::message::{Message, MessageError, NewMessage, MAX_ITEM_BYTES};
+use crate::message::{Message, MessageError, MessageKey, NewMessage, MAX_ITEM_BYTES};
 use crate::queue::Queue;
 
 /// Transactional batches hold at most 100 operations and 2 MB.
@@ -20,12 +20,12 @@ const BATCH_MAX_BYTES: usize = MAX_ITEM_BYTES - 64 * 1024;
 pub enum EnqueueOutcome {
     Enqueued {
         id: String,
-        partition_key: String,
+        partition_key: MessageKey,
     },
     /// A message with this id and partition key is already in the queue; nothing was written.
     Duplicate {
         id: String,
-        partition_key: String,
+        partition_key: MessageKey,
     },
 }
 
@@ -57,6 +57,10 @@ impl Queue {
     /// key go in transactional batches (one request instead of many); the others, and any
     /// batch that fails as a whole (a duplicate inside it, say), go one by one so every message
     /// gets its own answer. One invalid message does not stop the rest.
+    ///
+    /// Keys are written concurrently, but a key's messages one after another (chunk after
+    /// chunk, and one by one in input order when a batch falls back): the change feed then
+    /// orders them as given, which is the order FIFO groups deliver.
     pub async fn enqueue_batch(&self, messages: Vec<NewMessage>) -> Vec<Result<EnqueueOutcome>> {
         let now = self.clock().now_ms();
         let mut results: Vec<Option<Result<EnqueueOutcome>>> = Vec::with_capacity(messages.len());
@@ -68,18 +72,21 @@ impl Queue {
                 .and_then(|m| m.to_document(self.pk_field()).map(|doc| (m, doc)));
             match prepared {
                 Ok((m, doc)) => by_key
-                    .entry(m.partition_key.clone())
+                    .entry(m.partition_key.canonical())
                     .or_default()
                     .push((index, m, doc)),
                 Err(e) => results[index] = Some(Err(e.into())),
             }
         }
-        let work = by_key
-            .into_values()
-            .flat_map(chunk_for_batches)
-            .map(|chunk| self.enqueue_chunk(chunk));
-        for chunk_results in join_all(work).await {
-            for (index, result) in chunk_results {
+        let work = by_key.into_values().map(|items| async move {
+            let mut done = Vec::with_capacity(items.len());
+            for chunk in chunk_for_batches(items) {
+                done.extend(self.enqueue_chunk(chunk).await);
+            }
+            done
+        });
+        for key_results in join_all(work).await {
+            for (index, result) in key_results {
                 results[index] = Some(result);
             }
         }
@@ -120,16 +127,17 @@ impl Queue {
                 ),
             }
         }
-        let singles = chunk
-            .into_iter()
-            .map(|(i, m, doc)| async move { (i, self.create(&m, doc).await) });
-        join_all(singles).await
+        let mut done = Vec::with_capacity(chunk.len());
+        for (i, m, doc) in chunk {
+            done.push((i, self.create(&m, doc).await));
+        }
+        done
     }
 
     /// `Ok(false)` when the batch was rejected as a whole (an operation failed, nothing was
     /// written), so the caller can find out which message it was.
     async fn try_batch(&self, chunk: &[(usize, Message, Value)]) -> Result<bool> {
-        let key = chunk[0].1.partition_key.clone();
+        let key = chunk[0].1.partition_key.to_partition_key();
         let mut batch = TransactionalBatch::new(key);
         for (_, _, doc) in chunk {
             batch = batch
@@ -150,7 +158,12 @@ impl Queue {
     async fn create(&self, message: &Message, doc: Value) -> Result<EnqueueOutcome> {
         let result = self
             .messages()
-            .create_item(message.partition_key.clone(), &message.id, doc, None)
+            .create_item(
+                message.partition_key.to_partition_key(),
+                &message.id,
+                doc,
+                None,
+            )
             .await;
         match result {
             Ok(response) => {

@@ -9,7 +9,7 @@ use crate::clock::Clock;
 use crate::config::{GroupConfig, QueueConfig};
 use crate::error::{QueueError, Result, NOT_FOUND};
 use crate::group::Group;
-use crate::message::Message;
+use crate::message::{Message, MessageKey};
 
 /// A queue: its messages container, its lease container, the clock and the RU counters.
 /// Cheap to clone; every clone shares the counters.
@@ -19,7 +19,10 @@ pub struct Queue {
 }
 
 struct Inner {
+    /// As given, except `retention`: the messages container's default TTL, read at open.
     config: QueueConfig,
+    /// Whether the messages container expires items at all (a per-message `ttl` needs it).
+    ttl_enabled: bool,
     messages: ContainerClient,
     leases: ContainerClient,
     clock: Clock,
@@ -32,9 +35,12 @@ impl Queue {
         Self::open_with_clock(client, config, Clock::system()).await
     }
 
+    /// The queue's retention is the messages container's default TTL, read here: every
+    /// process judges message expiry by the same number, whatever `config.retention` says
+    /// (that is only what [`crate::provision`] creates a container with).
     pub async fn open_with_clock(
         client: &CosmosClient,
-        config: QueueConfig,
+        mut config: QueueConfig,
         clock: Clock,
     ) -> Result<Self> {
         config.validate()?;
@@ -43,6 +49,17 @@ impl Queue {
             .container_client(config.container.as_str(), None)
             .await
             .map_err(QueueError::cosmos("open messages container"))?;
+        let properties: azure_data_cosmos::models::ContainerProperties = messages
+            .read(None)
+            .await
+            .map_err(QueueError::cosmos("read messages container"))?
+            .into_model()
+            .map_err(QueueError::cosmos("read messages container"))?;
+        let (ttl_enabled, retention) = retention_of(&properties.default_ttl);
+        if config.retention != retention {
+            tracing::debug!(queue = %config.container, configured = ?config.retention, container = ?retention, "retention taken from the messages container");
+        }
+        config.retention = retention;
         let leases = db
             .container_client(config.lease_container_name().as_str(), None)
             .await
@@ -50,6 +67,7 @@ impl Queue {
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
+                ttl_enabled,
                 messages,
                 leases,
                 clock,
@@ -80,6 +98,14 @@ impl Queue {
 
     pub fn leases(&self) -> &ContainerClient {
         &self.inner.leases
+    }
+
+    /// When `message` leaves the container by TTL (epoch ms); `None`: never.
+    pub fn message_expires_at(&self, message: &Message) -> Option<i64> {
+        if !self.inner.ttl_enabled {
+            return None;
+        }
+        message.expires_at(self.inner.config.retention_secs())
     }
 
     pub(crate) fn pk_field(&self) -> &str {
@@ -166,10 +192,14 @@ impl Queue {
     }
 
     /// Reads one message by partition key and id; `None` when it is gone (TTL) or never was.
-    pub async fn read_message(&self, partition_key: &str, id: &str) -> Result<Option<Message>> {
+    pub async fn read_message(
+        &self,
+        partition_key: &MessageKey,
+        id: &str,
+    ) -> Result<Option<Message>> {
         let response = match self
             .messages()
-            .read_item(partition_key.to_owned(), id, None)
+            .read_item(partition_key.to_partition_key(), id, None)
             .await
         {
             Ok(r) => r,
@@ -188,5 +218,34 @@ impl Queue {
                 id: id.to_owned(),
                 reason,
             })
+    }
+}
+
+/// (TTL enabled, default retention) of a container's `defaultTtl`.
+fn retention_of(
+    ttl: &azure_data_cosmos::models::TimeToLive,
+) -> (bool, Option<std::time::Duration>) {
+    use azure_data_cosmos::models::TimeToLive;
+    match ttl {
+        TimeToLive::Seconds(secs) => (true, Some(std::time::Duration::from_secs(u64::from(*secs)))),
+        TimeToLive::NoDefault => (true, None),
+        _ => (false, None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use azure_data_cosmos::models::TimeToLive;
+    use std::time::Duration;
+
+    #[test]
+    fn retention_is_the_containers_default_ttl() {
+        assert_eq!(
+            retention_of(&TimeToLive::Seconds(30 * 86_400)),
+            (true, Some(Duration::from_secs(30 * 86_400)))
+        );
+        assert_eq!(retention_of(&TimeToLive::NoDefault), (true, None));
+        assert_eq!(retention_of(&TimeToLive::Forever), (false, None));
     }
 }

@@ -81,7 +81,7 @@ pub fn build_request(delivery: &Delivery, format: Format, traceparent: &str) -> 
         ),
         (
             headers::PARTITION_KEY.to_owned(),
-            message.partition_key.clone(),
+            message.partition_key.to_string(),
         ),
         (headers::QUEUE.to_owned(), delivery.queue.clone()),
         (headers::GROUP.to_owned(), delivery.group.clone()),
@@ -118,7 +118,7 @@ pub fn build_request(delivery: &Delivery, format: Format, traceparent: &str) -> 
                 "type": "io.cosmosq.message",
                 "datacontenttype": body_content_type,
                 "time": format_ms(message.enqueued_at),
-                "subject": message.partition_key,
+                "subject": message.partition_key.to_string(),
                 "topic": delivery.queue,
                 "pubsubname": "cosmosq",
                 "traceparent": traceparent,
@@ -150,6 +150,10 @@ pub enum Answer {
     },
     /// Dead-letter now.
     Drop {
+        reason: String,
+    },
+    /// The app never got it (the connection was refused): no delivery attempt.
+    Undelivered {
         reason: String,
     },
 }

@@ -157,13 +157,7 @@ impl AppClient {
                     .with_label_values(&["connect"])
                     .inc();
                 let reason = "the app refused the connection".to_owned();
-                (
-                    Answer::Retry {
-                        reason,
-                        after: None,
-                    },
-                    true,
-                )
+                (Answer::Undelivered { reason }, true)
             }
             Err(e) => {
                 self.metrics
@@ -212,6 +206,10 @@ impl Handler for AppClient {
             Answer::Drop { reason } => Outcome::DeadLetter {
                 reason: "DroppedByApp".into(),
                 error: reason,
+            },
+            Answer::Undelivered { reason } => Outcome::Undelivered {
+                error: reason,
+                delay: None,
             },
         }
     }

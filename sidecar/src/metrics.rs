@@ -61,7 +61,7 @@ impl Metrics {
             leases_owned: register!(IntGauge::new("leases_owned", "Feed-range leases this sidecar holds.")),
             lease_events: register!(IntCounterVec::new(opts!("lease_events_total", "Leases acquired and lost."), &["event"])),
             lag: register!(IntGaugeVec::new(opts!("lag_messages", "Messages not yet read, per feed range this sidecar owns."), &["range"])),
-            backlog: register!(IntGauge::new("backlog_messages", "Messages of the group not yet settled (all ranges).")),
+            backlog: register!(IntGauge::new("backlog_messages", "Messages not yet settled in the ranges this pod owns.")),
             dead_letters: register!(IntGauge::new("dead_letters", "Messages in the group's dead letters.")),
             request_units: register!(CounterVec::new(opts!("request_units_total", "Cosmos DB request units spent, by operation."), &["operation"])),
             throttled: register!(IntCounter::new("throttled_requests_total", "Cosmos DB requests answered 429 (retried by the SDK).")),
@@ -116,7 +116,7 @@ impl Metrics {
         }
     }
 
-    /// Publishes an estimate: lag of the ranges `host` owns, the group's backlog.
+    /// Publishes an estimate: lag of the ranges `host` owns, and their backlog.
     pub fn record_estimate(&self, estimate: &GroupEstimate, host: &str) {
         let mut owned = self.owned_ranges.lock().unwrap_or_else(|p| p.into_inner());
         for label in owned.drain(..) {

@@ -182,7 +182,10 @@ async fn wait_for_app(config: &Config, shutdown: &CancellationToken) -> bool {
     }
 }
 
-/// Publishes the group's remaining work (lag per owned range, backlog, dead letters).
+/// Publishes the remaining work of the ranges this pod owns (lag and backlog per owned
+/// range). The group-wide estimate is the operator's, once per group; of the group's dead
+/// letters only the pod that owns the first range reports a count (bounded), so a group's
+/// pods do not all read them.
 async fn estimate_loop(
     group: cosmosq_queue::Group,
     metrics: Arc<Metrics>,
@@ -195,12 +198,23 @@ async fn estimate_loop(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        match group.estimate().await {
-            Ok(estimate) => metrics.record_estimate(&estimate, &host),
-            Err(e) => warn!(error = %e, "estimating the backlog failed"),
-        }
-        if let Ok(dead) = group.dead_letters(None).await {
-            metrics.dead_letters.set(dead.len() as i64);
+        let owns_first_range = match group.estimate_owned(&host).await {
+            Ok(estimate) => {
+                metrics.record_estimate(&estimate, &host);
+                estimate.ranges.iter().any(|r| r.min_epk.is_empty())
+            }
+            Err(e) => {
+                warn!(error = %e, "estimating the backlog failed");
+                false
+            }
+        };
+        if owns_first_range {
+            if let Ok(dead) = group.dead_letters(Some(DEAD_LETTER_COUNT_LIMIT)).await {
+                metrics.dead_letters.set(dead.len() as i64);
+            }
         }
     }
 }
+
+/// The most dead letters a sidecar counts (the gauge then reads this many).
+const DEAD_LETTER_COUNT_LIMIT: usize = 10_000;

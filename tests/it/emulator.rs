@@ -46,7 +46,7 @@ async fn two_clients_share_one_account_over_http() {
         .unwrap();
     let other = cosmosq_queue::Queue::open(&consumer, config).await.unwrap();
     let message = other
-        .read_message("o1", "o1")
+        .read_message(&"o1".into(), "o1")
         .await
         .unwrap()
         .expect("visible to the other client");
@@ -91,15 +91,23 @@ async fn ttl_sweep_expires_messages_after_retention() {
         "per-message ttl first"
     );
     assert!(queue
-        .read_message("short", "short")
+        .read_message(&"short".into(), "short")
         .await
         .unwrap()
         .is_none());
-    assert!(queue.read_message("long", "long").await.unwrap().is_some());
+    assert!(queue
+        .read_message(&"long".into(), "long")
+        .await
+        .unwrap()
+        .is_some());
     assert_eq!(
         emulator.sweep_ttl(&client, now + 3700).await.unwrap(),
         1,
         "then retention"
     );
-    assert!(queue.read_message("long", "long").await.unwrap().is_none());
+    assert!(queue
+        .read_message(&"long".into(), "long")
+        .await
+        .unwrap()
+        .is_none());
 }

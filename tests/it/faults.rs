@@ -243,7 +243,7 @@ impl Scenario {
         let group = self.fixture.group(GroupConfig::new(g));
         let mut n = 0;
         for i in 0..self.messages {
-            if let Ok(Some(doc)) = group.read_state(&pk(i), &id(i)).await {
+            if let Ok(Some(doc)) = group.read_state(&pk(i).into(), &id(i)).await {
                 n += usize::from(doc.state == state);
             }
         }
@@ -270,7 +270,7 @@ impl Scenario {
             let mut completed_docs = 0;
             for i in 0..self.messages {
                 let app_done = answers.get(&(g.to_owned(), id(i))).is_some_and(|a| a.1 > 0);
-                let state = group.read_state(&pk(i), &id(i)).await.unwrap();
+                let state = group.read_state(&pk(i).into(), &id(i)).await.unwrap();
                 let ok = if poison(i) {
                     dead.get(&id(i))
                         .is_some_and(|d| d.reason.is_some() && d.last_error.is_some())
@@ -286,7 +286,7 @@ impl Scenario {
                     eprintln!(
                         "{what}: group {g}: m{i} is neither completed nor dead-lettered: app {:?}, state {:?}",
                         answers.get(&(g.to_owned(), id(i))),
-                        group.read_state(&pk(i), &id(i)).await.unwrap()
+                        group.read_state(&pk(i).into(), &id(i)).await.unwrap()
                     );
                 }
             }

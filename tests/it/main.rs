@@ -4,6 +4,7 @@
 mod consume;
 mod emulator;
 mod faults;
+mod guarantees;
 mod leases;
 mod operator;
 mod sidecar;

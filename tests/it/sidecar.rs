@@ -246,7 +246,7 @@ fn start_sidecar(fixture: &Fixture, config: Config) -> RunningSidecar {
 
 async fn state(fixture: &Fixture, group: &str, id: &str) -> Option<MessageState> {
     let g = fixture.group(GroupConfig::new(group));
-    g.read_state(id, id).await.unwrap().map(|s| s.state)
+    g.read_state(&id.into(), id).await.unwrap().map(|s| s.state)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,7 +27,12 @@ async fn enqueue(fixture: &Fixture, id: &str) -> cosmosq_queue::Message {
         )
         .await
         .unwrap();
-    fixture.queue.read_message("k", id).await.unwrap().unwrap()
+    fixture
+        .queue
+        .read_message(&"k".into(), id)
+        .await
+        .unwrap()
+        .unwrap()
 }
 
 #[tokio::test]
@@ -172,7 +177,7 @@ async fn retries_back_off_and_dead_letter_exactly_at_max_attempts() {
     assert_eq!(dead[0].last_error.as_deref(), Some("boom again"));
     assert!(dead[0].dead_lettered_at.is_some());
     let (peeked, body) = group
-        .peek_dead_letter("k", "poison")
+        .peek_dead_letter(&"k".into(), "poison")
         .await
         .unwrap()
         .unwrap();
@@ -183,14 +188,14 @@ async fn retries_back_off_and_dead_letter_exactly_at_max_attempts() {
     );
 
     // Replay: deliverable again with a fresh budget.
-    assert!(group.replay("k", "poison").await.unwrap());
+    assert!(group.replay(&"k".into(), "poison").await.unwrap());
     assert!(group.dead_letters(None).await.unwrap().is_empty());
     let due = group.due(10).await.unwrap();
     let again = claimed(group.take_over(due[0].clone(), "c").await.unwrap());
     assert_eq!(again.attempt, 1);
     group.complete(&again).await.unwrap();
     assert!(
-        !group.replay("k", "poison").await.unwrap(),
+        !group.replay(&"k".into(), "poison").await.unwrap(),
         "only dead letters replay"
     );
 }
@@ -207,7 +212,7 @@ async fn drop_dead_letters_at_once_and_purge_removes_for_good() {
         .unwrap();
     assert_eq!(group.dead_letters(None).await.unwrap().len(), 1);
 
-    assert!(group.purge("k", "bad").await.unwrap());
+    assert!(group.purge(&"k".into(), "bad").await.unwrap());
     assert!(group.dead_letters(None).await.unwrap().is_empty());
     assert!(matches!(
         group.claim(&message, "a").await.unwrap(),
@@ -257,7 +262,7 @@ async fn scheduled_messages_are_not_claimable_before_their_time() {
         .unwrap();
     let message = fixture
         .queue
-        .read_message("k", "later")
+        .read_message(&"k".into(), "later")
         .await
         .unwrap()
         .unwrap();
@@ -314,7 +319,7 @@ async fn stream_mode_writes_nothing_on_success_and_records_failures() {
         0,
         "happy path writes nothing: {spent:?}"
     );
-    assert!(group.read_state("k", "ok").await.unwrap().is_none());
+    assert!(group.read_state(&"k".into(), "ok").await.unwrap().is_none());
 
     let claim = claimed(group.claim(&failing, "a").await.unwrap());
     let RetryOutcome::Scheduled { at } = group
@@ -331,7 +336,12 @@ async fn stream_mode_writes_nothing_on_success_and_records_failures() {
     assert_eq!(again.attempt, 2);
     group.complete(&again).await.unwrap();
     assert_eq!(
-        group.read_state("k", "fails").await.unwrap().unwrap().state,
+        group
+            .read_state(&"k".into(), "fails")
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
         MessageState::Completed
     );
 }
@@ -397,7 +407,7 @@ async fn duplicates_are_reported_and_batches_answer_per_message() {
     );
     assert_eq!(summary[4], "ok d");
     // The duplicate kept its first body.
-    let a = q.read_message("k", "a").await.unwrap().unwrap();
+    let a = q.read_message(&"k".into(), "a").await.unwrap().unwrap();
     assert_eq!(a.body, cosmosq_queue::Body::Json(json!(1)));
 
     // A clean batch on one key goes as one transactional batch.
@@ -433,7 +443,7 @@ async fn oversized_messages_are_rejected_whole() {
     assert!(
         fixture
             .queue
-            .read_message("k", "big")
+            .read_message(&"k".into(), "big")
             .await
             .unwrap()
             .is_none(),

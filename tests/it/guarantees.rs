@@ -1,0 +1,667 @@
+//! The delivery guarantees outside the happy configuration: retentions other than the
+//! default, schedules, keys of every JSON type and length, documents written by other
+//! producers and by other versions, ordered groups under failures. Each test names the
+//! scenario it pins; each failed before the fix it guards.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cosmosq_queue::emulator::EmulatorOptions;
+use cosmosq_queue::group::{state_pk, state_ttl_secs, REASON_EXPIRED};
+use cosmosq_queue::host::{Host, HostOptions};
+use cosmosq_queue::{
+    ClaimOutcome, Clock, Delivery, DeliveryMode, GroupConfig, Message, MessageKey, MessageState,
+    NewMessage, Outcome, QueueConfig, QueueError, StartFrom,
+};
+use cosmosq_tests::{wait_on, Fixture};
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+fn claimed(outcome: ClaimOutcome) -> cosmosq_queue::Claim {
+    match outcome {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+/// A queue provisioned with `retention`, opened the way a sidecar opens it: with the
+/// engine's default settings (7 days), not the queue's.
+async fn queue_with_retention(retention: Duration, clock: Clock) -> Fixture {
+    let mut config = QueueConfig::new("db", "q");
+    config.retention = Some(retention);
+    let fixture = Fixture::with(
+        EmulatorOptions {
+            partitions: 1,
+            ..Default::default()
+        },
+        config,
+        clock.clone(),
+    )
+    .await;
+    let as_a_sidecar_opens_it =
+        cosmosq_queue::Queue::open_with_clock(&fixture.client, QueueConfig::new("db", "q"), clock)
+            .await
+            .unwrap();
+    Fixture {
+        queue: as_a_sidecar_opens_it,
+        ..fixture
+    }
+}
+
+async fn stored(fixture: &Fixture, key: &MessageKey, id: &str) -> Message {
+    fixture.queue.read_message(key, id).await.unwrap().unwrap()
+}
+
+#[tokio::test]
+async fn retention_is_the_containers_so_a_ten_day_schedule_on_a_thirty_day_queue_is_kept() {
+    let clock = Clock::manual(cosmosq_queue::clock::system_now_ms());
+    let fixture = queue_with_retention(30 * DAY, clock.clone()).await;
+    assert_eq!(fixture.queue.config().retention, Some(30 * DAY));
+    let group = fixture.group(GroupConfig::new("g"));
+
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(1))
+                .with_id("later")
+                .with_partition_key("k")
+                .with_delay(10 * DAY),
+        )
+        .await
+        .unwrap();
+    let message = stored(&fixture, &"k".into(), "later").await;
+    assert!(matches!(
+        group.claim(&message, "a").await.unwrap(),
+        ClaimOutcome::NotYetDue { .. }
+    ));
+    let state = group
+        .read_state(&"k".into(), "later")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(state.state, MessageState::Scheduled);
+    let ttl = state.ttl.expect("the schedule expires with its message");
+    assert!(
+        ttl >= (30 * DAY).as_secs() as i64,
+        "a schedule 10 days out must outlive its due time and live as long as its message \
+         (30 days), not 7 days + 1 h: ttl {ttl} s"
+    );
+
+    // Due after ten days: delivered, completed; the completion lives as long as the message.
+    clock.advance(10 * DAY + Duration::from_secs(1));
+    let due = group.due(10).await.unwrap();
+    assert_eq!(due.len(), 1, "the schedule is due");
+    let claim = claimed(group.take_over(due[0].clone(), "a").await.unwrap());
+    group.complete(&claim).await.unwrap();
+    let done = group
+        .read_state(&"k".into(), "later")
+        .await
+        .unwrap()
+        .unwrap();
+    let ttl = done.ttl.unwrap();
+    let message_left =
+        (message.enqueued_at + (30 * DAY).as_millis() as i64 - clock.now_ms()) / 1000;
+    assert!(
+        ttl >= message_left,
+        "a completion must outlive its message, or a re-read of the feed delivers it again: \
+         ttl {ttl} s, message left {message_left} s"
+    );
+}
+
+#[tokio::test]
+async fn state_of_an_hour_long_queue_does_not_outlive_its_messages_by_days() {
+    let clock = Clock::manual(cosmosq_queue::clock::system_now_ms());
+    let fixture = queue_with_retention(Duration::from_secs(3600), clock).await;
+    let group = fixture.group(GroupConfig::new("g"));
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(1))
+                .with_id("m")
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    let message = stored(&fixture, &"k".into(), "m").await;
+    let claim = claimed(group.claim(&message, "a").await.unwrap());
+    group.complete(&claim).await.unwrap();
+    let ttl = group
+        .read_state(&"k".into(), "m")
+        .await
+        .unwrap()
+        .unwrap()
+        .ttl
+        .unwrap();
+    assert!(
+        ttl <= 2 * 3600,
+        "an hour-long queue's state lives about 2 h, not 7 days: {ttl} s"
+    );
+}
+
+#[test]
+fn no_state_expires_before_what_it_describes_has_an_outcome() {
+    use cosmosq_queue::StateDoc;
+    let now = 1_000_000_000_000;
+    let base: StateDoc = serde_json::from_value(json!({
+        "id": "m", "pk": "g|k", "type": "message", "group": "g", "messagePk": "k",
+        "state": "retry", "attempts": 1, "enqueuedAt": now,
+        "expiresAt": now + 3_600_000
+    }))
+    .unwrap();
+    let retention = Some(3600);
+    // (state, due, the earliest the document may expire)
+    let day = 86_400_000;
+    let cases = [
+        (
+            MessageState::Scheduled,
+            Some(now + 10 * day),
+            now + 10 * day,
+        ),
+        (MessageState::Retry, Some(now + 2 * day), now + 2 * day),
+        (MessageState::Locked, Some(now + 60_000), now + 3_600_000),
+        (MessageState::Completed, None, now + 3_600_000),
+        (MessageState::DeadLettered, None, now + 3_600_000),
+    ];
+    for (state, due, earliest) in cases {
+        let doc = StateDoc {
+            state,
+            due,
+            ..base.clone()
+        };
+        let ttl = state_ttl_secs(&doc, now, retention).unwrap();
+        assert!(
+            now + ttl * 1000 >= earliest,
+            "{state:?} due {due:?}: expires at {} before {earliest}",
+            now + ttl * 1000
+        );
+    }
+    // A dead letter stays listable a retention after it was dead-lettered, even when its
+    // message is about to go.
+    let late = StateDoc {
+        state: MessageState::DeadLettered,
+        ..base.clone()
+    };
+    let at = now + 3_500_000;
+    assert!(at + state_ttl_secs(&late, at, retention).unwrap() * 1000 >= at + 3_600_000);
+    // A message that never expires has state that never does.
+    let forever = StateDoc {
+        expires_at: None,
+        ..base
+    };
+    assert_eq!(state_ttl_secs(&forever, now, retention), None);
+}
+
+/// Writes `doc` into the messages container as another producer would (any SDK, any shape).
+async fn foreign(fixture: &Fixture, key: Value, doc: Value) {
+    let key = MessageKey::from_json(key).unwrap();
+    fixture
+        .queue
+        .messages()
+        .create_item(
+            key.to_partition_key(),
+            doc["id"].as_str().unwrap(),
+            doc.clone(),
+            None,
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn keys_of_every_json_type_keep_their_type_through_retries() {
+    let clock = Clock::manual(cosmosq_queue::clock::system_now_ms());
+    let fixture = queue_with_retention(DAY, clock.clone()).await;
+    let group = fixture.group(GroupConfig::new("g"));
+    let keys = [
+        json!(5),
+        json!("5"),
+        json!(2.5),
+        json!(true),
+        json!(null),
+        json!(""),
+    ];
+    for key in &keys {
+        // The same id under each key: six messages, as Cosmos sees them.
+        foreign(
+            &fixture,
+            key.clone(),
+            json!({"id": "m", "pk": key, "body": {"k": key}, "enqueuedAt": clock.now_ms()}),
+        )
+        .await;
+    }
+    for key in &keys {
+        let key = MessageKey::from_json(key.clone()).unwrap();
+        let message = stored(&fixture, &key, "m").await;
+        assert_eq!(message.partition_key, key);
+        let first = claimed(group.claim(&message, "a").await.unwrap());
+        group
+            .retry(&first, "try again", Some(Duration::ZERO))
+            .await
+            .unwrap();
+    }
+    // Each key has its own state document, and each retry finds its message again (before,
+    // `5` was read back as `"5"`, found nothing, and was dead-lettered as expired).
+    clock.advance(Duration::from_millis(1));
+    let due = group.due(100).await.unwrap();
+    assert_eq!(due.len(), keys.len(), "one state per key: {due:?}");
+    for doc in due {
+        let message = fixture
+            .queue
+            .read_message(&doc.message_pk, &doc.id)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("the retry of key {} finds its message", doc.message_pk));
+        assert_eq!(
+            message.body,
+            cosmosq_queue::Body::Json(json!({"k": doc.message_pk}))
+        );
+        let second = claimed(group.take_over(doc, "b").await.unwrap());
+        assert_eq!(second.attempt, 2);
+        group.complete(&second).await.unwrap();
+    }
+    assert!(group.dead_letters(None).await.unwrap().is_empty());
+    assert_ne!(
+        state_pk("g", &MessageKey::from(5)),
+        state_pk("g", &MessageKey::from("5"))
+    );
+}
+
+#[tokio::test]
+async fn a_key_near_cosmos_limit_is_claimed_and_settled_not_refused_forever() {
+    let fixture = Fixture::new(1).await;
+    let group = fixture.group(GroupConfig::new("a-group-name-of-some-length"));
+    for (i, len) in [1024usize, 2040, 2048].into_iter().enumerate() {
+        let key = "k".repeat(len);
+        let id = format!("m{i}");
+        fixture
+            .queue
+            .enqueue(
+                NewMessage::json(json!(i))
+                    .with_id(&id)
+                    .with_partition_key(key.as_str()),
+            )
+            .await
+            .unwrap();
+        let message = stored(&fixture, &key.as_str().into(), &id).await;
+        let claim = claimed(group.claim(&message, "a").await.unwrap());
+        group.complete(&claim).await.unwrap();
+        let state = group.read_state(&key.as_str().into(), &id).await.unwrap();
+        assert_eq!(
+            state.unwrap().state,
+            MessageState::Completed,
+            "key of {len} bytes"
+        );
+        assert!(state_pk(group.name(), &key.as_str().into()).len() <= 1024);
+    }
+    let err = fixture
+        .queue
+        .enqueue(NewMessage::json(json!(1)).with_partition_key("k".repeat(2049)))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("partition key"), "{err}");
+}
+
+#[tokio::test]
+async fn a_state_written_by_a_newer_version_is_left_alone_and_does_not_stop_the_sweep() {
+    let (fixture, clock) = Fixture::with_manual_clock(1).await;
+    let group = fixture.group(GroupConfig::new("g"));
+    for id in ["new", "old"] {
+        fixture
+            .queue
+            .enqueue(
+                NewMessage::json(json!(id))
+                    .with_id(id)
+                    .with_partition_key("k"),
+            )
+            .await
+            .unwrap();
+    }
+    let old = stored(&fixture, &"k".into(), "old").await;
+    let claim = claimed(group.claim(&old, "a").await.unwrap());
+    group
+        .retry(&claim, "later", Some(Duration::ZERO))
+        .await
+        .unwrap();
+    // A future version records "new" with a state and a field shape this one does not know.
+    let future = json!({
+        "id": "new", "pk": "g|k", "type": "message", "group": "g", "messagePk": "k",
+        "state": "locked", "attempts": "several", "enqueuedAt": 0, "due": 0
+    });
+    fixture
+        .queue
+        .leases()
+        .create_item("g|k".to_owned(), "new", future, None)
+        .await
+        .unwrap();
+    clock.advance(Duration::from_millis(1));
+    let due = group.due(10).await.unwrap();
+    assert_eq!(
+        due.iter().map(|d| d.id.as_str()).collect::<Vec<_>>(),
+        vec!["old"],
+        "the unreadable document is left out, the rest of the sweep goes on"
+    );
+    let new = stored(&fixture, &"k".into(), "new").await;
+    let err = group.claim(&new, "a").await.unwrap_err();
+    assert!(matches!(err, QueueError::UnknownState { .. }), "{err}");
+    assert!(err.is_permanent(), "not retried forever");
+}
+
+#[tokio::test]
+async fn a_batch_keeps_each_keys_order_through_its_one_by_one_fallback() {
+    let fixture = Fixture::new(1).await;
+    // A duplicate in the second chunk makes that batch fail as a whole, so its messages go
+    // one by one; the third chunk must still come after them.
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(0))
+                .with_id("m150")
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    let batch: Vec<_> = (0..250)
+        .map(|i| {
+            NewMessage::json(json!(i))
+                .with_id(format!("m{i}"))
+                .with_partition_key("k")
+        })
+        .collect();
+    let results = fixture.queue.enqueue_batch(batch).await;
+    assert!(results[150].as_ref().unwrap().is_duplicate());
+    // A change feed read just after the writes may come back empty; read until it shows them.
+    let mut messages = Vec::new();
+    for _ in 0..20 {
+        messages = fixture.queue.peek(1000).await.unwrap().0;
+        if messages.len() == 250 {
+            break;
+        }
+    }
+    // One chunk's batch is one write (one LSN): the feed orders its items as it likes (the
+    // emulator: by id). Across chunks, and for messages written one by one, the order is the
+    // input's: chunk 1 (m0-m99), then chunk 2 one by one (m100-m199, m150 the duplicate),
+    // then chunk 3 (m200-m249).
+    let number = |id: &str| id[1..].parse::<usize>().unwrap();
+    let read: Vec<usize> = messages.iter().skip(1).map(|m| number(&m.id)).collect();
+    let chunks: Vec<usize> = read.iter().map(|n| n / 100).collect();
+    assert!(
+        chunks.windows(2).all(|w| w[0] <= w[1]),
+        "a key's chunks were written out of order: {read:?}"
+    );
+    let one_by_one: Vec<usize> = read.iter().copied().filter(|n| n / 100 == 1).collect();
+    let expected: Vec<usize> = (100..200).filter(|n| *n != 150).collect();
+    assert_eq!(one_by_one, expected, "the fallback writes in input order");
+}
+
+#[tokio::test]
+async fn work_due_next_week_is_not_backlog() {
+    let (fixture, _clock) = Fixture::with_manual_clock(1).await;
+    let group = fixture.group(GroupConfig::new("g").with_start_from(StartFrom::Beginning));
+    let now = fixture.queue.clock().now_ms();
+    for (id, delay) in [("soon", Duration::from_secs(10)), ("next-week", 7 * DAY)] {
+        fixture
+            .queue
+            .enqueue(
+                NewMessage::json(json!(id))
+                    .with_id(id)
+                    .with_partition_key(id)
+                    .with_delay(delay),
+            )
+            .await
+            .unwrap();
+        let message = stored(&fixture, &id.into(), id).await;
+        group.claim(&message, "a").await.unwrap();
+    }
+    // Both were read (the checkpoint passed them), so the estimate sees only their state.
+    let store = cosmosq_queue::lease::LeaseStore::new(fixture.queue.clone(), "g")
+        .with_start_from(StartFrom::Beginning);
+    store.reconcile(now, 60_000).await.unwrap();
+    let estimate = group.estimate().await.unwrap();
+    let lag = estimate.lag();
+    assert_eq!(
+        estimate.backlog() - lag,
+        1,
+        "only the schedule due within the horizon counts: {estimate:?}"
+    );
+}
+
+fn fast(name: &str) -> HostOptions {
+    HostOptions {
+        min_poll: Duration::from_millis(5),
+        max_poll: Duration::from_millis(50),
+        sweep_interval: Duration::from_millis(100),
+        lease_acquire: Duration::from_millis(100),
+        lease_renew: Duration::from_millis(300),
+        lease_expire: Duration::from_millis(1_500),
+        checkpoint_interval: Duration::from_millis(50),
+        ..HostOptions::new(name)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_message_of_an_ordered_group_holds_no_permit_while_it_waits() {
+    let fixture = Fixture::new(1).await;
+    for mode in [DeliveryMode::Exclusive, DeliveryMode::Stream] {
+        let name = format!("{mode:?}").to_lowercase();
+        let config = GroupConfig::new(name.as_str())
+            .with_mode(mode)
+            .with_start_from(StartFrom::Beginning)
+            .with_ordering(true);
+        let waiting: Vec<_> = (0..3)
+            .map(|i| {
+                NewMessage::json(json!(i))
+                    .with_id(format!("{name}-later-{i}"))
+                    .with_partition_key(format!("{name}-{i}"))
+                    .with_delay(Duration::from_secs(3600))
+            })
+            .collect();
+        fixture.enqueue_all(waiting).await;
+        fixture
+            .queue
+            .enqueue(
+                NewMessage::json(json!("now"))
+                    .with_id(format!("{name}-now"))
+                    .with_partition_key(format!("{name}-now")),
+            )
+            .await
+            .unwrap();
+        let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+        let notify = Arc::new(Notify::new());
+        let handler = {
+            let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+            move |d: Delivery| {
+                let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+                async move {
+                    seen.lock().unwrap().push(d.message.id.clone());
+                    notify.notify_waiters();
+                    Outcome::Complete
+                }
+            }
+        };
+        // Two permits, three schedules an hour out ahead of the message due now: before the
+        // fix, each waiting schedule held a permit (and polled once a second) for its hour.
+        let options = HostOptions {
+            max_concurrency: 2,
+            ..fast("h")
+        };
+        let host = Host::new(fixture.group(config), handler, options);
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(host.run(stop.clone()));
+        let now_id = format!("{name}-now");
+        wait_on(&notify, "the message due now", || {
+            seen.lock().unwrap().contains(&now_id)
+        })
+        .await;
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        let seen = seen.lock().unwrap();
+        assert!(
+            !seen.iter().any(|id| id.contains("later")),
+            "{mode:?}: a schedule was delivered early: {seen:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_message_that_expired_while_it_waited_is_dead_lettered_with_the_reason() {
+    // A retry due after its message's TTL: the sweep finds no message and records why.
+    let clock = Clock::manual(cosmosq_queue::clock::system_now_ms());
+    let fixture = queue_with_retention(Duration::from_secs(3600), clock.clone()).await;
+    let group = fixture.group(GroupConfig::new("g"));
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(1))
+                .with_id("m")
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    let message = stored(&fixture, &"k".into(), "m").await;
+    let claim = claimed(group.claim(&message, "a").await.unwrap());
+    group
+        .retry(&claim, "later", Some(Duration::from_secs(7200)))
+        .await
+        .unwrap();
+    let state = group.read_state(&"k".into(), "m").await.unwrap().unwrap();
+    assert!(
+        state.ttl.unwrap() >= 7200,
+        "the retry outlives its message so its fate is still recorded"
+    );
+    // The emulator keeps items past their TTL; the real service removes the message.
+    fixture
+        .queue
+        .messages()
+        .delete_item("k".to_owned(), "m", None)
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(7201));
+    let ledger = Arc::new(cosmosq_tests::Ledger::default());
+    let host = Host::new(group.clone(), cosmosq_tests::recording(&ledger), fast("h"));
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(host.run(stop.clone()));
+    cosmosq_tests::eventually(
+        "the expired message is dead-lettered",
+        Duration::from_secs(30),
+        || {
+            let group = group.clone();
+            async move { !group.dead_letters(None).await.unwrap().is_empty() }
+        },
+    )
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    let dead = group.dead_letters(None).await.unwrap();
+    assert_eq!(dead[0].reason.as_deref(), Some(REASON_EXPIRED));
+}
+
+/// A rule that answers 503 to every `operation` while enabled (it starts disabled).
+fn outage(
+    operation: cosmosq_queue::fault_injection::FaultOperationType,
+) -> Arc<cosmosq_queue::fault_injection::FaultInjectionRule> {
+    use cosmosq_queue::fault_injection::{
+        FaultInjectionConditionBuilder, FaultInjectionErrorType, FaultInjectionResultBuilder,
+        FaultInjectionRuleBuilder,
+    };
+    let rule = FaultInjectionRuleBuilder::new(
+        format!("outage-{operation:?}"),
+        FaultInjectionResultBuilder::new()
+            .with_error(FaultInjectionErrorType::ServiceUnavailable)
+            .with_probability(1.0)
+            .build(),
+    )
+    .with_condition(
+        FaultInjectionConditionBuilder::new()
+            .with_operation_type(operation)
+            .build(),
+    )
+    .build();
+    rule.disable();
+    Arc::new(rule)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordered_keys_next_message_waits_while_a_failed_retry_cannot_be_recorded() {
+    use cosmosq_queue::fault_injection::FaultOperationType as Op;
+    for mode in [DeliveryMode::Exclusive, DeliveryMode::Stream] {
+        let fixture = Fixture::new(1).await;
+        for id in ["m1", "m2"] {
+            fixture
+                .queue
+                .enqueue(
+                    NewMessage::json(json!(id))
+                        .with_id(id)
+                        .with_partition_key("k"),
+                )
+                .await
+                .unwrap();
+        }
+        // The retry of m1 (a replace of its state in exclusive mode, a create in stream mode)
+        // meets a second of 503s; before the fix the key's task ended there and m2 overtook.
+        let rules = vec![outage(Op::ReplaceItem), outage(Op::CreateItem)];
+        let client = fixture
+            .emulator
+            .client_with_faults(rules.clone())
+            .await
+            .unwrap();
+        let queue = cosmosq_queue::Queue::open(&client, QueueConfig::new("db", "q"))
+            .await
+            .unwrap();
+        let config = GroupConfig::new("g")
+            .with_mode(mode)
+            .with_start_from(StartFrom::Beginning)
+            .with_ordering(true)
+            .with_lock_duration(Duration::from_secs(3))
+            .with_retry(cosmosq_queue::RetryPolicy {
+                initial_backoff: Duration::from_millis(20),
+                ..Default::default()
+            });
+        let completed = Arc::new(Mutex::new(Vec::<String>::new()));
+        let notify = Arc::new(Notify::new());
+        let handler = {
+            let (completed, notify, rules) =
+                (Arc::clone(&completed), Arc::clone(&notify), rules.clone());
+            move |d: Delivery| {
+                let (completed, notify, rules) =
+                    (Arc::clone(&completed), Arc::clone(&notify), rules.clone());
+                async move {
+                    if d.message.id == "m1" && d.delivery_count == 1 {
+                        rules.iter().for_each(|r| r.enable());
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            rules.iter().for_each(|r| r.disable());
+                        });
+                        return Outcome::Retry {
+                            error: "not yet".into(),
+                            delay: None,
+                        };
+                    }
+                    completed.lock().unwrap().push(d.message.id.clone());
+                    notify.notify_waiters();
+                    Outcome::Complete
+                }
+            }
+        };
+        let options = HostOptions {
+            lease_expire: Duration::from_secs(10),
+            ..fast("h")
+        };
+        let host = Host::new(queue.group(config).unwrap(), handler, options);
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(host.run(stop.clone()));
+        wait_on(&notify, "both completed", || {
+            completed.lock().unwrap().len() >= 2
+        })
+        .await;
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        assert!(
+            rules.iter().any(|r| r.hit_count() > 0),
+            "{mode:?}: the outage was met"
+        );
+        assert_eq!(*completed.lock().unwrap(), vec!["m1", "m2"], "{mode:?}");
+    }
+}
