@@ -665,3 +665,97 @@ async fn an_ordered_keys_next_message_waits_while_a_failed_retry_cannot_be_recor
         assert_eq!(*completed.lock().unwrap(), vec!["m1", "m2"], "{mode:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordered_stream_range_taken_from_a_dead_owner_waits_for_the_message_it_was_retrying() {
+    let fixture = Fixture::new(1).await;
+    for id in ["m1", "m2"] {
+        fixture
+            .queue
+            .enqueue(NewMessage::json(json!(id)).with_id(id).with_partition_key("k"))
+            .await
+            .unwrap();
+    }
+    let config = GroupConfig::new("g")
+        .with_mode(DeliveryMode::Stream)
+        .with_start_from(StartFrom::Beginning)
+        .with_ordering(true)
+        .with_lock_duration(Duration::from_secs(2))
+        .with_retry(cosmosq_queue::RetryPolicy {
+            initial_backoff: Duration::from_millis(10),
+            ..Default::default()
+        });
+    // Pod A fails m1 once (recorded as an in-place retry that holds the key), starts it
+    // again, and dies mid-delivery.
+    let retrying = Arc::new(Notify::new());
+    let a = {
+        let retrying = Arc::clone(&retrying);
+        Host::new(
+            fixture.group(config.clone()),
+            move |d: Delivery| {
+                let retrying = Arc::clone(&retrying);
+                async move {
+                    if d.delivery_count == 1 {
+                        return Outcome::Retry {
+                            error: "not yet".into(),
+                            delay: None,
+                        };
+                    }
+                    retrying.notify_one();
+                    std::future::pending().await
+                }
+            },
+            fast("a"),
+        )
+    };
+    let a = tokio::spawn(a.run(CancellationToken::new()));
+    retrying.notified().await;
+    a.abort();
+    let _ = a.await;
+
+    // Pod B takes the range once A's lease expires, and reads m1 and m2 again.
+    let seen = Arc::new(Mutex::new(Vec::<(String, u32)>::new()));
+    let notify = Arc::new(Notify::new());
+    let b = {
+        let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+        Host::new(
+            fixture.group(config.clone()),
+            move |d: Delivery| {
+                let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+                async move {
+                    seen.lock()
+                        .unwrap()
+                        .push((d.message.id.clone(), d.delivery_count));
+                    notify.notify_waiters();
+                    Outcome::Complete
+                }
+            },
+            fast("b"),
+        )
+    };
+    let stop = CancellationToken::new();
+    let b = tokio::spawn(b.run(stop.clone()));
+    wait_on(&notify, "m2 delivered", || {
+        seen.lock().unwrap().iter().any(|(id, _)| id == "m2")
+    })
+    .await;
+    let group = fixture.group(config);
+    cosmosq_tests::eventually("m1 settled", Duration::from_secs(30), || {
+        let group = group.clone();
+        async move {
+            let state = group.read_state(&"k".into(), "m1").await.unwrap();
+            state.is_some_and(|s| s.state.is_settled())
+        }
+    })
+    .await;
+    stop.cancel();
+    b.await.unwrap().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    let ids: Vec<&str> = seen.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(
+        ids,
+        vec!["m1", "m2"],
+        "m1 (held by A's in-place retry) first, once, then m2: {seen:?}"
+    );
+    assert!(seen[0].1 >= 2, "m1's delivery count goes on from A's: {seen:?}");
+}
