@@ -16,12 +16,12 @@ use cosmosq_queue::fault_injection::{
     FaultInjectionConditionBuilder, FaultInjectionErrorType, FaultInjectionResultBuilder,
     FaultInjectionRule, FaultInjectionRuleBuilder, FaultOperationType,
 };
-use cosmosq_queue::host::{Host, HostOptions};
+use cosmosq_queue::host::Host;
 use cosmosq_queue::{
     Clock, ConsumerStats, CosmosClient, Delivery, DeliveryMode, GroupConfig, MessageState,
     NewMessage, Outcome, Queue, RetryPolicy, StartFrom,
 };
-use cosmosq_tests::{eventually, wait_on, Fixture};
+use cosmosq_tests::{eventually, fast_host, wait_on, Fixture};
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 use tokio::sync::Notify;
@@ -53,19 +53,6 @@ fn group_config(name: &str, mode: DeliveryMode, lock: Duration) -> GroupConfig {
             max_backoff: Duration::from_millis(100),
             ..RetryPolicy::default()
         })
-}
-
-fn fast(name: &str) -> HostOptions {
-    HostOptions {
-        min_poll: Duration::from_millis(5),
-        max_poll: Duration::from_millis(50),
-        sweep_interval: Duration::from_millis(100),
-        lease_acquire: Duration::from_millis(100),
-        lease_renew: Duration::from_millis(300),
-        lease_expire: Duration::from_millis(1_500),
-        checkpoint_interval: Duration::from_millis(50),
-        ..HostOptions::new(name)
-    }
 }
 
 /// What the app answered, per (group, message): deliveries and completions.
@@ -182,7 +169,7 @@ impl Scenario {
             let host = Host::new(
                 queue.group(group_config(group, mode, self.lock)).unwrap(),
                 handler(&self.app),
-                fast(name),
+                fast_host(name),
             );
             pod.stats.push((group, host.stats()));
             self.stats.push((group, host.stats()));

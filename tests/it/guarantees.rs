@@ -13,7 +13,7 @@ use cosmosq_queue::{
     ClaimOutcome, Clock, Delivery, DeliveryMode, GroupConfig, Message, MessageKey, MessageState,
     NewMessage, Outcome, QueueConfig, QueueError, StartFrom,
 };
-use cosmosq_tests::{wait_on, Fixture};
+use cosmosq_tests::{fast_host, wait_on, Fixture};
 use serde_json::{json, Value};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -428,19 +428,6 @@ async fn work_due_next_week_is_not_backlog() {
     );
 }
 
-fn fast(name: &str) -> HostOptions {
-    HostOptions {
-        min_poll: Duration::from_millis(5),
-        max_poll: Duration::from_millis(50),
-        sweep_interval: Duration::from_millis(100),
-        lease_acquire: Duration::from_millis(100),
-        lease_renew: Duration::from_millis(300),
-        lease_expire: Duration::from_millis(1_500),
-        checkpoint_interval: Duration::from_millis(50),
-        ..HostOptions::new(name)
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scheduled_message_of_an_ordered_group_holds_no_permit_while_it_waits() {
     let fixture = Fixture::new(1).await;
@@ -485,7 +472,7 @@ async fn a_scheduled_message_of_an_ordered_group_holds_no_permit_while_it_waits(
         // fix, each waiting schedule held a permit (and polled once a second) for its hour.
         let options = HostOptions {
             max_concurrency: 2,
-            ..fast("h")
+            ..fast_host("h")
         };
         let host = Host::new(fixture.group(config), handler, options);
         let stop = CancellationToken::new();
@@ -540,7 +527,11 @@ async fn a_message_that_expired_while_it_waited_is_dead_lettered_with_the_reason
         .unwrap();
     clock.advance(Duration::from_secs(7201));
     let ledger = Arc::new(cosmosq_tests::Ledger::default());
-    let host = Host::new(group.clone(), cosmosq_tests::recording(&ledger), fast("h"));
+    let host = Host::new(
+        group.clone(),
+        cosmosq_tests::recording(&ledger),
+        fast_host("h"),
+    );
     let stop = CancellationToken::new();
     let task = tokio::spawn(host.run(stop.clone()));
     cosmosq_tests::eventually(
@@ -647,7 +638,7 @@ async fn an_ordered_keys_next_message_waits_while_a_failed_retry_cannot_be_recor
         };
         let options = HostOptions {
             lease_expire: Duration::from_secs(10),
-            ..fast("h")
+            ..fast_host("h")
         };
         let host = Host::new(queue.group(config).unwrap(), handler, options);
         let stop = CancellationToken::new();
@@ -672,7 +663,11 @@ async fn an_ordered_stream_range_taken_from_a_dead_owner_waits_for_the_message_i
     for id in ["m1", "m2"] {
         fixture
             .queue
-            .enqueue(NewMessage::json(json!(id)).with_id(id).with_partition_key("k"))
+            .enqueue(
+                NewMessage::json(json!(id))
+                    .with_id(id)
+                    .with_partition_key("k"),
+            )
             .await
             .unwrap();
     }
@@ -705,7 +700,7 @@ async fn an_ordered_stream_range_taken_from_a_dead_owner_waits_for_the_message_i
                     std::future::pending().await
                 }
             },
-            fast("a"),
+            fast_host("a"),
         )
     };
     let a = tokio::spawn(a.run(CancellationToken::new()));
@@ -730,7 +725,7 @@ async fn an_ordered_stream_range_taken_from_a_dead_owner_waits_for_the_message_i
                     Outcome::Complete
                 }
             },
-            fast("b"),
+            fast_host("b"),
         )
     };
     let stop = CancellationToken::new();
@@ -757,5 +752,8 @@ async fn an_ordered_stream_range_taken_from_a_dead_owner_waits_for_the_message_i
         vec!["m1", "m2"],
         "m1 (held by A's in-place retry) first, once, then m2: {seen:?}"
     );
-    assert!(seen[0].1 >= 2, "m1's delivery count goes on from A's: {seen:?}");
+    assert!(
+        seen[0].1 >= 2,
+        "m1's delivery count goes on from A's: {seen:?}"
+    );
 }

@@ -10,20 +10,15 @@ use cosmosq_queue::{
     ConsumerStats, Delivery, DeliveryMode, GroupConfig, MessageState, NewMessage, Outcome,
     StartFrom,
 };
-use cosmosq_tests::{eventually, recording, wait_on, Fixture, Ledger};
+use cosmosq_tests::{eventually, fast_host, recording, wait_on, Fixture, Ledger};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+/// [`fast_host`], sweeping every 250 ms.
 fn fast(name: &str) -> HostOptions {
     HostOptions {
-        min_poll: Duration::from_millis(5),
-        max_poll: Duration::from_millis(50),
         sweep_interval: Duration::from_millis(250),
-        lease_acquire: Duration::from_millis(100),
-        lease_renew: Duration::from_millis(300),
-        lease_expire: Duration::from_millis(1_500),
-        checkpoint_interval: Duration::from_millis(50),
-        ..HostOptions::new(name)
+        ..fast_host(name)
     }
 }
 

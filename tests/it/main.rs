@@ -5,6 +5,7 @@ mod consume;
 mod emulator;
 mod faults;
 mod guarantees;
+mod histories;
 mod leases;
 mod operator;
 mod sidecar;

@@ -204,3 +204,18 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Lease-loop host options for tests: fast polling, a sweep every 100 ms, leases that expire
+/// in 1.5 s, so recovery takes well under a second or two instead of the production minute.
+pub fn fast_host(name: &str) -> cosmosq_queue::host::HostOptions {
+    cosmosq_queue::host::HostOptions {
+        min_poll: Duration::from_millis(5),
+        max_poll: Duration::from_millis(50),
+        sweep_interval: Duration::from_millis(100),
+        lease_acquire: Duration::from_millis(100),
+        lease_renew: Duration::from_millis(300),
+        lease_expire: Duration::from_millis(1_500),
+        checkpoint_interval: Duration::from_millis(50),
+        ..cosmosq_queue::host::HostOptions::new(name)
+    }
+}
