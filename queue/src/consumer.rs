@@ -406,7 +406,7 @@ impl<H: Handler> Worker<H> {
         message: Message,
         give_up: &CancellationToken,
         permit: &mut Permit,
-        check_state: bool,
+        mut check_state: bool,
     ) -> Fate {
         let mut failures = 0;
         let mut held_polls = 0;
@@ -429,7 +429,11 @@ impl<H: Handler> Worker<H> {
                 // Ordered groups hold the key: the key's later messages wait behind this one,
                 // which waits (without a permit) for the earlier holder to settle or its lock
                 // to expire, or for its time to come.
+                // After a wait the message has a state document (the schedule, the other
+                // holder's lock): the next attempt goes through it, in stream mode too, or a
+                // stream claim would deliver past it and the document deliver it again.
                 Ok(ClaimOutcome::Held { until, .. }) if ordered => {
+                    check_state = true;
                     held_polls += 1;
                     let poll = Duration::from_millis(100 << held_polls.min(6)).min(HELD_POLL_MAX);
                     let wait = self.until(until.unwrap_or(0)).min(poll);
@@ -438,6 +442,7 @@ impl<H: Handler> Worker<H> {
                     }
                 }
                 Ok(ClaimOutcome::NotYetDue { due }) if ordered => {
+                    check_state = true;
                     if !self.wait(permit, self.until(due), give_up).await {
                         return Fate::Unrecorded;
                     }

@@ -8,6 +8,7 @@ use tracing::{debug, warn};
 
 use crate::app::{self, Answer, Format};
 use crate::breaker::{Breaker, Permit};
+use crate::isolation::{Isolation, Verdict};
 use crate::metrics::Metrics;
 
 /// The most of an answer's body we read: enough for `{"status": ...}`. A longer answer is
@@ -21,6 +22,9 @@ pub struct AppClient {
     format: Format,
     timeout: Duration,
     breaker: Mutex<Breaker>,
+    isolation: Mutex<Isolation>,
+    /// Shared by deliveries side by side, exclusive while isolating (see [`crate::isolation`]).
+    gate: tokio::sync::RwLock<()>,
     metrics: Arc<Metrics>,
 }
 
@@ -46,6 +50,8 @@ impl AppClient {
                 Duration::from_secs(1),
                 Duration::from_secs(30),
             )),
+            isolation: Mutex::default(),
+            gate: tokio::sync::RwLock::new(()),
             metrics,
         }
     }
@@ -66,6 +72,10 @@ impl AppClient {
         }
     }
 
+    fn lock_isolation(&self) -> std::sync::MutexGuard<'_, Isolation> {
+        self.isolation.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn record(&self, hard_failure: bool) {
         self.breaker
             .lock()
@@ -73,9 +83,10 @@ impl AppClient {
             .record(hard_failure, tokio::time::Instant::now());
     }
 
-    /// The app's answer, and whether it means the app could not take work at all
-    /// (unreachable, timing out, 5xx without `Retry-After`): what the circuit breaker counts.
-    async fn call(&self, delivery: &Delivery) -> (Answer, bool) {
+    /// The app's answer; whether it means the app could not take work at all (unreachable,
+    /// timing out, 5xx without `Retry-After`): what the circuit breaker counts; and whether
+    /// the app went down under it (the connection reset, or the answer cut off).
+    async fn call(&self, delivery: &Delivery) -> (Answer, bool, bool) {
         let traceparent = app::traceparent(delivery);
         let request = app::build_request(delivery, self.format, &traceparent);
         let mut builder = self
@@ -135,7 +146,7 @@ impl AppClient {
                 if hard {
                     self.metrics.app_errors.with_label_values(&["status"]).inc();
                 }
-                (answer, hard)
+                (answer, hard, crashed)
             }
             Err(e) if e.is_timeout() => {
                 self.metrics
@@ -149,6 +160,7 @@ impl AppClient {
                         after: None,
                     },
                     true,
+                    false,
                 )
             }
             Err(e) if e.is_connect() => {
@@ -157,7 +169,7 @@ impl AppClient {
                     .with_label_values(&["connect"])
                     .inc();
                 let reason = "the app refused the connection".to_owned();
-                (Answer::Undelivered { reason }, true)
+                (Answer::Undelivered { reason }, true, false)
             }
             Err(e) => {
                 self.metrics
@@ -170,6 +182,7 @@ impl AppClient {
                         reason,
                         after: None,
                     },
+                    true,
                     true,
                 )
             }
@@ -184,10 +197,26 @@ impl AppClient {
 impl Handler for AppClient {
     async fn handle(&self, delivery: Delivery) -> Outcome {
         let probe = self.admitted().await;
+        let alone = self.lock_isolation().active();
+        let (_shared, _alone) = if alone {
+            (None, Some(self.gate.write().await))
+        } else {
+            (Some(self.gate.read().await), None)
+        };
         self.metrics.in_flight.inc();
-        let (answer, hard) = self.call(&delivery).await;
+        let (answer, hard, crashed) = self.call(&delivery).await;
         self.metrics.in_flight.dec();
         self.record(hard);
+        if self.lock_isolation().observe(crashed, alone) == Verdict::Isolate {
+            warn!(message_id = %delivery.message.id, "the app went down with other deliveries in flight; delivering them again one at a time, uncounted");
+            return Outcome::Undelivered {
+                error: format!(
+                    "{} with other deliveries in flight (not counted: delivered again alone)",
+                    answer_reason(&answer)
+                ),
+                delay: None,
+            };
+        }
         if probe {
             debug!(message_id = %delivery.message.id, recovered = !hard, "probe delivery to a failing app");
         }
@@ -211,6 +240,15 @@ impl Handler for AppClient {
                 error: reason,
                 delay: None,
             },
+        }
+    }
+}
+
+fn answer_reason(answer: &Answer) -> &str {
+    match answer {
+        Answer::Success => "success",
+        Answer::Retry { reason, .. } | Answer::Drop { reason } | Answer::Undelivered { reason } => {
+            reason
         }
     }
 }

@@ -11,5 +11,6 @@ pub mod config;
 pub mod deletion_cost;
 pub mod delivery;
 pub mod error;
+pub mod isolation;
 pub mod metrics;
 pub mod run;

@@ -757,3 +757,65 @@ async fn an_ordered_stream_range_taken_from_a_dead_owner_waits_for_the_message_i
         "m1's delivery count goes on from A's: {seen:?}"
     );
 }
+
+/// Found by the randomized histories (seed 63, shrunk): an ordered stream group waited for a
+/// schedule, then delivered past its state document, which delivered the message again later,
+/// after the key's next message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordered_stream_schedule_is_delivered_once_and_before_the_keys_next_message() {
+    let fixture = Fixture::new(1).await;
+    for id in ["m0", "m1"] {
+        fixture
+            .queue
+            .enqueue(
+                NewMessage::json(json!(id))
+                    .with_id(id)
+                    .with_partition_key(true)
+                    .with_delay(Duration::from_millis(500)),
+            )
+            .await
+            .unwrap();
+    }
+    let config = GroupConfig::new("g")
+        .with_mode(DeliveryMode::Stream)
+        .with_start_from(StartFrom::Beginning)
+        .with_ordering(true);
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+    let notify = Arc::new(Notify::new());
+    let handler = {
+        let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+        move |d: Delivery| {
+            let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+            async move {
+                seen.lock().unwrap().push(d.message.id.clone());
+                notify.notify_waiters();
+                match d.message.id.as_str() {
+                    "m0" => Outcome::DeadLetter {
+                        reason: "DroppedByApp".into(),
+                        error: "no".into(),
+                    },
+                    _ => Outcome::Complete,
+                }
+            }
+        }
+    };
+    let host = Host::new(fixture.group(config.clone()), handler, fast_host("h"));
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(host.run(stop.clone()));
+    wait_on(&notify, "m1 delivered", || {
+        seen.lock().unwrap().contains(&"m1".to_owned())
+    })
+    .await;
+    // Long enough for the sweep (every 100 ms) to find a schedule left behind.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec!["m0", "m1"]);
+    let state = fixture
+        .group(config)
+        .read_state(&true.into(), "m0")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(state.state, MessageState::DeadLettered);
+}

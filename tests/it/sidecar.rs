@@ -680,3 +680,100 @@ async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
     .unwrap_err();
     assert!(err.to_string().contains("provisioned"), "{err}");
 }
+
+/// An app that crashes whenever the poison message reaches it: every request it is working
+/// on then ends mid-answer, as when the process dies.
+async fn crashing_app(listener: tokio::net::TcpListener) -> tokio::task::JoinHandle<()> {
+    let crash = Arc::new(tokio::sync::watch::channel(0u64).0);
+    let router = axum::Router::new()
+        .route("/health", axum::routing::get(|| async { "ok" }))
+        .route(
+            "/messages",
+            axum::routing::post(move |headers: HeaderMap| {
+                let crash = Arc::clone(&crash);
+                async move {
+                    let id = headers
+                        .get("cosmosq-message-id")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned();
+                    let mut crashes = crash.subscribe();
+                    let crashed = if id == "poison" {
+                        crash.send_modify(|n| *n += 1);
+                        true
+                    } else {
+                        // Work for a while; a crash meanwhile takes this request down too.
+                        tokio::select! {
+                            _ = crashes.changed() => true,
+                            _ = tokio::time::sleep(Duration::from_millis(300)) => false,
+                        }
+                    };
+                    if !crashed {
+                        return StatusCode::OK.into_response();
+                    }
+                    let parts: Vec<Result<&'static str, std::io::Error>> = vec![
+                        Ok(r#"{"status":"#),
+                        Err(std::io::Error::other("the app crashed")),
+                    ];
+                    axum::body::Body::from_stream(futures::stream::iter(parts)).into_response()
+                }
+            }),
+        );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_that_crashes_the_app_is_counted_alone_never_its_neighbours() {
+    let fixture = Fixture::new(1).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app_port = listener.local_addr().unwrap().port();
+    crashing_app(listener).await;
+    let mut batch: Vec<NewMessage> = (0..10)
+        .map(|i| {
+            NewMessage::json(json!({"n": i}))
+                .with_id(format!("n{i}"))
+                .with_partition_key(format!("k{i}"))
+        })
+        .collect();
+    batch.insert(4, NewMessage::json(json!("x")).with_id("poison"));
+    fixture.enqueue_all(batch).await;
+    let sidecar = start_sidecar(&fixture, config("g", app_port, free_port(), &[]));
+    let group = fixture.group(GroupConfig::new("g"));
+    eventually(
+        "the poison message is dead-lettered and every neighbour completed",
+        Duration::from_secs(60),
+        || async {
+            let mut done = state(&fixture, "g", "poison").await == Some(MessageState::DeadLettered);
+            for i in 0..10 {
+                let key = format!("k{i}");
+                let s = group
+                    .read_state(&key.into(), &format!("n{i}"))
+                    .await
+                    .unwrap();
+                done &= s.is_some_and(|s| s.state.is_settled());
+            }
+            done
+        },
+    )
+    .await;
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+    for i in 0..10 {
+        let key = format!("k{i}");
+        let s = group
+            .read_state(&key.into(), &format!("n{i}"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (s.state, s.attempts),
+            (MessageState::Completed, 1),
+            "n{i} was counted for the poison message's crashes: {s:?}"
+        );
+    }
+    let dead = group.dead_letters(None).await.unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].message_id, "poison");
+}
