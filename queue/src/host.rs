@@ -554,16 +554,11 @@ impl<H: Handler> RangeProcessor<H> {
         // (page, whether the message's fate is recorded).
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u64, bool)>();
         let mut deliveries = JoinSet::new();
-        // Cancelled when the range is lost: deliveries still waiting for a permit step aside
-        // (unrecorded, so the checkpoint stays before them and the next owner reads them).
-        let step_aside = CancellationToken::new();
-        // Cancelled when the range drains or is handed over: the same, except within a page
-        // that has started (the checkpoint moves by whole pages, so a page half done would be
-        // delivered again by the next owner). The drain then takes at most about a page.
-        let draining = CancellationToken::new();
-        // Cancelled when the range is lost or drains: deliveries stop retrying failed writes,
-        // and what they could not record holds the checkpoint.
-        let give_up = CancellationToken::new();
+        let stops = Stops {
+            step_aside: CancellationToken::new(),
+            draining: CancellationToken::new(),
+            give_up: CancellationToken::new(),
+        };
         let mut window: VecDeque<PageSlot> = VecDeque::new();
         let mut in_flight = 0usize;
         let mut next_seq = 0u64;
@@ -579,11 +574,6 @@ impl<H: Handler> RangeProcessor<H> {
         // Messages read so far; the first window of a range taken from an owner that did not
         // release it is checked for state that owner left (see `RangeDelivery::check_state`).
         let mut read = 0usize;
-        let stops = Stops {
-            step_aside: step_aside.clone(),
-            draining: draining.clone(),
-            give_up: give_up.clone(),
-        };
         // The last delivery's "got a permit" signal (unordered groups).
         let mut in_feed_order: Option<oneshot::Receiver<()>> = None;
 
@@ -596,8 +586,8 @@ impl<H: Handler> RangeProcessor<H> {
                 biased;
                 _ = stop.cancelled(), if reading => {
                     reading = false;
-                    give_up.cancel();
-                    draining.cancel();
+                    stops.give_up.cancel();
+                    stops.draining.cancel();
                     debug!(%group, lease = %label, in_flight, "draining range");
                 }
                 Some((seq, recorded)) = done_rx.recv() => {
@@ -617,14 +607,14 @@ impl<H: Handler> RangeProcessor<H> {
                             Ok(Some(current)) => {
                                 lease = current;
                                 if lease.handover_to.is_some() {
-                                    hand_over(&lease, &mut reading, &[&give_up, &draining]);
+                                    hand_over(&lease, &mut reading, &[&stops.give_up, &stops.draining]);
                                 }
                             }
                             _ => {
                                 // Fencing: another host owns the range now; read nothing more.
                                 warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease lost; stopped reading the range");
                                 // Deliveries in flight finish and settle under their own claims.
-                                abandon(&step_aside, &mut deliveries);
+                                abandon(&stops.step_aside, &mut deliveries);
                                 return RangeExit::Lost;
                             }
                         },
@@ -632,7 +622,7 @@ impl<H: Handler> RangeProcessor<H> {
                             warn!(%group, lease = %label, error = %e, "lease renewal failed; retrying");
                             if self.now() - lease.timestamp > duration_ms(self.options.lease_expire) {
                                 warn!(%group, lease = %label, "lease expired without renewal; stopped reading the range");
-                                abandon(&step_aside, &mut deliveries);
+                                abandon(&stops.step_aside, &mut deliveries);
                                 return RangeExit::Lost;
                             }
                         }
@@ -640,7 +630,7 @@ impl<H: Handler> RangeProcessor<H> {
                 }
                 _ = flush.tick(), if checkpoint != lease.continuation => {
                     if let Some(exit) = self.write_checkpoint(&mut lease, &checkpoint).await {
-                        abandon(&step_aside, &mut deliveries);
+                        abandon(&stops.step_aside, &mut deliveries);
                         return exit;
                     }
                 }
@@ -658,13 +648,13 @@ impl<H: Handler> RangeProcessor<H> {
                                     match self.current_confirmed(&lease).await {
                                         Err(()) => {
                                             warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease taken by another host; stopped reading the range");
-                                            abandon(&step_aside, &mut deliveries);
+                                            abandon(&stops.step_aside, &mut deliveries);
                                             return RangeExit::Lost;
                                         }
                                         Ok(Some(current)) if current.handover_to.is_some() => {
                                             // Asked for: this page is left to the next owner.
                                             lease = current;
-                                            hand_over(&lease, &mut reading, &[&give_up, &draining]);
+                                            hand_over(&lease, &mut reading, &[&stops.give_up, &stops.draining]);
                                             continue;
                                         }
                                         Ok(_) => {}
