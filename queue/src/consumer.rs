@@ -438,13 +438,13 @@ impl<H: Handler> Worker<H> {
                     let poll = Duration::from_millis(100 << held_polls.min(6)).min(HELD_POLL_MAX);
                     let wait = self.until(until.unwrap_or(0)).min(poll);
                     if !self.wait(permit, wait, give_up).await {
-                        return Fate::Unrecorded;
+                        return Fate::Pending; // its holder's document brings it back
                     }
                 }
                 Ok(ClaimOutcome::NotYetDue { due }) if ordered => {
                     check_state = true;
                     if !self.wait(permit, self.until(due), give_up).await {
-                        return Fate::Unrecorded;
+                        return Fate::Pending; // its schedule brings it back
                     }
                 }
                 Ok(other) => {

@@ -282,7 +282,6 @@ impl<H: Handler> Host<H> {
                 }
                 warn!(group = self.group.name(), lease = %lease.range_label(), owner = %victim, "the owner did not hand the lease over in time; taking it");
             }
-            let recovering = lease.owner.is_some();
             match self.store.acquire(lease, &self.options.name, now).await {
                 Ok(lease) => {
                     match &take.steal_from {
@@ -301,7 +300,6 @@ impl<H: Handler> Host<H> {
                         permits: Arc::clone(permits),
                         options: self.options.clone(),
                         stats: Arc::clone(&self.stats),
-                        recovering,
                     };
                     let id = lease.id.clone();
                     let task =
@@ -359,9 +357,6 @@ struct RangeProcessor<H> {
     permits: Arc<Semaphore>,
     options: HostOptions,
     stats: Arc<ConsumerStats>,
-    /// The lease was taken from an owner that did not release it (it died, or it was stolen):
-    /// that owner may have left messages mid-retry just past the checkpoint.
-    recovering: bool,
 }
 
 /// What a message of an ordered group tells the next message of its key: its id and fate.
@@ -402,9 +397,12 @@ struct RangeDelivery<H> {
     permits: Arc<Semaphore>,
     stop: Stops,
     page_started: Arc<AtomicBool>,
-    /// Look for a state document even in stream mode (an ordered stream range taken from an
-    /// owner that may have been retrying this message in place): at most one window of
-    /// reads after such a take-over, none otherwise.
+    /// Look for a state document even in stream mode: in an ordered stream group, the first
+    /// window read after taking a range. Its previous owner may have left messages there that
+    /// it was retrying in place (it died), that wait for their schedule, or that it settled in
+    /// a page it could not checkpoint whole (it drained or handed the range over while a
+    /// message of that page waited): those are waited for, or skipped, not delivered past.
+    /// One point read per message of that window; none after it, none in other groups.
     check_state: bool,
 }
 
@@ -571,8 +569,8 @@ impl<H: Handler> RangeProcessor<H> {
         let ordered = self.group.config().ordered;
         let stream = self.group.config().mode == crate::config::DeliveryMode::Stream;
         let mut chains: HashMap<String, oneshot::Receiver<KeyFate>> = HashMap::new();
-        // Messages read so far; the first window of a range taken from an owner that did not
-        // release it is checked for state that owner left (see `RangeDelivery::check_state`).
+        // Messages read so far; the first window after taking a range is checked for state the
+        // previous owner left (see `RangeDelivery::check_state`).
         let mut read = 0usize;
         // The last delivery's "got a permit" signal (unordered groups).
         let mut in_feed_order: Option<oneshot::Receiver<()>> = None;
@@ -687,7 +685,7 @@ impl<H: Handler> RangeProcessor<H> {
                                     let (tx, rx) = oneshot::channel();
                                     Turn::Feed { previous: in_feed_order.replace(rx), next: Some(tx) }
                                 };
-                                let check_state = self.recovering && stream && ordered && read < self.options.max_in_flight_per_range;
+                                let check_state = stream && ordered && read < self.options.max_in_flight_per_range;
                                 read += 1;
                                 let delivery = RangeDelivery {
                                     worker: Arc::clone(&self.worker),

@@ -819,3 +819,85 @@ async fn an_ordered_stream_schedule_is_delivered_once_and_before_the_keys_next_m
         .unwrap();
     assert_eq!(state.state, MessageState::DeadLettered);
 }
+
+/// Found by the randomized histories (seed 93): an ordered stream range drained (a hand-over)
+/// while a schedule waited; the schedule counted as unrecorded, its page held the checkpoint,
+/// and the next owner delivered that page's dead-lettered and completed messages again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_while_an_ordered_stream_schedule_waits_does_not_hold_its_page_back() {
+    let fixture = Fixture::new(1).await;
+    let batch = vec![
+        NewMessage::json(json!(0))
+            .with_id("dropped")
+            .with_partition_key("b"),
+        NewMessage::json(json!(1))
+            .with_id("later")
+            .with_partition_key("a")
+            .with_delay(Duration::from_secs(3600)),
+        NewMessage::json(json!(2))
+            .with_id("done")
+            .with_partition_key("b"),
+    ];
+    for message in batch {
+        fixture.queue.enqueue(message).await.unwrap();
+    }
+    let config = GroupConfig::new("g")
+        .with_mode(DeliveryMode::Stream)
+        .with_start_from(StartFrom::Beginning)
+        .with_ordering(true);
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+    let notify = Arc::new(Notify::new());
+    let handler = {
+        let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+        move |d: Delivery| {
+            let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+            async move {
+                seen.lock().unwrap().push(d.message.id.clone());
+                notify.notify_waiters();
+                match d.message.id.as_str() {
+                    "dropped" => Outcome::DeadLetter {
+                        reason: "DroppedByApp".into(),
+                        error: "no".into(),
+                    },
+                    _ => Outcome::Complete,
+                }
+            }
+        }
+    };
+    let group = fixture.group(config.clone());
+    let host = Host::new(group.clone(), handler.clone(), fast_host("a"));
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(host.run(stop.clone()));
+    wait_on(&notify, "the page delivered", || {
+        seen.lock().unwrap().contains(&"done".to_owned())
+    })
+    .await;
+    // Pod "a" drains (SIGTERM) while "later" waits for its time: the page is settled or
+    // recorded, so the checkpoint it leaves passes it.
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    let lag = group.estimate().await.unwrap().lag();
+    assert_eq!(lag, 0, "the drained range's checkpoint passes the page");
+    // Pod "b" takes the range and finds nothing to deliver again.
+    let host = Host::new(group.clone(), handler.clone(), fast_host("b"));
+    let stats = host.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(host.run(stop.clone()));
+    cosmosq_tests::eventually("b holds the range", Duration::from_secs(10), || {
+        let stats = Arc::clone(&stats);
+        async move {
+            stats
+                .leases_owned
+                .load(std::sync::atomic::Ordering::Relaxed)
+                == 1
+        }
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec!["dropped", "done"],
+        "nothing delivered again by the next owner"
+    );
+}
