@@ -901,3 +901,87 @@ async fn a_drain_while_an_ordered_stream_schedule_waits_does_not_hold_its_page_b
         "nothing delivered again by the next owner"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_refused_for_good_ends_in_the_dead_letters_with_the_cause_not_in_a_loop() {
+    use cosmosq_queue::fault_injection::{
+        CustomResponseBuilder, FaultInjectionConditionBuilder, FaultInjectionResultBuilder,
+        FaultInjectionRuleBuilder, FaultOperationType,
+    };
+    let fixture = Fixture::new(1).await;
+    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
+    cosmosq_queue::lease::LeaseStore::new(fixture.queue.clone(), "g")
+        .with_start_from(StartFrom::Beginning)
+        .reconcile(fixture.queue.clock().now_ms(), 60_000)
+        .await
+        .unwrap();
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(1))
+                .with_id("m")
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    // The first state write (the claim) is refused as a request: 403, as for a missing grant
+    // or a key Cosmos cannot take.
+    let forbidden = Arc::new(
+        FaultInjectionRuleBuilder::new(
+            "forbidden-claim",
+            FaultInjectionResultBuilder::new()
+                .with_custom_response(
+                    CustomResponseBuilder::new(azure_core::http::StatusCode::Forbidden).build(),
+                )
+                .build(),
+        )
+        .with_condition(
+            FaultInjectionConditionBuilder::new()
+                .with_operation_type(FaultOperationType::CreateItem)
+                .with_container_id("q-leases")
+                .build(),
+        )
+        .with_hit_limit(1)
+        .build(),
+    );
+    let client = fixture
+        .emulator
+        .client_with_faults(vec![Arc::clone(&forbidden)])
+        .await
+        .unwrap();
+    let queue = cosmosq_queue::Queue::open(&client, QueueConfig::new("db", "q"))
+        .await
+        .unwrap();
+    let ledger = Arc::new(cosmosq_tests::Ledger::default());
+    let host = Host::new(
+        queue.group(config.clone()).unwrap(),
+        cosmosq_tests::recording(&ledger),
+        fast_host("h"),
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(host.run(stop.clone()));
+    let group = fixture.group(config);
+    cosmosq_tests::eventually(
+        "the refused message is dead-lettered",
+        Duration::from_secs(10),
+        || {
+            let group = group.clone();
+            async move { !group.dead_letters(None).await.unwrap().is_empty() }
+        },
+    )
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(forbidden.hit_count(), 1);
+    let dead = group.dead_letters(None).await.unwrap();
+    assert_eq!(dead[0].reason.as_deref(), Some("PermanentError"));
+    assert!(
+        dead[0]
+            .last_error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("403"),
+        "the cause is named: {dead:?}"
+    );
+    assert_eq!(ledger.delivered("g"), 0, "never delivered");
+}
