@@ -428,6 +428,39 @@ async fn work_due_next_week_is_not_backlog() {
     );
 }
 
+/// A handler that records the ids it is given, in order, and wakes the `Notify` each time; it
+/// dead-letters the ids in `dropped` and completes the rest.
+#[allow(clippy::type_complexity)]
+fn recorder(
+    dropped: &'static [&'static str],
+) -> (
+    Arc<Mutex<Vec<String>>>,
+    Arc<Notify>,
+    impl Fn(Delivery) -> futures::future::BoxFuture<'static, Outcome> + Clone + Send + Sync + 'static,
+) {
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+    let notify = Arc::new(Notify::new());
+    let handler = {
+        let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+        move |d: Delivery| {
+            let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
+            Box::pin(async move {
+                seen.lock().unwrap().push(d.message.id.clone());
+                notify.notify_waiters();
+                if dropped.contains(&d.message.id.as_str()) {
+                    Outcome::DeadLetter {
+                        reason: "DroppedByApp".into(),
+                        error: "no".into(),
+                    }
+                } else {
+                    Outcome::Complete
+                }
+            }) as futures::future::BoxFuture<'static, Outcome>
+        }
+    };
+    (seen, notify, handler)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scheduled_message_of_an_ordered_group_holds_no_permit_while_it_waits() {
     let fixture = Fixture::new(1).await;
@@ -455,19 +488,7 @@ async fn a_scheduled_message_of_an_ordered_group_holds_no_permit_while_it_waits(
             )
             .await
             .unwrap();
-        let seen = Arc::new(Mutex::new(Vec::<String>::new()));
-        let notify = Arc::new(Notify::new());
-        let handler = {
-            let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
-            move |d: Delivery| {
-                let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
-                async move {
-                    seen.lock().unwrap().push(d.message.id.clone());
-                    notify.notify_waiters();
-                    Outcome::Complete
-                }
-            }
-        };
+        let (seen, notify, handler) = recorder(&[]);
         // Two permits, three schedules an hour out ahead of the message due now: before the
         // fix, each waiting schedule held a permit (and polled once a second) for its hour.
         let options = HostOptions {
@@ -780,25 +801,7 @@ async fn an_ordered_stream_schedule_is_delivered_once_and_before_the_keys_next_m
         .with_mode(DeliveryMode::Stream)
         .with_start_from(StartFrom::Beginning)
         .with_ordering(true);
-    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
-    let notify = Arc::new(Notify::new());
-    let handler = {
-        let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
-        move |d: Delivery| {
-            let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
-            async move {
-                seen.lock().unwrap().push(d.message.id.clone());
-                notify.notify_waiters();
-                match d.message.id.as_str() {
-                    "m0" => Outcome::DeadLetter {
-                        reason: "DroppedByApp".into(),
-                        error: "no".into(),
-                    },
-                    _ => Outcome::Complete,
-                }
-            }
-        }
-    };
+    let (seen, notify, handler) = recorder(&["m0"]);
     let host = Host::new(fixture.group(config.clone()), handler, fast_host("h"));
     let stop = CancellationToken::new();
     let task = tokio::spawn(host.run(stop.clone()));
@@ -845,25 +848,7 @@ async fn a_drain_while_an_ordered_stream_schedule_waits_does_not_hold_its_page_b
         .with_mode(DeliveryMode::Stream)
         .with_start_from(StartFrom::Beginning)
         .with_ordering(true);
-    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
-    let notify = Arc::new(Notify::new());
-    let handler = {
-        let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
-        move |d: Delivery| {
-            let (seen, notify) = (Arc::clone(&seen), Arc::clone(&notify));
-            async move {
-                seen.lock().unwrap().push(d.message.id.clone());
-                notify.notify_waiters();
-                match d.message.id.as_str() {
-                    "dropped" => Outcome::DeadLetter {
-                        reason: "DroppedByApp".into(),
-                        error: "no".into(),
-                    },
-                    _ => Outcome::Complete,
-                }
-            }
-        }
-    };
+    let (seen, notify, handler) = recorder(&["dropped"]);
     let group = fixture.group(config.clone());
     let host = Host::new(group.clone(), handler.clone(), fast_host("a"));
     let stop = CancellationToken::new();
