@@ -579,13 +579,12 @@ impl<H: Handler> Worker<H> {
 
     pub(crate) async fn process_due(&self, doc: StateDoc, permit: &mut Permit) {
         let (pk, id) = (doc.message_pk.clone(), doc.id.clone());
-        // Read before taking over: a failed read then costs nothing, where after the take-over
-        // it would burn one of the message's delivery attempts.
-        let message = match self.group.queue().read_message(&pk, &id).await {
-            Ok(message) => message,
-            Err(e) => return self.failed("read message", &id, e),
-        };
-        // A take-over whose answer was lost may have taken effect: tried again with the same
+        // Take over first, then read the message: of the hosts that found the same document,
+        // only the one that won reads its body (the others lose on the ETag at a fraction of
+        // the cost). A take-over whose answer was lost may have taken effect: tried again with
+        // the same token on the document as it now is, it is recognised as ours instead of
+        // burning the attempt it recorded (bounded by a lock duration, after which the sweep
+        // finds it again). whose answer was lost may have taken effect: tried again with the same
         // token on the document as it now is, it is recognised as ours instead of burning the
         // attempt it recorded (bounded by a lock duration, after which the sweep finds it).
         let token = crate::group::new_lock_token();
@@ -621,6 +620,17 @@ impl<H: Handler> Worker<H> {
                         return;
                     }
                 }
+            }
+        };
+        let message = match self.group.queue().read_message(&pk, &id).await {
+            Ok(message) => message,
+            Err(e) => {
+                // Nothing was delivered: give the message back without counting the attempt.
+                self.failed("read message", &id, e);
+                if let Err(e) = self.group.release(&claim).await {
+                    self.failed("release", &id, e);
+                }
+                return;
             }
         };
         match message {

@@ -19,8 +19,6 @@
 
 use std::collections::BTreeMap;
 
-use azure_data_cosmos::feed::FeedRange;
-use azure_data_cosmos::models::PartitionKeyDefinition;
 use azure_data_cosmos::FeedScope;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -30,7 +28,7 @@ use crate::config::StartFrom;
 use crate::error::{QueueError, Result};
 use crate::feed;
 use crate::group::{Group, STATE_DOC_TYPE};
-use crate::lease::{epk_cmp, Lease, LeaseStore};
+use crate::lease::{epk_in, key_epk, Lease, LeaseStore};
 use crate::sql;
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -201,20 +199,16 @@ impl Group {
             "estimate",
         )
         .await?;
-        let definition: PartitionKeyDefinition =
-            crate::provision::hash_key(&self.queue().config().partition_key_path);
         let mut buckets: Vec<Vec<Pending>> = leases.iter().map(|_| Vec::new()).collect();
         let mut key_to_lease: BTreeMap<String, Option<usize>> = BTreeMap::new();
         for doc in docs {
             let slot = *key_to_lease
                 .entry(doc.message_pk.canonical())
                 .or_insert_with(|| {
-                    let range =
-                        FeedRange::for_partition(doc.message_pk.to_partition_key(), &definition);
-                    let epk = range.min_inclusive().to_hex();
-                    leases.iter().position(|l| {
-                        epk_cmp(&epk, &l.min_epk).is_ge() && epk_cmp(&epk, &l.max_epk).is_lt()
-                    })
+                    let epk = key_epk(&doc.message_pk, &self.queue().config().partition_key_path);
+                    leases
+                        .iter()
+                        .position(|l| epk_in(&epk, &l.min_epk, &l.max_epk))
                 });
             if let Some(i) = slot {
                 buckets[i].push(doc);

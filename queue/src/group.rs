@@ -606,6 +606,18 @@ impl Group {
         Ok(RetryOutcome::Scheduled { at })
     }
 
+    /// Gives a claimed message back undelivered (its body could not be read): deliverable
+    /// again after a short back-off, and the attempt the claim counted is not counted.
+    pub async fn release(&self, claim: &Claim) -> Result<()> {
+        let now = self.now();
+        let mut next = self.next_state(claim, now);
+        next.state = MessageState::Retry;
+        next.owner = None;
+        next.attempts = claim.attempt.saturating_sub(1);
+        next.due = Some(now + duration_ms(self.config.retry.backoff_random(1)));
+        self.settle_claim(claim, next, "release").await
+    }
+
     /// Records a failed delivery and keeps the message (ordered groups retry in place so the
     /// key's next message keeps waiting): the attempt count grows and the lock is extended.
     pub async fn retry_in_place(&self, claim: &mut Claim, holder: &str, error: &str) -> Result<()> {

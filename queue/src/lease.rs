@@ -132,6 +132,19 @@ pub fn epk_cmp(a: &str, b: &str) -> std::cmp::Ordering {
     a.to_ascii_uppercase().cmp(&b.to_ascii_uppercase())
 }
 
+/// The effective partition key (hex) of a message key in a container partitioned by `path`.
+pub fn key_epk(key: &crate::message::MessageKey, partition_key_path: &str) -> String {
+    let definition = crate::provision::hash_key(partition_key_path);
+    FeedRange::for_partition(key.to_partition_key(), &definition)
+        .min_inclusive()
+        .to_hex()
+}
+
+/// Whether `epk` falls in the range `[min, max)`.
+pub fn epk_in(epk: &str, min: &str, max: &str) -> bool {
+    epk_cmp(epk, min).is_ge() && epk_cmp(epk, max).is_lt()
+}
+
 /// Narrows a continuation token of a parent range to one of its sub-ranges (a split child),
 /// keeping the parent's position: the child partition continues the parent's LSNs, as the
 /// change feed processor's child leases do. `None` if the token's format is not understood

@@ -970,3 +970,61 @@ async fn a_claim_refused_for_good_ends_in_the_dead_letters_with_the_cause_not_in
     );
     assert_eq!(ledger.delivered("g"), 0, "never delivered");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hosts_sweeping_together_read_each_due_message_once() {
+    let fixture = Fixture::new(1).await;
+    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
+    let group = fixture.group(config.clone());
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(1))
+                .with_id("m")
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    let message = stored(&fixture, &"k".into(), "m").await;
+    let claim = claimed(group.claim(&message, "gone").await.unwrap());
+    group
+        .retry(&claim, "later", Some(Duration::from_millis(300)))
+        .await
+        .unwrap();
+    // Three hosts, each with its own queue handle (its own request counters), find the retry
+    // at about the same time.
+    let (seen, notify, handler) = recorder(&[]);
+    let mut hosts = Vec::new();
+    for name in ["a", "b", "c"] {
+        let queue = cosmosq_queue::Queue::open(&fixture.client, QueueConfig::new("db", "q"))
+            .await
+            .unwrap();
+        let host = Host::new(
+            queue.group(config.clone()).unwrap(),
+            handler.clone(),
+            fast_host(name),
+        );
+        let stop = CancellationToken::new();
+        hosts.push((queue, stop.clone(), tokio::spawn(host.run(stop))));
+    }
+    wait_on(&notify, "the retry delivered", || {
+        !seen.lock().unwrap().is_empty()
+    })
+    .await;
+    let mut reads = 0;
+    for (queue, stop, task) in hosts {
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        reads += queue
+            .charges()
+            .snapshot()
+            .by_operation
+            .get("read message")
+            .map_or(0, |c| c.calls);
+    }
+    assert_eq!(*seen.lock().unwrap(), vec!["m"]);
+    assert_eq!(
+        reads, 1,
+        "only the host that took the message over reads it"
+    );
+}
