@@ -936,6 +936,21 @@ mod tests {
     }
 
     #[test]
+    fn an_apps_retry_after_never_outlives_the_message() {
+        let now = 1_000_000;
+        let ten_min = Duration::from_secs(600);
+        assert_eq!(retry_at(now, ten_min, None), now + 600_000);
+        assert_eq!(retry_at(now, ten_min, Some(now + 3_600_000)), now + 600_000);
+        // Asked for ten minutes, the message expires in five: a minute before it expires.
+        assert_eq!(
+            retry_at(now, ten_min, Some(now + 300_000)),
+            now + 300_000 - RETRY_BEFORE_EXPIRY_MS
+        );
+        // Already about to expire: now, never in the past.
+        assert_eq!(retry_at(now, ten_min, Some(now + 1_000)), now);
+    }
+
+    #[test]
     fn long_errors_are_cut_with_a_marker() {
         let long = "e".repeat(MAX_ERROR_CHARS + 10);
         let cut = truncate(&long);

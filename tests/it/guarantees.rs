@@ -1028,3 +1028,84 @@ async fn hosts_sweeping_together_read_each_due_message_once() {
         "only the host that took the message over reads it"
     );
 }
+
+#[tokio::test]
+async fn a_sidecar_estimates_only_the_ranges_it_owns() {
+    let fixture = Fixture::new(2).await;
+    let group = fixture.group(GroupConfig::new("g").with_start_from(StartFrom::Beginning));
+    let store = cosmosq_queue::lease::LeaseStore::new(fixture.queue.clone(), "g")
+        .with_start_from(StartFrom::Beginning);
+    let now = fixture.queue.clock().now_ms();
+    store.reconcile(now, 60_000).await.unwrap();
+    let leases = store.list().await.unwrap();
+    assert_eq!(leases.len(), 2);
+    store.acquire(&leases[0], "me", now).await.unwrap();
+    let mine = group.estimate_owned("me").await.unwrap();
+    assert_eq!(mine.ranges.len(), 1);
+    assert_eq!(mine.ranges[0].owner.as_deref(), Some("me"));
+    assert_eq!(group.estimate().await.unwrap().ranges.len(), 2);
+    assert!(group
+        .estimate_owned("nobody")
+        .await
+        .unwrap()
+        .ranges
+        .is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_lock_cancels_the_apps_call_and_is_counted() {
+    let (fixture, clock) = Fixture::with_manual_clock(1).await;
+    let config = GroupConfig::new("g")
+        .with_start_from(StartFrom::Beginning)
+        .with_lock_duration(Duration::from_secs(3));
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(1))
+                .with_id("m")
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    /// Counts calls of the app that ended without an answer (dropped mid-way).
+    struct Cut(Arc<std::sync::atomic::AtomicUsize>, Arc<Notify>);
+    impl Drop for Cut {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.1.notify_waiters();
+        }
+    }
+    let cut = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = Arc::new(Notify::new());
+    let notify = Arc::new(Notify::new());
+    let handler = {
+        let (cut, started, notify) = (Arc::clone(&cut), Arc::clone(&started), Arc::clone(&notify));
+        move |_d: Delivery| {
+            let guard = Cut(Arc::clone(&cut), Arc::clone(&notify));
+            let started = Arc::clone(&started);
+            async move {
+                let _guard = guard;
+                started.notify_one();
+                std::future::pending::<Outcome>().await
+            }
+        }
+    };
+    let host = Host::new(fixture.group(config.clone()), handler, fast_host("h"));
+    let stats = host.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(host.run(stop.clone()));
+    started.notified().await;
+    // The lock runs out (the clock jumps past it) and another consumer takes the message.
+    clock.advance(Duration::from_secs(4));
+    let group = fixture.group(config);
+    let doc = group.read_state(&"k".into(), "m").await.unwrap().unwrap();
+    let _ = group.take_over(doc, "thief").await.unwrap();
+    wait_on(&notify, "the first call cut", || {
+        cut.load(std::sync::atomic::Ordering::SeqCst) >= 1
+    })
+    .await;
+    assert!(stats.lock_lost.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    stop.cancel();
+    task.abort();
+    let _ = task.await;
+}
