@@ -206,7 +206,10 @@ impl Handler for AppClient {
         self.metrics.in_flight.inc();
         let (answer, hard, crashed) = self.call(&delivery).await;
         self.metrics.in_flight.dec();
-        self.record(hard);
+        // A crash is judged per message by the isolation below, not by the breaker: a poison
+        // message that crashes the app would otherwise open it for ever longer cool-downs and
+        // stall every other message. An app that stays down refuses connections, which count.
+        self.record(hard && !crashed);
         if self.lock_isolation().observe(crashed, alone) == Verdict::Isolate {
             warn!(message_id = %delivery.message.id, "the app went down with other deliveries in flight; delivering them again one at a time, uncounted");
             return Outcome::Undelivered {
