@@ -55,6 +55,29 @@ async fn stored(fixture: &Fixture, key: &MessageKey, id: &str) -> Message {
     fixture.queue.read_message(key, id).await.unwrap().unwrap()
 }
 
+/// Enqueues `id` under key "k", delivers it once to a holder that fails it, and leaves it
+/// waiting for a retry after `delay` (as the app's `Retry-After` asks). Returns the message.
+async fn enqueued_and_failed(
+    fixture: &Fixture,
+    group: &cosmosq_queue::Group,
+    id: &str,
+    delay: Duration,
+) -> Message {
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(id))
+                .with_id(id)
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    let message = stored(fixture, &"k".into(), id).await;
+    let claim = claimed(group.claim(&message, "gone").await.unwrap());
+    group.retry(&claim, "later", Some(delay)).await.unwrap();
+    message
+}
+
 #[tokio::test]
 async fn retention_is_the_containers_so_a_ten_day_schedule_on_a_thirty_day_queue_is_kept() {
     let clock = Clock::manual(cosmosq_queue::clock::system_now_ms());
@@ -515,29 +538,23 @@ async fn a_scheduled_message_of_an_ordered_group_holds_no_permit_while_it_waits(
 
 #[tokio::test]
 async fn a_message_that_expired_while_it_waited_is_dead_lettered_with_the_reason() {
-    // A retry due after its message's TTL: the sweep finds no message and records why.
+    // The app asks for a retry in two hours; the message expires in one: the retry is due a
+    // minute before the expiry, and its state outlives the message. If the message is gone
+    // by then all the same, the sweep finds no message and records why.
     let clock = Clock::manual(cosmosq_queue::clock::system_now_ms());
     let fixture = queue_with_retention(Duration::from_secs(3600), clock.clone()).await;
     let group = fixture.group(GroupConfig::new("g"));
-    fixture
-        .queue
-        .enqueue(
-            NewMessage::json(json!(1))
-                .with_id("m")
-                .with_partition_key("k"),
-        )
-        .await
-        .unwrap();
-    let message = stored(&fixture, &"k".into(), "m").await;
-    let claim = claimed(group.claim(&message, "a").await.unwrap());
-    group
-        .retry(&claim, "later", Some(Duration::from_secs(7200)))
-        .await
-        .unwrap();
+    let message = enqueued_and_failed(&fixture, &group, "m", Duration::from_secs(7200)).await;
     let state = group.read_state(&"k".into(), "m").await.unwrap().unwrap();
+    let expiry = message.enqueued_at + 3_600_000;
     assert!(
-        state.ttl.unwrap() >= 7200,
-        "the retry outlives its message so its fate is still recorded"
+        state.due.unwrap() <= expiry - 60_000,
+        "a Retry-After past the message's life is capped: due {:?}, expiry {expiry}",
+        state.due
+    );
+    assert!(
+        state.ttl.unwrap() >= 3600,
+        "the retry's state outlives its message so its fate is still recorded"
     );
     // The emulator keeps items past their TTL; the real service removes the message.
     fixture
@@ -976,21 +993,16 @@ async fn hosts_sweeping_together_read_each_due_message_once() {
     let fixture = Fixture::new(1).await;
     let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
     let group = fixture.group(config.clone());
-    fixture
-        .queue
-        .enqueue(
-            NewMessage::json(json!(1))
-                .with_id("m")
-                .with_partition_key("k"),
+    const MESSAGES: usize = 30;
+    for i in 0..MESSAGES {
+        enqueued_and_failed(
+            &fixture,
+            &group,
+            &format!("m{i}"),
+            Duration::from_millis(300),
         )
-        .await
-        .unwrap();
-    let message = stored(&fixture, &"k".into(), "m").await;
-    let claim = claimed(group.claim(&message, "gone").await.unwrap());
-    group
-        .retry(&claim, "later", Some(Duration::from_millis(300)))
-        .await
-        .unwrap();
+        .await;
+    }
     // Three hosts, each with its own queue handle (its own request counters), find the retry
     // at about the same time.
     let (seen, notify, handler) = recorder(&[]);
@@ -1007,8 +1019,8 @@ async fn hosts_sweeping_together_read_each_due_message_once() {
         let stop = CancellationToken::new();
         hosts.push((queue, stop.clone(), tokio::spawn(host.run(stop))));
     }
-    wait_on(&notify, "the retry delivered", || {
-        !seen.lock().unwrap().is_empty()
+    wait_on(&notify, "the retries delivered", || {
+        seen.lock().unwrap().len() >= MESSAGES
     })
     .await;
     let mut reads = 0;
@@ -1022,10 +1034,10 @@ async fn hosts_sweeping_together_read_each_due_message_once() {
             .get("read message")
             .map_or(0, |c| c.calls);
     }
-    assert_eq!(*seen.lock().unwrap(), vec!["m"]);
+    assert_eq!(seen.lock().unwrap().len(), MESSAGES, "each delivered once");
     assert_eq!(
-        reads, 1,
-        "only the host that took the message over reads it"
+        reads, MESSAGES as u64,
+        "only the host that took a message over reads it"
     );
 }
 
