@@ -388,6 +388,12 @@ impl Permit {
 /// usually settles long before the lock would expire.
 const HELD_POLL_MAX: Duration = Duration::from_secs(5);
 
+/// The pause before the `n`-th look at a message another holder has: 200 ms, doubling, up to
+/// [`HELD_POLL_MAX`].
+fn look_again_after(n: u32) -> Duration {
+    Duration::from_millis(100 << n.min(6)).min(HELD_POLL_MAX)
+}
+
 /// Everything one delivery task needs: claim, deliver with lock renewal, settle.
 pub(crate) struct Worker<H> {
     pub(crate) group: Group,
@@ -435,7 +441,7 @@ impl<H: Handler> Worker<H> {
                 Ok(ClaimOutcome::Held { until, .. }) if ordered => {
                     check_state = true;
                     held_polls += 1;
-                    let poll = Duration::from_millis(100 << held_polls.min(6)).min(HELD_POLL_MAX);
+                    let poll = look_again_after(held_polls);
                     let wait = self.until(until.unwrap_or(0)).min(poll);
                     if !self.wait(permit, wait, give_up).await {
                         return Fate::Pending; // its holder's document brings it back
@@ -486,7 +492,7 @@ impl<H: Handler> Worker<H> {
                 Ok(Some(_)) | Err(_) => {}
             }
             looks += 1;
-            let wait = Duration::from_millis(100 << looks.min(6)).min(HELD_POLL_MAX);
+            let wait = look_again_after(looks);
             tokio::time::sleep(wait).await;
         }
     }
