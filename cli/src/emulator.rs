@@ -27,6 +27,7 @@ pub async fn run(args: EmulatorArgs) -> anyhow::Result<()> {
         EmulatorOptions {
             partitions: args.partitions,
             throughput: args.throughput,
+            ..Default::default()
         },
     )
     .await?;

@@ -8,7 +8,9 @@ use azure_data_cosmos::options::Region;
 use azure_data_cosmos::{
     AccountEndpoint, AccountReference, CosmosClient, CosmosClientBuilder, RoutingStrategy,
 };
+use url::Url;
 
+use crate::account::{self, AccountCredential};
 use crate::error::{QueueError, Result};
 
 /// The account key every Cosmos DB emulator accepts (public, documented by Microsoft).
@@ -101,18 +103,27 @@ impl ConnectionArgs {
         Ok(Secret::new(key.trim().to_owned()))
     }
 
-    /// Connects (the SDK discovers the account's regions on first use).
+    /// Connects, after checking that the account can hold a queue ([`account`]); the SDK
+    /// discovers the account's regions on first use.
     pub async fn connect(&self) -> Result<CosmosClient> {
         self.validate()?;
         let endpoint: AccountEndpoint = self.endpoint.parse().map_err(|_| {
             QueueError::Config(format!("--endpoint {:?} is not a URL", self.endpoint))
         })?;
-        let account = match self.auth {
-            Auth::Key => AccountReference::with_authentication_key(endpoint, self.account_key()?),
-            Auth::Emulator => {
-                AccountReference::with_authentication_key(endpoint, Secret::new(EMULATOR_KEY))
-            }
-            Auth::Identity => AccountReference::with_credential(endpoint, identity_credential()?),
+        let credential = match self.auth {
+            Auth::Key => AccountCredential::Key(self.account_key()?),
+            Auth::Emulator => AccountCredential::Key(Secret::new(EMULATOR_KEY)),
+            Auth::Identity => AccountCredential::Token(identity_credential()?),
+        };
+        let url = Url::parse(&self.endpoint).map_err(|_| {
+            QueueError::Config(format!("--endpoint {:?} is not a URL", self.endpoint))
+        })?;
+        account::read(&*azure_core::http::new_http_client(None), &url, &credential)
+            .await?
+            .check()?;
+        let account = match credential {
+            AccountCredential::Key(key) => AccountReference::with_authentication_key(endpoint, key),
+            AccountCredential::Token(token) => AccountReference::with_credential(endpoint, token),
         };
         CosmosClientBuilder::new()
             .build(

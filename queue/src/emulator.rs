@@ -18,7 +18,7 @@ use azure_data_cosmos::{
 };
 use azure_data_cosmos_driver::in_memory_emulator::{
     ConsistencyLevel, EmulatorStore, InMemoryEmulatorHttpClient, VirtualAccountConfig,
-    VirtualRegion,
+    VirtualRegion, WriteMode,
 };
 use futures::StreamExt;
 use serde_json::Value;
@@ -39,6 +39,9 @@ pub struct EmulatorOptions {
     pub partitions: u32,
     /// Throttle each container at this many RU/s (429s with retry-after), like a real account.
     pub throughput: Option<u64>,
+    /// Advertise multi-region writes, as an account with that setting on does (cosmosq
+    /// refuses such accounts; this lets the refusal be tried).
+    pub multi_region_writes: bool,
 }
 
 impl Default for EmulatorOptions {
@@ -46,6 +49,7 @@ impl Default for EmulatorOptions {
         Self {
             partitions: 4,
             throughput: None,
+            multi_region_writes: false,
         }
     }
 }
@@ -79,7 +83,12 @@ impl Emulator {
             VirtualAccountConfig::new(vec![VirtualRegion::new(REGION_NAME, endpoint.clone())])
                 .map_err(|e| QueueError::Config(format!("emulator: {e}")))?
                 .with_consistency(ConsistencyLevel::Session)
-                .with_throttling_enabled(options.throughput.is_some());
+                .with_throttling_enabled(options.throughput.is_some())
+                .with_write_mode(if options.multi_region_writes {
+                    WriteMode::Multi
+                } else {
+                    WriteMode::Single
+                });
         let http = InMemoryEmulatorHttpClient::try_new(config)
             .map_err(|e| QueueError::Config(format!("emulator: {e}")))?;
         Ok(Arc::new(Self {

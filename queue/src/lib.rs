@@ -9,6 +9,7 @@
 //! Nothing here knows about HTTP or Kubernetes; the sidecar and the operator build on it.
 #![forbid(unsafe_code)]
 
+pub mod account;
 pub mod backoff;
 pub mod balance;
 pub mod charge;

@@ -215,6 +215,7 @@ async fn throttled_account_loses_nothing() {
         EmulatorOptions {
             partitions: 1,
             throughput: Some(400),
+            ..Default::default()
         },
         config,
         Clock::system(),

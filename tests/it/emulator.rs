@@ -111,3 +111,30 @@ async fn ttl_sweep_expires_messages_after_retention() {
         .unwrap()
         .is_none());
 }
+
+/// Every claim, lease and checkpoint is an ETag compare-and-swap, which multi-region writes
+/// break (last writer wins): connecting to such an account fails, naming the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_account_with_multi_region_writes_is_refused_at_connect() {
+    cosmosq_tests::init_tracing();
+    let served = Emulator::serve_localhost(
+        0,
+        EmulatorOptions {
+            partitions: 1,
+            multi_region_writes: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let err = ConnectionArgs::emulator(&served.endpoint)
+        .connect()
+        .await
+        .err()
+        .expect("multi-region writes are refused");
+    assert!(
+        err.to_string().contains("enableMultipleWriteLocations"),
+        "{err}"
+    );
+    served.stop.cancel();
+}
