@@ -7,8 +7,10 @@
 use azure_core::http::Etag;
 use azure_data_cosmos::feed::FeedRange;
 use azure_data_cosmos::models::EffectivePartitionKey;
-use azure_data_cosmos::options::{ItemWriteOptions, Precondition, ReadFeedRangesOptions};
-use azure_data_cosmos::{FeedScope, PartitionKey};
+use azure_data_cosmos::options::{
+    BatchDeleteOptions, ItemWriteOptions, Precondition, ReadFeedRangesOptions,
+};
+use azure_data_cosmos::{FeedScope, PartitionKey, TransactionalBatch};
 use base64::Engine as _;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -469,9 +471,25 @@ impl LeaseStore {
     }
 
     /// Replaces a free lease whose range split by one lease per child range, each continuing
-    /// from the parent's position; the parent is removed last, `If-Match`, so two hosts
-    /// splitting at once converge on the same children.
-    async fn split(&self, parent: &Lease, children: &[(String, String)], now: i64) -> Result<()> {
+    /// from the parent's position. One transactional batch (a group's leases share a partition
+    /// key) deletes the parent `If-Match` the version read and writes the children, so either
+    /// the split happens from that version or nothing is written: if another host took the
+    /// parent meanwhile (its view did not show the split yet) and moved its checkpoint, children
+    /// from the older checkpoint never appear next to it, to be read a second time.
+    pub async fn split(
+        &self,
+        parent: &Lease,
+        children: &[(String, String)],
+        now: i64,
+    ) -> Result<()> {
+        let mut batch = TransactionalBatch::new(parent.pk.clone()).delete_item(
+            parent.id.clone(),
+            Some(
+                BatchDeleteOptions::default().with_precondition(Precondition::if_match(
+                    Etag::from(parent.etag.clone().unwrap_or_default()),
+                )),
+            ),
+        );
         for (min, max) in children {
             let continuation = parent.continuation.as_deref().map(|t| {
                 narrow_continuation(t, min, max).unwrap_or_else(|| {
@@ -479,15 +497,57 @@ impl LeaseStore {
                     t.to_owned()
                 })
             });
-            self.create(&Lease::new(&self.group, min, max, continuation, now))
-                .await?;
+            // Upsert: children an interrupted split of an earlier version left behind are
+            // brought up to the parent's checkpoint.
+            batch = batch
+                .upsert_item(Lease::new(&self.group, min, max, continuation, now), None)
+                .map_err(QueueError::cosmos("build lease split"))?;
         }
-        match self.delete(parent).await {
-            Ok(()) | Err(LeaseError::Lost) => {}
-            Err(LeaseError::Other(e)) => return Err(e),
+        let status = match self
+            .queue
+            .leases()
+            .execute_transactional_batch(batch, None)
+            .await
+        {
+            Ok(response) => {
+                self.queue
+                    .charges()
+                    .record_diagnostics("split lease", &response.diagnostics());
+                let whole = u16::from(response.status().status_code());
+                if whole == 207 || !(200..300).contains(&whole) {
+                    // A rejected batch names the operation that failed; the others say 424.
+                    response
+                        .into_model()
+                        .ok()
+                        .and_then(|m| {
+                            m.results()
+                                .iter()
+                                .map(|r| r.status_code())
+                                .find(|s| !(200..300).contains(s) && *s != 424)
+                        })
+                        .unwrap_or(if whole == 207 { 500 } else { whole })
+                } else {
+                    whole
+                }
+            }
+            Err(e) => status_of(&e),
+        };
+        match status {
+            200..=299 => {
+                info!(group = %self.group, parent = %parent.range_label(), children = children.len(), "lease split: children continue from the parent's checkpoint");
+                Ok(())
+            }
+            PRECONDITION_FAILED | NOT_FOUND => {
+                info!(group = %self.group, parent = %parent.range_label(), "lease split skipped: the parent changed since it was read (taken, or split by another host)");
+                Ok(())
+            }
+            status => Err(QueueError::Cosmos {
+                operation: "split lease",
+                status,
+                sub_status: None,
+                message: format!("splitting lease {}", parent.id),
+            }),
         }
-        info!(group = %self.group, parent = %parent.range_label(), children = children.len(), "lease split: children continue from the parent's checkpoint");
-        Ok(())
     }
 
     async fn create(&self, lease: &Lease) -> Result<()> {
@@ -505,29 +565,6 @@ impl LeaseStore {
             }
             Err(e) if status_of(&e) == CONFLICT => Ok(()),
             Err(e) => Err(QueueError::cosmos("create lease")(e)),
-        }
-    }
-
-    async fn delete(&self, lease: &Lease) -> Result<(), LeaseError> {
-        let options = ItemWriteOptions::default().with_precondition(Precondition::if_match(
-            Etag::from(lease.etag.clone().unwrap_or_default()),
-        ));
-        match self
-            .queue
-            .leases()
-            .delete_item(lease.pk.clone(), &lease.id, Some(options))
-            .await
-        {
-            Ok(r) => {
-                self.queue
-                    .charges()
-                    .record_diagnostics("delete lease", &r.diagnostics());
-                Ok(())
-            }
-            Err(e) if matches!(status_of(&e), PRECONDITION_FAILED | NOT_FOUND) => {
-                Err(LeaseError::Lost)
-            }
-            Err(e) => Err(LeaseError::Other(QueueError::cosmos("delete lease")(e))),
         }
     }
 

@@ -841,3 +841,66 @@ async fn stream_hosts_hand_leases_over_for_balance_without_delivering_anything_t
         "handed over, not stolen"
     );
 }
+
+/// A host splits a free parent from the version it read. If another host took the parent in
+/// between (its view did not show the split yet) and moved the checkpoint, the split must
+/// write nothing: children next to a live parent would be read a second time, from the older
+/// checkpoint, by other hosts. Once the parent is free again, the split happens from its
+/// newest checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_from_a_stale_read_of_the_parent_writes_nothing() {
+    use cosmosq_queue::lease::{range_bounds, split_children};
+    let fixture = Fixture::new(1).await;
+    let store = LeaseStore::new(fixture.queue.clone(), "g");
+    let now = 1_000_000;
+    let expire = 10_000;
+    let read = store.reconcile(now, expire).await.unwrap().leases;
+    assert_eq!(read.len(), 1);
+    let stale = read[0].clone();
+
+    let taken = store.acquire(&stale, "b", now).await.unwrap();
+    let taken = store
+        .checkpoint(
+            &taken,
+            stale.continuation.clone().unwrap_or_default(),
+            now + 1,
+        )
+        .await
+        .unwrap();
+    fixture
+        .emulator
+        .set_partition_count("db", "q", 2)
+        .await
+        .unwrap();
+    let physical: Vec<_> = fixture
+        .queue
+        .messages()
+        .read_feed_ranges(Some(
+            azure_data_cosmos::options::ReadFeedRangesOptions::default().with_force_refresh(true),
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .map(range_bounds)
+        .collect();
+    let children = split_children(&stale, &physical);
+    assert_eq!(children.len(), 2);
+
+    store.split(&stale, &children, now).await.unwrap();
+    let after = store.list().await.unwrap();
+    assert_eq!(
+        after.iter().map(|l| l.id.as_str()).collect::<Vec<_>>(),
+        vec![stale.id.as_str()],
+        "only the parent, still held by b"
+    );
+    assert_eq!(after[0].owner.as_deref(), Some("b"));
+
+    store.release(&taken).await.unwrap();
+    let split = store.reconcile(now + 2, expire).await.unwrap().leases;
+    assert_eq!(split.len(), 2, "{split:?}");
+    assert!(split.iter().all(|l| l.id != stale.id && l.owner.is_none()));
+    assert!(
+        split.iter().all(|l| l.timestamp == now + 2),
+        "the children come from the split of the released parent"
+    );
+}
