@@ -130,8 +130,7 @@ async fn an_account_with_multi_region_writes_is_refused_at_connect() {
     let err = ConnectionArgs::emulator(&served.endpoint)
         .connect()
         .await
-        .err()
-        .expect("multi-region writes are refused");
+        .expect_err("multi-region writes are refused");
     assert!(
         err.to_string().contains("enableMultipleWriteLocations"),
         "{err}"
