@@ -259,7 +259,7 @@ impl<H: Handler> Consumer<H> {
                 biased;
                 _ = shutdown.cancelled() => break,
                 _ = sweep.tick() => {
-                    match self.group.due(self.options.max_concurrency * 4).await {
+                    match self.group.due(self.options.max_concurrency * 4, None).await {
                         Ok(docs) => for doc in docs {
                             let permit = tokio::select! {
                                 p = Arc::clone(&permits).acquire_owned() => p.expect("semaphore never closes"),

@@ -28,7 +28,7 @@ use crate::config::StartFrom;
 use crate::error::{QueueError, Result};
 use crate::feed;
 use crate::group::{Group, STATE_DOC_TYPE};
-use crate::lease::{epk_in, key_epk, Lease, LeaseStore};
+use crate::lease::{epk_in, Lease, LeaseStore};
 use crate::sql;
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -205,7 +205,7 @@ impl Group {
             let slot = *key_to_lease
                 .entry(doc.message_pk.canonical())
                 .or_insert_with(|| {
-                    let epk = key_epk(&doc.message_pk, &self.queue().config().partition_key_path);
+                    let epk = self.queue().message_epk(&doc.message_pk);
                     leases
                         .iter()
                         .position(|l| epk_in(&epk, &l.min_epk, &l.max_epk))

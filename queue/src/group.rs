@@ -116,6 +116,11 @@ pub struct StateDoc {
     /// Cosmos per-item TTL in seconds: the message's remaining life plus a margin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl: Option<i64>,
+    /// The message's effective partition key (hex): which lease's range it is in, so each host
+    /// sweeps the state of the ranges it owns. Set on every write; documents written before it
+    /// existed have none until their next write.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epk: Option<String>,
     #[serde(rename = "_etag", default, skip_serializing)]
     pub etag: Option<String>,
 }
@@ -214,6 +219,7 @@ impl StateDoc {
             reason: None,
             settled_at: None,
             ttl: None,
+            epk: None,
             etag: None,
         }
     }
@@ -680,6 +686,7 @@ impl Group {
             reason: None,
             settled_at: None,
             ttl: None,
+            epk: None,
             etag: None,
         })
     }
@@ -733,21 +740,41 @@ impl Group {
     }
 
     /// State documents whose lock expired or whose retry/schedule time has come, oldest due
-    /// first is not guaranteed; at most `limit`. Documents this version cannot read are
+    /// first is not guaranteed; at most `limit`. With `ranges` (the lease ranges a host owns),
+    /// only messages in them, plus documents that carry no EPK yet: hosts sweep disjoint sets
+    /// instead of racing on the same documents. Documents this version cannot read are
     /// reported and left out: they are another version's to handle, and must not stop the
     /// sweep of every other message.
-    pub async fn due(&self, limit: usize) -> Result<Vec<StateDoc>> {
-        let query = sql::query(
+    pub async fn due(
+        &self,
+        limit: usize,
+        ranges: Option<&[(String, String)]>,
+    ) -> Result<Vec<StateDoc>> {
+        let mut params = vec![
+            ("@limit".to_owned(), json!(limit)),
+            ("@type".to_owned(), json!(STATE_DOC_TYPE)),
+            ("@group".to_owned(), json!(self.name())),
+            ("@now".to_owned(), json!(self.now())),
+        ];
+        let mut text = String::from(
             "SELECT TOP @limit * FROM c WHERE c.type = @type AND c.group = @group \
              AND (c.state = 'locked' OR c.state = 'retry' OR c.state = 'scheduled') \
              AND c.due <= @now",
-            &[
-                ("@limit", json!(limit)),
-                ("@type", json!(STATE_DOC_TYPE)),
-                ("@group", json!(self.name())),
-                ("@now", json!(self.now())),
-            ],
-        )?;
+        );
+        if let Some(ranges) = ranges {
+            let mut any = vec!["NOT IS_DEFINED(c.epk)".to_owned()];
+            for (i, (min, max)) in coalesce_ranges(ranges).into_iter().enumerate() {
+                any.push(format!("(c.epk >= @min{i} AND c.epk < @max{i})"));
+                params.push((format!("@min{i}"), json!(min)));
+                params.push((format!("@max{i}"), json!(max)));
+            }
+            text.push_str(&format!(" AND ({})", any.join(" OR ")));
+        }
+        let params: Vec<(&str, serde_json::Value)> = params
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        let query = sql::query(&text, &params)?;
         let docs: Vec<serde_json::Value> = sql::collect(
             self.queue.leases(),
             query,
@@ -791,7 +818,18 @@ impl Group {
         }
     }
 
+    /// `doc` with its message's EPK, which every write carries (see [`StateDoc::epk`]).
+    fn with_epk<'d>(&self, doc: &'d StateDoc) -> std::borrow::Cow<'d, StateDoc> {
+        if doc.epk.is_some() {
+            return std::borrow::Cow::Borrowed(doc);
+        }
+        let mut doc = doc.clone();
+        doc.epk = Some(self.queue.message_epk(&doc.message_pk));
+        std::borrow::Cow::Owned(doc)
+    }
+
     async fn create(&self, doc: &StateDoc, op: &'static str) -> Result<Write> {
+        let doc = &*self.with_epk(doc);
         let result = self
             .queue
             .leases()
@@ -850,6 +888,7 @@ impl Group {
         etag: &str,
         op: &'static str,
     ) -> Result<Write> {
+        let doc = &*self.with_epk(doc);
         let options = ItemWriteOptions::default()
             .with_precondition(Precondition::if_match(Etag::from(etag.to_owned())));
         let result = self
@@ -890,6 +929,24 @@ impl Group {
     }
 }
 
+/// Ranges merged where they touch (the leases of one host are often neighbours), sorted.
+pub fn coalesce_ranges(ranges: &[(String, String)]) -> Vec<(String, String)> {
+    let mut sorted = ranges.to_vec();
+    sorted.sort_by(|a, b| crate::lease::epk_cmp(&a.0, &b.0));
+    let mut merged: Vec<(String, String)> = Vec::with_capacity(sorted.len());
+    for (min, max) in sorted {
+        match merged.last_mut() {
+            Some(last) if crate::lease::epk_cmp(&min, &last.1).is_le() => {
+                if crate::lease::epk_cmp(&max, &last.1).is_gt() {
+                    last.1 = max;
+                }
+            }
+            _ => merged.push((min, max)),
+        }
+    }
+    merged
+}
+
 fn truncate(text: &str) -> String {
     if text.chars().count() <= MAX_ERROR_CHARS {
         return text.to_owned();
@@ -901,6 +958,20 @@ fn truncate(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn owned_ranges_are_merged_where_they_touch() {
+        let r = |a: &str, b: &str| (a.to_owned(), b.to_owned());
+        assert_eq!(
+            coalesce_ranges(&[r("80", "FF"), r("", "40"), r("40", "80")]),
+            vec![r("", "FF")]
+        );
+        assert_eq!(
+            coalesce_ranges(&[r("C0", "FF"), r("", "40")]),
+            vec![r("", "40"), r("C0", "FF")]
+        );
+        assert!(coalesce_ranges(&[]).is_empty());
+    }
 
     #[test]
     fn state_doc_round_trips_and_hides_etag_on_write() {

@@ -15,7 +15,7 @@ use azure_data_cosmos::FeedScope;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::AbortOnDropHandle;
+use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 use tracing::{debug, info, warn};
 
 use crate::balance::{self, LeaseView};
@@ -109,6 +109,8 @@ enum RangeExit {
 struct Running {
     stop: CancellationToken,
     task: AbortOnDropHandle<RangeExit>,
+    /// The lease's EPK range: this host sweeps the state of the messages in it.
+    range: (String, String),
 }
 
 /// One consumer host of a group.
@@ -162,6 +164,7 @@ impl<H: Handler> Host<H> {
         let worker = self.worker();
         let mut owned: HashMap<String, Running> = HashMap::new();
         let mut sweeps = JoinSet::new();
+        let tracker = TaskTracker::new();
         let mut acquire = tokio::time::interval(self.options.lease_acquire);
         let mut sweep = tokio::time::interval(self.options.sweep_interval);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -172,12 +175,15 @@ impl<H: Handler> Host<H> {
                 biased;
                 _ = shutdown.cancelled() => break,
                 _ = acquire.tick() => {
-                    if let Err(e) = self.balance_round(&mut owned, &permits, &worker).await {
+                    if let Err(e) = self.balance_round(&mut owned, &permits, &worker, &tracker).await {
                         ConsumerStats::bump(&self.stats.errors);
                         warn!(group = self.group.name(), host = %self.options.name, error = %e, "lease round failed; trying again next interval");
                     }
                 }
-                _ = sweep.tick() => self.sweep(&permits, &worker, &mut sweeps).await,
+                _ = sweep.tick() => {
+                    let ranges: Vec<_> = owned.values().map(|r| r.range.clone()).collect();
+                    self.sweep(&ranges, &permits, &worker, &mut sweeps).await
+                }
             }
         }
         info!(group = self.group.name(), host = %self.options.name, leases = owned.len(), "stopping: draining and releasing leases");
@@ -188,6 +194,11 @@ impl<H: Handler> Host<H> {
             let _ = running.task.await;
         }
         while sweeps.join_next().await.is_some() {}
+        tracker.close();
+        if !tracker.is_empty() {
+            info!(group = self.group.name(), host = %self.options.name, deliveries = tracker.len(), "waiting for deliveries of lost ranges to settle");
+        }
+        tracker.wait().await;
         self.stats
             .leases_owned
             .store(0, std::sync::atomic::Ordering::Relaxed);
@@ -200,6 +211,7 @@ impl<H: Handler> Host<H> {
         owned: &mut HashMap<String, Running>,
         permits: &Arc<Semaphore>,
         worker: &Arc<Worker<H>>,
+        tracker: &TaskTracker,
     ) -> Result<()> {
         let ended: Vec<String> = owned
             .iter()
@@ -300,11 +312,13 @@ impl<H: Handler> Host<H> {
                         permits: Arc::clone(permits),
                         options: self.options.clone(),
                         stats: Arc::clone(&self.stats),
+                        deliveries: tracker.clone(),
                     };
                     let id = lease.id.clone();
+                    let range = (lease.min_epk.clone(), lease.max_epk.clone());
                     let task =
                         AbortOnDropHandle::new(tokio::spawn(processor.run(lease, stop.clone())));
-                    owned.insert(id, Running { stop, task });
+                    owned.insert(id, Running { stop, task, range });
                     ConsumerStats::bump(&self.stats.leases_acquired);
                 }
                 Err(LeaseError::Lost) => {
@@ -319,8 +333,11 @@ impl<H: Handler> Host<H> {
         Ok(())
     }
 
+    /// Delivers the due retries, schedules and expired locks of the ranges this host owns
+    /// (a host without leases has nothing to sweep; another host owns every range).
     async fn sweep(
         &self,
+        ranges: &[(String, String)],
         permits: &Arc<Semaphore>,
         worker: &Arc<Worker<H>>,
         sweeps: &mut JoinSet<()>,
@@ -330,7 +347,10 @@ impl<H: Handler> Host<H> {
             .max_concurrency
             .saturating_sub(sweeps.len())
             .max(1);
-        match self.group.due(limit).await {
+        if ranges.is_empty() {
+            return;
+        }
+        match self.group.due(limit, Some(ranges)).await {
             Ok(docs) => {
                 for doc in docs {
                     let worker = Arc::clone(worker);
@@ -357,6 +377,9 @@ struct RangeProcessor<H> {
     permits: Arc<Semaphore>,
     options: HostOptions,
     stats: Arc<ConsumerStats>,
+    /// Every delivery, including those a lost range leaves to finish under their own claims:
+    /// the host waits for them before it returns, or the process would exit mid-settle.
+    deliveries: TaskTracker,
 }
 
 /// What a message of an ordered group tells the next message of its key: its id and fate.
@@ -497,8 +520,12 @@ fn forget_settled_keys(chains: &mut HashMap<String, oneshot::Receiver<KeyFate>>)
 /// claims; those still waiting for a permit are not started: the checkpoint never passed them,
 /// so the new owner reads them again. (Delivering them anyway would only hand the app a second
 /// copy in stream mode, and waste a claim attempt in exclusive mode.)
-fn abandon(step_aside: &CancellationToken, deliveries: &mut JoinSet<()>) {
-    step_aside.cancel();
+fn abandon(stops: &Stops, deliveries: &mut JoinSet<()>) {
+    stops.step_aside.cancel();
+    // Waits (schedules, held messages, back-offs of writes that keep failing) end: the range's
+    // next owner brings those messages back. Settles of recorded claims keep trying until
+    // their locks expire; the host waits for them before it returns.
+    stops.give_up.cancel();
     deliveries.detach_all();
 }
 
@@ -612,7 +639,7 @@ impl<H: Handler> RangeProcessor<H> {
                                 // Fencing: another host owns the range now; read nothing more.
                                 warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease lost; stopped reading the range");
                                 // Deliveries in flight finish and settle under their own claims.
-                                abandon(&stops.step_aside, &mut deliveries);
+                                abandon(&stops, &mut deliveries);
                                 return RangeExit::Lost;
                             }
                         },
@@ -620,7 +647,7 @@ impl<H: Handler> RangeProcessor<H> {
                             warn!(%group, lease = %label, error = %e, "lease renewal failed; retrying");
                             if self.now() - lease.timestamp > duration_ms(self.options.lease_expire) {
                                 warn!(%group, lease = %label, "lease expired without renewal; stopped reading the range");
-                                abandon(&stops.step_aside, &mut deliveries);
+                                abandon(&stops, &mut deliveries);
                                 return RangeExit::Lost;
                             }
                         }
@@ -628,7 +655,7 @@ impl<H: Handler> RangeProcessor<H> {
                 }
                 _ = flush.tick(), if checkpoint != lease.continuation => {
                     if let Some(exit) = self.write_checkpoint(&mut lease, &checkpoint).await {
-                        abandon(&stops.step_aside, &mut deliveries);
+                        abandon(&stops, &mut deliveries);
                         return exit;
                     }
                 }
@@ -646,7 +673,7 @@ impl<H: Handler> RangeProcessor<H> {
                                     match self.current_confirmed(&lease).await {
                                         Err(()) => {
                                             warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease taken by another host; stopped reading the range");
-                                            abandon(&stops.step_aside, &mut deliveries);
+                                            abandon(&stops, &mut deliveries);
                                             return RangeExit::Lost;
                                         }
                                         Ok(Some(current)) if current.handover_to.is_some() => {
@@ -695,10 +722,10 @@ impl<H: Handler> RangeProcessor<H> {
                                     check_state,
                                 };
                                 let done = done_tx.clone();
-                                deliveries.spawn(async move {
+                                deliveries.spawn(self.deliveries.track_future(async move {
                                     let fate = delivery.run(message, turn).await;
                                     let _ = done.send((seq, fate.is_recorded()));
-                                });
+                                }));
                             }
                             window.push_back(slot);
                             if chains.len() > MAX_IDLE_CHAINS {

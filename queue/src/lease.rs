@@ -134,10 +134,13 @@ pub fn epk_cmp(a: &str, b: &str) -> std::cmp::Ordering {
     a.to_ascii_uppercase().cmp(&b.to_ascii_uppercase())
 }
 
-/// The effective partition key (hex) of a message key in a container partitioned by `path`.
-pub fn key_epk(key: &crate::message::MessageKey, partition_key_path: &str) -> String {
-    let definition = crate::provision::hash_key(partition_key_path);
-    FeedRange::for_partition(key.to_partition_key(), &definition)
+/// The effective partition key (hex, as lease bounds are) of a message key in a container
+/// partitioned by `definition`.
+pub fn key_epk(
+    key: &crate::message::MessageKey,
+    definition: &azure_data_cosmos::models::PartitionKeyDefinition,
+) -> String {
+    FeedRange::for_partition(key.to_partition_key(), definition)
         .min_inclusive()
         .to_hex()
 }

@@ -1,7 +1,8 @@
 //! Creates what a queue needs, leaving whatever already exists alone.
 
 use azure_data_cosmos::models::{
-    ContainerProperties, IndexingPolicy, PartitionKeyDefinition, ThroughputProperties, TimeToLive,
+    ContainerProperties, IndexingPolicy, PartitionKeyDefinition, PropertyPath,
+    ThroughputProperties, TimeToLive,
 };
 use azure_data_cosmos::options::CreateContainerOptions;
 use azure_data_cosmos::CosmosClient;
@@ -44,6 +45,9 @@ pub async fn provision(
     let created_messages_container =
         create_container(&db, messages_container(config), Some(options)).await?;
     let created_lease_container = create_container(&db, lease_container(config), None).await?;
+    if !created_lease_container {
+        index_lease_container(&db, config).await?;
+    }
     let provisioned = Provisioned {
         created_database,
         created_messages_container,
@@ -76,6 +80,50 @@ pub async fn deprovision(client: &CosmosClient, config: &QueueConfig) -> Result<
             Err(e) => return Err(QueueError::cosmos("delete container")(e)),
         }
     }
+    Ok(())
+}
+
+/// Indexed so each host's sweep of the ranges it owns is an index seek (added later than the
+/// others: lease containers created before it get it at the next provisioning).
+const EPK_INDEX_PATH: &str = "/epk/?";
+
+/// Adds what a lease container created by an earlier version does not index yet. Cosmos DB
+/// rebuilds the index online; queries work meanwhile.
+async fn index_lease_container(
+    db: &azure_data_cosmos::DatabaseClient,
+    config: &QueueConfig,
+) -> Result<()> {
+    let name = config.lease_container_name();
+    let container = db
+        .container_client(name.as_str(), None)
+        .await
+        .map_err(QueueError::cosmos("open lease container"))?;
+    let mut properties: ContainerProperties = container
+        .read(None)
+        .await
+        .map_err(QueueError::cosmos("read lease container"))?
+        .into_model()
+        .map_err(QueueError::cosmos("read lease container"))?;
+    let Some(policy) = properties.indexing_policy.as_mut() else {
+        return Ok(()); // the service's default policy indexes every path
+    };
+    let excludes_all = policy.excluded_paths.iter().any(|p| p.path == "/*");
+    if !excludes_all
+        || policy
+            .included_paths
+            .iter()
+            .any(|p| p.path == EPK_INDEX_PATH)
+    {
+        return Ok(());
+    }
+    policy
+        .included_paths
+        .push(PropertyPath::default().with_path(EPK_INDEX_PATH));
+    container
+        .replace(properties, None)
+        .await
+        .map_err(QueueError::cosmos("index lease container"))?;
+    info!(database = %config.database, container = %name, path = EPK_INDEX_PATH, "lease container index extended");
     Ok(())
 }
 
@@ -126,7 +174,7 @@ pub fn lease_container(config: &QueueConfig) -> ContainerProperties {
         "automatic": true,
         "includedPaths": [
             {"path": "/type/?"}, {"path": "/group/?"}, {"path": "/state/?"},
-            {"path": "/due/?"}, {"path": "/enqueuedAt/?"}
+            {"path": "/due/?"}, {"path": "/enqueuedAt/?"}, {"path": EPK_INDEX_PATH}
         ],
         "excludedPaths": [{"path": "/*"}]
     }))

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use azure_data_cosmos::models::PartitionKeyDefinition;
 use azure_data_cosmos::{ContainerClient, CosmosClient};
 
 use crate::charge::RequestCharges;
@@ -21,6 +22,8 @@ pub struct Queue {
 struct Inner {
     /// As given, except `retention`: the messages container's default TTL, read at open.
     config: QueueConfig,
+    /// The messages container's, as read at open: what effective partition keys are hashed by.
+    partition_key: PartitionKeyDefinition,
     /// Whether the messages container expires items at all (a per-message `ttl` needs it).
     ttl_enabled: bool,
     messages: ContainerClient,
@@ -56,6 +59,27 @@ impl Queue {
             .into_model()
             .map_err(QueueError::cosmos("read messages container"))?;
         let (ttl_enabled, retention) = retention_of(&properties.default_ttl);
+        let partition_key = properties.partition_key.clone();
+        let path = match partition_key.paths() {
+            [path] => path.to_string(),
+            paths => {
+                return Err(QueueError::Config(format!(
+                    "the messages container {} is partitioned by {} paths ({}); cosmosq needs \
+                     one partition key path",
+                    config.container,
+                    paths.len(),
+                    paths
+                        .iter()
+                        .map(|p| p.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )))
+            }
+        };
+        if config.partition_key_path != path {
+            tracing::info!(queue = %config.container, configured = %config.partition_key_path, container = %path, "partition key path taken from the messages container");
+            config.partition_key_path = path;
+        }
         if config.retention != retention {
             tracing::debug!(queue = %config.container, configured = ?config.retention, container = ?retention, "retention taken from the messages container");
         }
@@ -67,6 +91,7 @@ impl Queue {
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
+                partition_key,
                 ttl_enabled,
                 messages,
                 leases,
@@ -98,6 +123,12 @@ impl Queue {
 
     pub fn leases(&self) -> &ContainerClient {
         &self.inner.leases
+    }
+
+    /// The effective partition key (hex) of messages with `key`: where in the container's key
+    /// space, and so in which lease's range, they are.
+    pub fn message_epk(&self, key: &MessageKey) -> String {
+        crate::lease::key_epk(key, &self.inner.partition_key)
     }
 
     /// When `message` leaves the container by TTL (epoch ms); `None`: never.

@@ -137,3 +137,87 @@ async fn an_account_with_multi_region_writes_is_refused_at_connect() {
     );
     served.stop.cancel();
 }
+
+/// A lease container made by an earlier version gets the index the per-range sweep filters on
+/// when the queue is provisioned again; its other settings stay.
+#[tokio::test]
+async fn provisioning_again_indexes_what_an_older_lease_container_lacks() {
+    use azure_data_cosmos::models::ContainerProperties;
+    let emulator = Emulator::in_process(EmulatorOptions {
+        partitions: 1,
+        ..Default::default()
+    })
+    .unwrap();
+    let client = emulator.client().await.unwrap();
+    let config = QueueConfig::new("db", "q");
+    client.create_database("db", None).await.unwrap();
+    let db = client.database_client("db");
+    let mut old = cosmosq_queue::provision::lease_container(&config);
+    let policy = old.indexing_policy.as_mut().unwrap();
+    policy.included_paths.retain(|p| p.path != "/epk/?");
+    db.create_container(old, None).await.unwrap();
+
+    let leases = || async {
+        let container = client
+            .database_client("db")
+            .container_client(config.lease_container_name().as_str(), None)
+            .await
+            .unwrap();
+        let properties: ContainerProperties =
+            container.read(None).await.unwrap().into_model().unwrap();
+        properties
+    };
+    let before = leases().await;
+    assert!(!before
+        .indexing_policy
+        .as_ref()
+        .unwrap()
+        .included_paths
+        .iter()
+        .any(|p| p.path == "/epk/?"));
+    provision(&client, &config).await.unwrap();
+    let after = leases().await;
+    let paths: Vec<_> = after
+        .indexing_policy
+        .as_ref()
+        .unwrap()
+        .included_paths
+        .iter()
+        .map(|p| p.path.as_str())
+        .collect();
+    assert!(paths.contains(&"/epk/?"), "{paths:?}");
+    assert!(paths.contains(&"/due/?"), "{paths:?}");
+    assert_eq!(after.default_ttl, before.default_ttl);
+}
+
+/// A process configured with another partition key path than the container's uses the
+/// container's: keys, EPKs and the per-range sweep agree with where Cosmos put the messages.
+#[tokio::test]
+async fn the_partition_key_path_is_the_containers() {
+    let emulator = Emulator::in_process(EmulatorOptions {
+        partitions: 1,
+        ..Default::default()
+    })
+    .unwrap();
+    let client = emulator.client().await.unwrap();
+    let mut config = QueueConfig::new("db", "q");
+    config.partition_key_path = "/tenant".into();
+    provision(&client, &config).await.unwrap();
+    let queue = cosmosq_queue::Queue::open(&client, QueueConfig::new("db", "q"))
+        .await
+        .unwrap();
+    assert_eq!(queue.config().partition_key_path, "/tenant");
+    queue
+        .enqueue(
+            NewMessage::json(json!({"n": 1}))
+                .with_id("m")
+                .with_partition_key("acme"),
+        )
+        .await
+        .unwrap();
+    let message = queue.read_message(&"acme".into(), "m").await.unwrap();
+    assert!(
+        message.is_some(),
+        "stored and found under the container's key path"
+    );
+}

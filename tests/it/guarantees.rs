@@ -55,11 +55,12 @@ async fn stored(fixture: &Fixture, key: &MessageKey, id: &str) -> Message {
     fixture.queue.read_message(key, id).await.unwrap().unwrap()
 }
 
-/// Enqueues `id` under key "k", delivers it once to a holder that fails it, and leaves it
+/// Enqueues `id` under `key`, delivers it once to a holder that fails it, and leaves it
 /// waiting for a retry after `delay` (as the app's `Retry-After` asks). Returns the message.
 async fn enqueued_and_failed(
     fixture: &Fixture,
     group: &cosmosq_queue::Group,
+    key: &str,
     id: &str,
     delay: Duration,
 ) -> Message {
@@ -68,11 +69,11 @@ async fn enqueued_and_failed(
         .enqueue(
             NewMessage::json(json!(id))
                 .with_id(id)
-                .with_partition_key("k"),
+                .with_partition_key(key),
         )
         .await
         .unwrap();
-    let message = stored(fixture, &"k".into(), id).await;
+    let message = stored(fixture, &key.into(), id).await;
     let claim = claimed(group.claim(&message, "gone").await.unwrap());
     group.retry(&claim, "later", Some(delay)).await.unwrap();
     message
@@ -115,7 +116,7 @@ async fn retention_is_the_containers_so_a_ten_day_schedule_on_a_thirty_day_queue
 
     // Due after ten days: delivered, completed; the completion lives as long as the message.
     clock.advance(10 * DAY + Duration::from_secs(1));
-    let due = group.due(10).await.unwrap();
+    let due = group.due(10, None).await.unwrap();
     assert_eq!(due.len(), 1, "the schedule is due");
     let claim = claimed(group.take_over(due[0].clone(), "a").await.unwrap());
     group.complete(&claim).await.unwrap();
@@ -268,7 +269,7 @@ async fn keys_of_every_json_type_keep_their_type_through_retries() {
     // Each key has its own state document, and each retry finds its message again (before,
     // `5` was read back as `"5"`, found nothing, and was dead-lettered as expired).
     clock.advance(Duration::from_millis(1));
-    let due = group.due(100).await.unwrap();
+    let due = group.due(100, None).await.unwrap();
     assert_eq!(due.len(), keys.len(), "one state per key: {due:?}");
     for doc in due {
         let message = fixture
@@ -360,7 +361,7 @@ async fn a_state_written_by_a_newer_version_is_left_alone_and_does_not_stop_the_
         .await
         .unwrap();
     clock.advance(Duration::from_millis(1));
-    let due = group.due(10).await.unwrap();
+    let due = group.due(10, None).await.unwrap();
     assert_eq!(
         due.iter().map(|d| d.id.as_str()).collect::<Vec<_>>(),
         vec!["old"],
@@ -544,7 +545,7 @@ async fn a_message_that_expired_while_it_waited_is_dead_lettered_with_the_reason
     let clock = Clock::manual(cosmosq_queue::clock::system_now_ms());
     let fixture = queue_with_retention(Duration::from_secs(3600), clock.clone()).await;
     let group = fixture.group(GroupConfig::new("g"));
-    let message = enqueued_and_failed(&fixture, &group, "m", Duration::from_secs(7200)).await;
+    let message = enqueued_and_failed(&fixture, &group, "k", "m", Duration::from_secs(7200)).await;
     let state = group.read_state(&"k".into(), "m").await.unwrap().unwrap();
     let expiry = message.enqueued_at + 3_600_000;
     assert!(
@@ -990,7 +991,7 @@ async fn a_claim_refused_for_good_ends_in_the_dead_letters_with_the_cause_not_in
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hosts_sweeping_together_read_each_due_message_once() {
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::new(2).await;
     // Starting from now, the hosts read none of these messages from the feed: every delivery
     // comes from the sweep.
     let config = GroupConfig::new("g");
@@ -1000,13 +1001,14 @@ async fn hosts_sweeping_together_read_each_due_message_once() {
         enqueued_and_failed(
             &fixture,
             &group,
+            &format!("k{i}"),
             &format!("m{i}"),
             Duration::from_millis(300),
         )
         .await;
     }
-    // Three hosts, each with its own queue handle (its own request counters), find the retry
-    // at about the same time.
+    // Three hosts, each with its own queue handle (its own request counters), sweep the two
+    // ranges' retries: each message is found by its range's owner.
     let (seen, notify, handler) = recorder(&[]);
     let mut hosts = Vec::new();
     for name in ["a", "b", "c"] {
@@ -1122,4 +1124,141 @@ async fn a_lost_lock_cancels_the_apps_call_and_is_counted() {
     stop.cancel();
     task.abort();
     let _ = task.await;
+}
+
+/// Each host sweeps the state of the ranges it owns (and documents from before state carried an
+/// EPK), so hosts do not query, read and race on the same documents.
+#[tokio::test]
+async fn hosts_sweep_disjoint_sets_of_due_messages_by_owned_range() {
+    let (fixture, clock) = Fixture::with_manual_clock(2).await;
+    let group = fixture.group(GroupConfig::new("g"));
+    const MESSAGES: usize = 40;
+    for i in 0..MESSAGES {
+        let (key, id) = (format!("k{i}"), format!("m{i}"));
+        enqueued_and_failed(&fixture, &group, &key, &id, Duration::from_secs(1)).await;
+    }
+    // A document an earlier version wrote carries no EPK.
+    let legacy = group.read_state(&"k0".into(), "m0").await.unwrap().unwrap();
+    assert!(legacy.epk.is_some(), "new state documents carry the EPK");
+    let mut raw = serde_json::to_value(&legacy).unwrap();
+    raw.as_object_mut().unwrap().remove("epk");
+    fixture
+        .queue
+        .leases()
+        .upsert_item(legacy.pk.clone(), &legacy.id, raw, None)
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(2));
+
+    let ranges: Vec<(String, String)> = fixture
+        .queue
+        .messages()
+        .read_feed_ranges(Some(
+            azure_data_cosmos::options::ReadFeedRangesOptions::default().with_force_refresh(true),
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .map(cosmosq_queue::lease::range_bounds)
+        .collect();
+    assert_eq!(ranges.len(), 2);
+    let ids = |docs: Vec<cosmosq_queue::StateDoc>| -> std::collections::BTreeSet<String> {
+        docs.into_iter().map(|d| d.id).collect()
+    };
+    let first = ids(group.due(100, Some(&ranges[..1])).await.unwrap());
+    let second = ids(group.due(100, Some(&ranges[1..])).await.unwrap());
+    let all = ids(group.due(100, None).await.unwrap());
+    assert_eq!(all.len(), MESSAGES);
+    let shared: Vec<_> = first.intersection(&second).cloned().collect();
+    assert_eq!(
+        shared,
+        vec!["m0".to_owned()],
+        "only the legacy document is in both"
+    );
+    assert!(first.len() > 1 && second.len() > 1, "{first:?} {second:?}");
+    assert_eq!(&first | &second, all, "every due message is some range's");
+    let both = ids(group.due(100, Some(&ranges)).await.unwrap());
+    assert_eq!(both, all, "a host owning every range sweeps everything");
+    for id in first.iter().filter(|id| *id != "m0") {
+        let i: usize = id[1..].parse().unwrap();
+        let epk = fixture.queue.message_epk(&format!("k{i}").into());
+        assert!(
+            cosmosq_queue::lease::epk_in(&epk, &ranges[0].0, &ranges[0].1),
+            "{id} belongs to the first range"
+        );
+    }
+}
+
+/// The app finished its work while the pod was draining (scale-in, rolling update), and the
+/// write that records it meets two seconds of 503s: the drain keeps trying until the lock
+/// expires instead of throwing the success away (which would deliver the message again with
+/// one more attempt, or dead-letter it on its last). The outage also costs the host its lease
+/// (renewals fail past the expiry); the host still does not return, and so the process does
+/// not exit, before the settle lands (found by this test: it did).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_success_is_recorded_while_draining_through_an_outage() {
+    use cosmosq_queue::fault_injection::FaultOperationType as Op;
+    let fixture = Fixture::new(1).await;
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!("m"))
+                .with_id("m")
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    let rules = vec![outage(Op::ReplaceItem)];
+    let client = fixture
+        .emulator
+        .client_with_faults(rules.clone())
+        .await
+        .unwrap();
+    let queue = cosmosq_queue::Queue::open(&client, QueueConfig::new("db", "q"))
+        .await
+        .unwrap();
+    let config = GroupConfig::new("g")
+        .with_start_from(StartFrom::Beginning)
+        .with_lock_duration(Duration::from_secs(15));
+    let (in_app, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let handler = {
+        let (in_app, finish) = (Arc::clone(&in_app), Arc::clone(&finish));
+        move |_: Delivery| {
+            let (in_app, finish) = (Arc::clone(&in_app), Arc::clone(&finish));
+            async move {
+                in_app.notify_one();
+                finish.notified().await;
+                Outcome::Complete
+            }
+        }
+    };
+    let host = Host::new(
+        queue.group(config.clone()).unwrap(),
+        handler,
+        fast_host("h"),
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(host.run(stop.clone()));
+    in_app.notified().await;
+    stop.cancel();
+    rules.iter().for_each(|r| r.enable());
+    let lift = {
+        let rules = rules.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            rules.iter().for_each(|r| r.disable());
+        })
+    };
+    finish.notify_one();
+    task.await.unwrap().unwrap();
+    lift.await.unwrap();
+    assert!(rules[0].hit_count() > 0, "the outage was met");
+    let state = fixture
+        .group(config)
+        .read_state(&"k".into(), "m")
+        .await
+        .unwrap()
+        .expect("a state document");
+    assert_eq!(state.state, MessageState::Completed, "{state:?}");
+    assert_eq!(state.attempts, 1);
 }

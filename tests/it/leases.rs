@@ -738,10 +738,12 @@ async fn stolen_mid_delivery(mode: DeliveryMode) {
     })
     .await;
     // a leaves (so it cannot win the range back); its delivery under way is still at the app
-    // and settles under its own claim once the app answers.
+    // and settles under its own claim once the app answers. a's host returns only after that
+    // (its process must not exit mid-settle).
     let a_stats = Arc::clone(&a.stats);
-    stop_all(vec![a]).await;
+    a.stop.cancel();
     gate.send(true).unwrap();
+    stop_all(vec![a]).await;
     let in_flight = a_got.lock().unwrap()[0].clone();
     // The thief never renews; b takes the range once it expires.
     let ledger = Arc::new(Ledger::default());

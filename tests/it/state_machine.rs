@@ -48,13 +48,13 @@ async fn one_holder_at_a_time_until_the_lock_expires() {
         other => panic!("b must not get a held message: {other:?}"),
     }
     assert!(
-        group.due(10).await.unwrap().is_empty(),
+        group.due(10, None).await.unwrap().is_empty(),
         "a valid lock is not due"
     );
 
     // "a" dies. After the lock expires the sweep finds it and "b" gets delivery 2.
     clock.advance(Duration::from_secs(31));
-    let due = group.due(10).await.unwrap();
+    let due = group.due(10, None).await.unwrap();
     assert_eq!(due.len(), 1);
     let second = claimed(group.take_over(due[0].clone(), "b").await.unwrap());
     assert_eq!(second.attempt, 2);
@@ -67,7 +67,7 @@ async fn one_holder_at_a_time_until_the_lock_expires() {
         group.claim(&message, "c").await.unwrap(),
         ClaimOutcome::Settled(MessageState::Completed)
     ));
-    assert!(group.due(10).await.unwrap().is_empty());
+    assert!(group.due(10, None).await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -106,7 +106,7 @@ async fn writes_whose_answer_was_lost_are_recognised_by_their_lock_token() {
     let other = enqueue(&fixture, "m2").await;
     let stale = claimed(group.claim(&other, "a").await.unwrap());
     clock.advance(Duration::from_secs(31));
-    let due = group.due(10).await.unwrap();
+    let due = group.due(10, None).await.unwrap();
     let current = claimed(group.take_over(due[0].clone(), "b").await.unwrap());
     let late = group.complete(&stale).await.unwrap_err();
     assert!(matches!(late, QueueError::LockLost { .. }), "{late}");
@@ -123,7 +123,7 @@ async fn renewal_keeps_the_lock() {
         clock.advance(Duration::from_secs(20));
         group.renew(&mut claim).await.unwrap();
         assert!(
-            group.due(10).await.unwrap().is_empty(),
+            group.due(10, None).await.unwrap().is_empty(),
             "renewed locks are not due"
         );
     }
@@ -156,10 +156,10 @@ async fn retries_back_off_and_dead_letter_exactly_at_max_attempts() {
         );
         // Not before its time...
         clock.advance(Duration::from_secs(backoff - 1));
-        assert!(group.due(10).await.unwrap().is_empty());
+        assert!(group.due(10, None).await.unwrap().is_empty());
         // ...then due, to anyone.
         clock.advance(Duration::from_secs(1));
-        let due = group.due(10).await.unwrap();
+        let due = group.due(10, None).await.unwrap();
         assert_eq!(due.len(), 1);
         claim = claimed(group.take_over(due[0].clone(), "b").await.unwrap());
     }
@@ -190,7 +190,7 @@ async fn retries_back_off_and_dead_letter_exactly_at_max_attempts() {
     // Replay: deliverable again with a fresh budget.
     assert!(group.replay(&"k".into(), "poison").await.unwrap());
     assert!(group.dead_letters(None).await.unwrap().is_empty());
-    let due = group.due(10).await.unwrap();
+    let due = group.due(10, None).await.unwrap();
     let again = claimed(group.take_over(due[0].clone(), "c").await.unwrap());
     assert_eq!(again.attempt, 1);
     group.complete(&again).await.unwrap();
@@ -218,7 +218,7 @@ async fn drop_dead_letters_at_once_and_purge_removes_for_good() {
         group.claim(&message, "a").await.unwrap(),
         ClaimOutcome::Settled(MessageState::Purged)
     ));
-    assert!(group.due(10).await.unwrap().is_empty());
+    assert!(group.due(10, None).await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -236,7 +236,7 @@ async fn holder_that_dies_on_its_last_attempt_is_dead_lettered_not_redelivered()
     let message = enqueue(&fixture, "crashy").await;
     claimed(group.claim(&message, "a").await.unwrap());
     clock.advance(Duration::from_secs(6));
-    let due = group.due(10).await.unwrap();
+    let due = group.due(10, None).await.unwrap();
     assert!(matches!(
         group.take_over(due[0].clone(), "b").await.unwrap(),
         ClaimOutcome::DeadLettered
@@ -273,9 +273,9 @@ async fn scheduled_messages_are_not_claimable_before_their_time() {
         ));
     }
     clock.advance(Duration::from_secs(59));
-    assert!(group.due(10).await.unwrap().is_empty());
+    assert!(group.due(10, None).await.unwrap().is_empty());
     clock.advance(Duration::from_secs(1));
-    let due = group.due(10).await.unwrap();
+    let due = group.due(10, None).await.unwrap();
     assert_eq!(due.len(), 1);
     let claim = claimed(group.take_over(due[0].clone(), "a").await.unwrap());
     assert_eq!(
@@ -331,7 +331,7 @@ async fn stream_mode_writes_nothing_on_success_and_records_failures() {
     };
     assert_eq!(at, clock.now_ms() + 5_000, "Retry-After overrides back-off");
     clock.advance(Duration::from_secs(5));
-    let due = group.due(10).await.unwrap();
+    let due = group.due(10, None).await.unwrap();
     let again = claimed(group.take_over(due[0].clone(), "b").await.unwrap());
     assert_eq!(again.attempt, 2);
     group.complete(&again).await.unwrap();
