@@ -117,8 +117,9 @@ pub struct StateDoc {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl: Option<i64>,
     /// The message's effective partition key (hex): which lease's range it is in, so each host
-    /// sweeps the state of the ranges it owns. Set on every write; documents written before it
-    /// existed have none until their next write.
+    /// sweeps the state of the ranges it owns. Set on every write of a state the sweep looks
+    /// for (not on settled ones); documents written before it existed have none until their
+    /// next write.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epk: Option<String>,
     #[serde(rename = "_etag", default, skip_serializing)]
@@ -243,6 +244,7 @@ impl StateDoc {
         self.state = state;
         self.owner = None;
         self.due = None;
+        self.epk = None;
         self.settled_at = Some(now_ms);
     }
 }
@@ -818,9 +820,10 @@ impl Group {
         }
     }
 
-    /// `doc` with its message's EPK, which every write carries (see [`StateDoc::epk`]).
+    /// `doc` with its message's EPK, which every write of a state the sweep looks for carries
+    /// (see [`StateDoc::epk`]); settled states leave it out (one property less to pay for).
     fn with_epk<'d>(&self, doc: &'d StateDoc) -> std::borrow::Cow<'d, StateDoc> {
-        if doc.epk.is_some() {
+        if doc.epk.is_some() || doc.state.is_settled() {
             return std::borrow::Cow::Borrowed(doc);
         }
         let mut doc = doc.clone();
