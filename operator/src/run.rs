@@ -50,14 +50,19 @@ pub enum RunError {
 /// Runs until `shutdown`, or until leadership is lost (an error: the process exits and
 /// Kubernetes restarts it as a candidate).
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunError> {
-    // Both ring (kube) and aws-lc-rs (the Azure SDK's HTTP stack) are linked in; rustls needs
-    // to be told which one serves this process.
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    install_crypto_provider();
     let client = Client::try_default().await?;
     let backend = Backend::Azure {
         region: config.region.clone(),
     };
     run_with(client, backend, config, shutdown).await
+}
+
+/// Both ring (kube) and aws-lc-rs (the Azure SDK's HTTP stack) are linked in, so rustls finds
+/// no process-level provider by itself and a TLS client panics on its first connection. Every
+/// process that talks to an API server calls this first (the operator, tests on a cluster).
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 pub async fn run_with(

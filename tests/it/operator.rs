@@ -23,6 +23,7 @@ async fn the_operator_on_a_real_cluster() {
         );
         return;
     };
+    cosmosq_operator::run::install_crypto_provider();
     let kubeconfig = Kubeconfig::read_from(&path).expect("a readable kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
