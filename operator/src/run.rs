@@ -383,6 +383,7 @@ mod tests {
             cosmos,
             namespace: "shop".into(),
             identity: Some("operator-0".into()),
+            controllers: false,
         })
         .await;
 

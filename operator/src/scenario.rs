@@ -8,12 +8,12 @@ use std::time::Duration;
 use clap::Parser;
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use cosmosq_queue::{CosmosClient, NewMessage, Queue, QueueConfig};
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::wait::await_condition;
-use kube::{Api, Client, Resource};
+use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -32,6 +32,9 @@ pub struct Scenario {
     pub namespace: String,
     /// The operator's pod, if one exists for it to label.
     pub identity: Option<String>,
+    /// The cluster runs kube-controller-manager: also check what its controllers make of the
+    /// operator's objects (the Deployment's ReplicaSet). The in-memory API server has none.
+    pub controllers: bool,
 }
 
 /// Waits, through a watch, until `name` satisfies `condition`.
@@ -46,6 +49,41 @@ where
     .await
     .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
     .unwrap_or_else(|e| panic!("watching for {what}: {e}"));
+}
+
+/// Waits (by watching) until the objects `api` lists satisfy `condition`, for at most 2 min.
+pub async fn until_listed<K>(api: &Api<K>, what: &str, condition: impl Fn(&[K]) -> bool)
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    use futures::TryStreamExt;
+    use kube::runtime::{reflector, watcher};
+    let (store, writer) = reflector::store();
+    // Every event, not only applied objects: the store commits the initial list on `InitDone`.
+    let events = reflector(writer, watcher(api.clone(), watcher::Config::default()));
+    let found = async {
+        futures::pin_mut!(events);
+        while events
+            .try_next()
+            .await
+            .unwrap_or_else(|e| panic!("watching for {what}: {e}"))
+            .is_some()
+        {
+            let objects: Vec<K> = store.state().iter().map(|o| K::clone(o)).collect();
+            if condition(&objects) {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), found)
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}: {:?}", store.state()));
 }
 
 fn ready(conditions: &[Condition]) -> bool {
@@ -176,6 +214,43 @@ pub async fn operator_scenario(s: Scenario) {
         d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(3)
     })
     .await;
+    if s.controllers {
+        // The Deployment is valid to the cluster's own controller: it observed the scaled
+        // spec and made 3 Pods (Pending without nodes; the concurrency change above rolls out
+        // a second ReplicaSet, so they may be spread over two).
+        until(
+            &deployments,
+            "billing-workers",
+            "the Deployment controller to make 3 pods",
+            |d: Option<&Deployment>| {
+                d.is_some_and(|d| {
+                    d.status.as_ref().is_some_and(|st| {
+                        st.observed_generation == d.metadata.generation && st.replicas >= Some(3)
+                    })
+                })
+            },
+        )
+        .await;
+        let sets: Api<ReplicaSet> = Api::namespaced(s.client.clone(), ns);
+        until_listed(
+            &sets,
+            "ReplicaSets of the sidecar-injected template",
+            |list| {
+                list.iter().any(|rs| {
+                    rs.name_any().starts_with("billing-workers-")
+                        && rs
+                            .spec
+                            .as_ref()
+                            .and_then(|s| s.template.as_ref())
+                            .and_then(|t| t.spec.as_ref())
+                            .is_some_and(|p| {
+                                p.containers.iter().any(|c| c.name == "cosmosq-sidecar")
+                            })
+                })
+            },
+        )
+        .await;
+    }
     until(&groups, "billing", "the group's status", |g| {
         g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
             s.backlog == Some(100) && s.desired_replicas == Some(3) && ready(&s.conditions)

@@ -1,19 +1,27 @@
-//! The operator on a real cluster, when one is given: `COSMOSQ_E2E_KUBECONFIG=<kubeconfig>`.
-//! It applies the CRDs, runs the operator in this process (queues on the embedded emulator),
-//! and plays the same scenario the in-memory API server runs in every test run: a queue, a
-//! group, a backlog, the Deployment scaling, deletion and cleanup. No pod needs to run (they
-//! may stay Pending on a cluster without nodes).
+//! The operator on a real cluster, when one is given: `COSMOSQ_E2E_KUBECONFIG=<kubeconfig>`
+//! (any cluster; a control plane without nodes is enough: no pod needs to run). It applies the
+//! CRDs and the chart's RBAC, runs the operator in this process as the chart's ServiceAccount
+//! (impersonated, so the API server's real authorizer judges every call against the chart's
+//! grants), with queues on the embedded emulator, and plays the scenario the in-memory API
+//! server runs in every test run: a queue, a group, a backlog, the Deployment scaling (the
+//! real apps controller makes its ReplicaSet and Pods), deletion by the real garbage collector.
+//! Needs `helm` (`COSMOSQ_HELM`, `target/tools/helm` as `.ci/run` installs it, or `PATH`).
+
+use std::path::PathBuf;
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use cosmosq_operator::scenario::{operator_scenario, until, Scenario};
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{conditions, Condition};
 use kube::{Client, CustomResourceExt, ResourceExt};
-use serde_json::json;
+use serde_json::{json, Value};
+
+const MANAGER: &str = "cosmosq-e2e";
 
 #[tokio::test]
 async fn the_operator_on_a_real_cluster() {
@@ -28,14 +36,14 @@ async fn the_operator_on_a_real_cluster() {
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
         .expect("a usable kubeconfig");
-    let client = Client::try_from(config).expect("a client");
+    let client = Client::try_from(config.clone()).expect("a client");
 
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for crd in [CosmosQueue::crd(), QueueConsumerGroup::crd()] {
         let name = crd.name_any();
         crds.patch(
             &name,
-            &PatchParams::apply("cosmosq-e2e").force(),
+            &PatchParams::apply(MANAGER).force(),
             &Patch::Apply(&crd),
         )
         .await
@@ -45,10 +53,8 @@ async fn the_operator_on_a_real_cluster() {
         })
         .await;
     }
-    let namespace = format!(
-        "cosmosq-e2e-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
+    let suffix = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let namespace = format!("cosmosq-e2e-{suffix}");
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns = serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
     namespaces
@@ -56,17 +62,137 @@ async fn the_operator_on_a_real_cluster() {
         .await
         .expect("create the test namespace");
 
+    // The operator runs as the chart's ServiceAccount, with the chart's grants and no others.
+    let release = format!("cosmosq-{suffix}");
+    let account = apply_chart_rbac(&client, &release, &namespace).await;
+    let mut as_operator = config.clone();
+    as_operator.auth_info.impersonate =
+        Some(format!("system:serviceaccount:{namespace}:{account}"));
+    as_operator.auth_info.impersonate_groups = Some(vec![
+        "system:serviceaccounts".into(),
+        format!("system:serviceaccounts:{namespace}"),
+        "system:authenticated".into(),
+    ]);
+    let operator_client = Client::try_from(as_operator).expect("an impersonating client");
+
     let emulator = Emulator::in_process(EmulatorOptions::default()).expect("emulator");
     operator_scenario(Scenario {
         client: client.clone(),
-        operator_client: client.clone(),
+        operator_client,
         cosmos: emulator.client().await.expect("emulator client"),
         namespace: namespace.clone(),
         identity: None,
+        controllers: true,
     })
     .await;
+
     namespaces
         .delete(&namespace, &DeleteParams::background())
         .await
         .expect("delete the test namespace");
+    let cluster_roles: Api<ClusterRole> = Api::all(client.clone());
+    let bindings: Api<ClusterRoleBinding> = Api::all(client.clone());
+    cluster_roles
+        .delete(&release, &DeleteParams::default())
+        .await
+        .expect("delete the chart's ClusterRole");
+    bindings
+        .delete(&release, &DeleteParams::default())
+        .await
+        .expect("delete the chart's ClusterRoleBinding");
+}
+
+/// Renders the chart's ServiceAccount and RBAC for `release` in `namespace` with helm and
+/// applies them; returns the ServiceAccount's name.
+async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> String {
+    let chart = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
+    let output = std::process::Command::new(helm())
+        .args(["template", release])
+        .arg(&chart)
+        .args(["--namespace", namespace])
+        .args(["--show-only", "templates/serviceaccount.yaml"])
+        .args(["--show-only", "templates/rbac.yaml"])
+        .output()
+        .expect("run helm");
+    assert!(
+        output.status.success(),
+        "helm template: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rendered = String::from_utf8(output.stdout).expect("UTF-8");
+    let apply = PatchParams::apply(MANAGER).force();
+    let mut account = None;
+    let mut kinds = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&rendered) {
+        let object: Value = serde::Deserialize::deserialize(doc).expect("a YAML document");
+        if object.is_null() {
+            continue;
+        }
+        let kind = object["kind"].as_str().expect("a kind").to_owned();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .expect("a name")
+            .to_owned();
+        let patch = Patch::Apply(&object);
+        match kind.as_str() {
+            "ServiceAccount" => {
+                Api::<ServiceAccount>::namespaced(client.clone(), namespace)
+                    .patch(&name, &apply, &patch)
+                    .await
+                    .expect("apply the ServiceAccount");
+                account = Some(name);
+            }
+            "ClusterRole" => {
+                Api::<ClusterRole>::all(client.clone())
+                    .patch(&name, &apply, &patch)
+                    .await
+                    .expect("apply the ClusterRole");
+            }
+            "ClusterRoleBinding" => {
+                Api::<ClusterRoleBinding>::all(client.clone())
+                    .patch(&name, &apply, &patch)
+                    .await
+                    .expect("apply the ClusterRoleBinding");
+            }
+            "Role" => {
+                Api::<Role>::namespaced(client.clone(), namespace)
+                    .patch(&name, &apply, &patch)
+                    .await
+                    .expect("apply the Role");
+            }
+            "RoleBinding" => {
+                Api::<RoleBinding>::namespaced(client.clone(), namespace)
+                    .patch(&name, &apply, &patch)
+                    .await
+                    .expect("apply the RoleBinding");
+            }
+            other => panic!("the chart's RBAC templates rendered an unexpected {other}"),
+        }
+        kinds.push(kind);
+    }
+    for kind in [
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+    ] {
+        assert!(
+            kinds.iter().any(|k| k == kind),
+            "the chart renders a {kind}: {kinds:?}"
+        );
+    }
+    account.expect("the chart's ServiceAccount")
+}
+
+/// helm: `COSMOSQ_HELM`, then `target/tools/helm` (where `.ci/run` installs it), then `PATH`.
+fn helm() -> PathBuf {
+    if let Some(path) = std::env::var_os("COSMOSQ_HELM") {
+        return path.into();
+    }
+    let installed = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/tools/helm");
+    if installed.exists() {
+        return installed;
+    }
+    PathBuf::from("helm")
 }
