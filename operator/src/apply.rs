@@ -7,7 +7,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{Patch, PatchParams};
+use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
 use kube::{Api, Client, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -77,11 +77,57 @@ pub async fn apply_group(
     apply::<Deployment>(client, &namespace, &deployment).await?;
     if let Some(hpa) = &hpa {
         apply::<HorizontalPodAutoscaler>(client, &namespace, hpa).await?;
+    } else if spec_changed(qcg) {
+        // Left from HPA mode: it would go on scaling the Deployment against the operator.
+        remove_owned_hpa(client, &namespace, qcg).await?;
     }
     Ok(Applied {
         deployment: deployment.name_any(),
         hpa: hpa.is_some(),
     })
+}
+
+/// Whether the spec changed since the last reconcile that finished (a mode switch is one):
+/// only then can an object the group no longer wants be left over, so only then is it looked
+/// for (no extra request on the periodic reconciles).
+fn spec_changed(qcg: &QueueConsumerGroup) -> bool {
+    qcg.metadata.generation != qcg.status.as_ref().and_then(|s| s.observed_generation)
+}
+
+/// Deletes the group's HorizontalPodAutoscaler if there is one and the group owns it (an HPA
+/// of that name that someone else made is theirs). The delete is conditional on the UID read.
+async fn remove_owned_hpa(
+    client: &Client,
+    namespace: &str,
+    qcg: &QueueConsumerGroup,
+) -> Result<(), ApplyError> {
+    let api: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), namespace);
+    let name = build::workers_name(qcg);
+    let Some(hpa) = api.get_opt(&name).await? else {
+        return Ok(());
+    };
+    let ours = hpa
+        .owner_references()
+        .iter()
+        .any(|o| Some(&o.uid) == qcg.metadata.uid.as_ref());
+    if !ours {
+        return Ok(());
+    }
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: hpa.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    match api.delete(&name, &params).await {
+        Ok(_) => {
+            tracing::info!(group = %qcg.name_any(), hpa = %name, "removed the HorizontalPodAutoscaler: the group no longer scales through one");
+            Ok(())
+        }
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[cfg(test)]
@@ -224,6 +270,58 @@ mod tests {
         .unwrap();
         assert!(applied.hpa);
         verifier.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn switching_to_direct_mode_removes_the_groups_autoscaler_only() {
+        let hpa_path =
+            "/apis/autoscaling/v2/namespaces/shop/horizontalpodautoscalers/billing-workers";
+        for (owner, deleted) in [("g1", true), ("someone-else", false)] {
+            let (client, mut server) = client();
+            let verifier = tokio::spawn(async move {
+                for (path, kind) in [
+                    ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
+                    ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers", "Role"),
+                    ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
+                    ("/apis/apps/v1/namespaces/shop/deployments/billing-workers", "Deployment"),
+                ] {
+                    server.expect_apply(path, kind).await;
+                }
+                let existing = json!({
+                    "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                    "metadata": {"name": "billing-workers", "namespace": "shop", "uid": "h1",
+                                 "ownerReferences": [{"apiVersion": "cosmosq.io/v1alpha1",
+                                     "kind": "QueueConsumerGroup", "name": "billing", "uid": owner}]},
+                    "spec": {"scaleTargetRef": {"kind": "Deployment", "name": "billing-workers"},
+                             "maxReplicas": 5}
+                });
+                server
+                    .answer(
+                        Method::GET,
+                        hpa_path,
+                        json_response(StatusCode::OK, &existing),
+                    )
+                    .await;
+                if deleted {
+                    let seen = server.expect(Method::DELETE, hpa_path).await;
+                    assert_eq!(seen.body["preconditions"]["uid"], "h1");
+                    seen.send
+                        .send_response(json_response(StatusCode::OK, &existing));
+                }
+                server
+            });
+            let mut switched = group(json!({}));
+            switched.metadata.generation = Some(3);
+            switched.status =
+                Some(serde_json::from_value(json!({"observedGeneration": 2})).unwrap());
+            let applied = apply_group(&client, &switched, &queue(), &defaults())
+                .await
+                .unwrap();
+            assert!(!applied.hpa);
+            let server = verifier.await.unwrap();
+            drop(client);
+            server.done().await;
+        }
     }
 
     #[tokio::test]

@@ -9,6 +9,7 @@ use clap::Parser;
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use cosmosq_queue::{CosmosClient, NewMessage, Queue, QueueConfig};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
@@ -280,6 +281,27 @@ pub async fn operator_scenario(s: Scenario) {
         .spec
         .and_then(|s| s.holder_identity);
     assert!(holder.is_some(), "a leader holds the Lease");
+
+    // HPA mode: the operator writes an HPA on its external metric; switching back to Direct
+    // removes it (two scalers on one Deployment would fight).
+    let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(s.client.clone(), ns);
+    for (mode, present) in [("HPA", true), ("Direct", false)] {
+        groups
+            .patch(
+                "billing",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"scaling": {"mode": mode}}})),
+            )
+            .await
+            .expect("switch the scaling mode");
+        until(
+            &hpas,
+            "billing-workers",
+            &format!("{mode} mode's HPA"),
+            |h| h.is_some() == present,
+        )
+        .await;
+    }
 
     // Deleting the group removes what it owned; deleting the queue honours `Delete`.
     groups
