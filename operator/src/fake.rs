@@ -139,6 +139,25 @@ fn selector_matches(object: &Value, selector: &str) -> bool {
         })
 }
 
+/// `fieldSelector` terms on `metadata.name` and `metadata.namespace` (what kube-runtime's
+/// single-object watches send); other fields are not indexed by this server.
+fn fields_match(object: &Value, selector: &str) -> bool {
+    selector
+        .split(',')
+        .filter(|t| !t.is_empty())
+        .all(|term| match term.split_once('=') {
+            Some((field, v)) => {
+                let value = match field {
+                    "metadata.name" => object["metadata"]["name"].as_str(),
+                    "metadata.namespace" => object["metadata"]["namespace"].as_str(),
+                    _ => return true,
+                };
+                value == Some(v.trim_start_matches('='))
+            }
+            None => true,
+        })
+}
+
 fn full(status: StatusCode, value: &Value) -> Response<ResponseBody> {
     Response::builder()
         .status(status)
@@ -387,6 +406,7 @@ impl FakeApiServer {
 
     fn list(&self, target: &Target, query: &str) -> Response<ResponseBody> {
         let selector = query_param(query, "labelSelector").unwrap_or_default();
+        let fields = query_param(query, "fieldSelector").unwrap_or_default();
         let state = self.state.lock().expect("state");
         let items: Vec<Value> = state
             .objects
@@ -396,6 +416,7 @@ impl FakeApiServer {
             .filter(|((ns, _), o)| {
                 target.namespace.as_deref().is_none_or(|want| want == ns)
                     && selector_matches(o, &selector)
+                    && fields_match(o, &fields)
             })
             .map(|(_, o)| o.clone())
             .collect();
@@ -409,6 +430,7 @@ impl FakeApiServer {
 
     fn watch(&self, target: &Target, query: &str) -> Response<ResponseBody> {
         let selector = query_param(query, "labelSelector").unwrap_or_default();
+        let fields = query_param(query, "fieldSelector").unwrap_or_default();
         let since: u64 = query_param(query, "resourceVersion")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
@@ -418,6 +440,7 @@ impl FakeApiServer {
             c.collection == collection
                 && namespace.as_deref().is_none_or(|ns| ns == c.namespace)
                 && selector_matches(&c.object, &selector)
+                && fields_match(&c.object, &fields)
         };
         // Subscribe before reading the log, so nothing falls between the two.
         let live = self.changes.subscribe();

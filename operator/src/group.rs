@@ -232,6 +232,14 @@ mod tests {
                 seen.send
                     .send_response(json_response(StatusCode::OK, &seen.body));
             }
+            // A changed spec (generation 3, none observed yet): an HPA left from HPA mode?
+            server
+                .answer(
+                    Method::GET,
+                    "/apis/autoscaling/v2/namespaces/shop/horizontalpodautoscalers/billing-workers",
+                    crate::testing::not_found(),
+                )
+                .await;
             let event = server.event().await;
             assert_eq!(
                 (&event["type"], &event["reason"]),

@@ -61,6 +61,19 @@ async fn reconcile(cq: Arc<CosmosQueue>, ctx: &Context) -> Result<Action, QueueR
         .namespace()
         .ok_or_else(|| QueueReconcileError::NoNamespace(cq.name_any()))?;
     let api: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
+    let finalized = cq.finalizers().iter().position(|f| f == FINALIZER);
+    if cq.spec.deletion_policy == DeletionPolicy::Retain && cq.metadata.deletion_timestamp.is_none()
+    {
+        // Nothing to do at deletion, so no finalizer: deleting the queue, or its namespace,
+        // never waits for the operator. One left from `Delete` comes off.
+        if let Some(index) = finalized {
+            remove_finalizer(&api, &cq, index).await?;
+        }
+        return apply(&cq, ctx).await;
+    }
+    if cq.metadata.deletion_timestamp.is_some() && finalized.is_none() {
+        return Ok(Action::await_change());
+    }
     finalizer(&api, FINALIZER, cq, |event| async {
         match event {
             Finalizer::Apply(cq) => apply(&cq, ctx).await,
@@ -73,6 +86,27 @@ async fn reconcile(cq: Arc<CosmosQueue>, ctx: &Context) -> Result<Action, QueueR
         | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
         other => QueueReconcileError::Finalizer(other.to_string()),
     })
+}
+
+/// Takes our finalizer off, if it is still at `index` (a JSON patch that tests it first).
+async fn remove_finalizer(
+    api: &Api<CosmosQueue>,
+    cq: &CosmosQueue,
+    index: usize,
+) -> Result<(), QueueReconcileError> {
+    let path = format!("/metadata/finalizers/{index}");
+    let patch: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": path, "value": FINALIZER},
+        {"op": "remove", "path": path}
+    ]))
+    .expect("a valid JSON patch");
+    api.patch(
+        &cq.name_any(),
+        &PatchParams::default(),
+        &Patch::Json::<()>(patch),
+    )
+    .await?;
+    Ok(())
 }
 
 async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcileError> {
@@ -199,8 +233,22 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
             ctx.event(cq, EventType::Normal, "Retained", "Delete", note)
                 .await;
         }
-        DeletionPolicy::Delete => {
-            if let Err(e) = ctx.cosmos.deprovision(cq).await {
+        DeletionPolicy::Delete => match ctx.cosmos.deprovision(cq).await {
+            Ok(()) => {}
+            Err(e @ (CosmosError::SecretNotFound(_) | CosmosError::SecretKeyMissing { .. })) => {
+                // The credentials are gone (a namespace being deleted takes its Secrets with
+                // it): nothing can delete the containers now, and holding the queue would hold
+                // its namespace for ever. Say so, and let it go.
+                let note = format!(
+                    "deletionPolicy Delete: the containers of {what} were NOT deleted ({e}); \
+                     delete them in Azure"
+                );
+                warn!(queue = %cq.name_any(), "{note}");
+                ctx.event(cq, EventType::Warning, "DeleteSkipped", "Delete", note)
+                    .await;
+                return Ok(Action::await_change());
+            }
+            Err(e) => {
                 ctx.event(
                     cq,
                     EventType::Warning,
@@ -211,11 +259,13 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
                 .await;
                 return Err(QueueReconcileError::Deprovision(e));
             }
-            let note = format!("deletionPolicy Delete: deleted the containers of {what}");
-            info!(queue = %cq.name_any(), "{note}");
-            ctx.event(cq, EventType::Normal, "Deleted", "Delete", note)
-                .await;
-        }
+        },
+    }
+    if cq.spec.deletion_policy == DeletionPolicy::Delete {
+        let note = format!("deletionPolicy Delete: deleted the containers of {what}");
+        info!(queue = %cq.name_any(), "{note}");
+        ctx.event(cq, EventType::Normal, "Deleted", "Delete", note)
+            .await;
     }
     Ok(Action::await_change())
 }
@@ -261,14 +311,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_new_queue_is_finalized_then_provisioned_once() {
+    async fn a_new_delete_queue_is_finalized_then_provisioned_once() {
         let (ctx, mut server, cosmos) = emulator_context().await;
         let verifier = tokio::spawn(async move {
             // 1. The finalizer goes on first, before anything exists that it must clean up.
             let seen = server.expect(Method::PATCH, QUEUE).await;
             assert!(seen.body.to_string().contains(FINALIZER), "{}", seen.body);
-            seen.send
-                .send_response(json_response(StatusCode::OK, &queue(json!({}), true)));
+            seen.send.send_response(json_response(
+                StatusCode::OK,
+                &queue(json!({"deletionPolicy": "Delete"}), true),
+            ));
             // 2. Provisioned: an Event, then the status.
             let event = server.event().await;
             assert_eq!(
@@ -279,25 +331,38 @@ mod tests {
                 .as_str()
                 .unwrap()
                 .contains("messages container"));
-            let first = server.status(STATUS, queue(json!({}), true)).await;
+            let first = server
+                .status(STATUS, queue(json!({"deletionPolicy": "Delete"}), true))
+                .await;
             // 3. A later pass finds everything in place: status only, no Event.
-            let second = server.status(STATUS, queue(json!({}), true)).await;
+            let second = server
+                .status(STATUS, queue(json!({"deletionPolicy": "Delete"}), true))
+                .await;
             (server, first, second)
         });
-        let action = reconcile_queue(arc(&queue(json!({}), false)), ctx.clone())
-            .await
-            .unwrap();
+        let action = reconcile_queue(
+            arc(&queue(json!({"deletionPolicy": "Delete"}), false)),
+            ctx.clone(),
+        )
+        .await
+        .unwrap();
         assert_eq!(action, Action::await_change());
         assert!(!container_exists(&cosmos, "shop", "orders").await);
-        let action = reconcile_queue(arc(&queue(json!({}), true)), ctx.clone())
-            .await
-            .unwrap();
+        let action = reconcile_queue(
+            arc(&queue(json!({"deletionPolicy": "Delete"}), true)),
+            ctx.clone(),
+        )
+        .await
+        .unwrap();
         assert_eq!(action, Action::requeue(Duration::from_secs(300)));
         assert!(container_exists(&cosmos, "shop", "orders").await);
         assert!(container_exists(&cosmos, "shop", "orders-leases").await);
-        reconcile_queue(arc(&queue(json!({}), true)), ctx.clone())
-            .await
-            .unwrap();
+        reconcile_queue(
+            arc(&queue(json!({"deletionPolicy": "Delete"}), true)),
+            ctx.clone(),
+        )
+        .await
+        .unwrap();
         let (server, first, second) = verifier.await.unwrap();
         for body in [&first, &second] {
             assert_eq!(condition(&body["status"], "Ready"), ("True", "Provisioned"));
@@ -308,6 +373,79 @@ mod tests {
         }
         drop(ctx);
         server.done().await;
+    }
+
+    #[tokio::test]
+    async fn a_retained_queue_gets_no_finalizer_and_loses_one_left_from_delete() {
+        for finalized in [false, true] {
+            let (ctx, mut server, cosmos) = emulator_context().await;
+            let verifier = tokio::spawn(async move {
+                if finalized {
+                    let seen = server.expect(Method::PATCH, QUEUE).await;
+                    assert_eq!(seen.content_type, "application/json-patch+json");
+                    assert_eq!(
+                        seen.body[0],
+                        json!({"op": "test", "path": "/metadata/finalizers/0", "value": FINALIZER})
+                    );
+                    assert_eq!(seen.body[1]["op"], "remove");
+                    seen.send
+                        .send_response(json_response(StatusCode::OK, &queue(json!({}), false)));
+                }
+                let event = server.event().await;
+                assert_eq!(event["reason"], "Provisioned");
+                server.status(STATUS, queue(json!({}), false)).await;
+                server
+            });
+            reconcile_queue(arc(&queue(json!({}), finalized)), ctx.clone())
+                .await
+                .unwrap();
+            assert!(container_exists(&cosmos, "shop", "orders").await);
+            let server = verifier.await.unwrap();
+            drop(ctx);
+            server.done().await; // no finalizer was added
+        }
+    }
+
+    #[tokio::test]
+    async fn a_delete_queue_whose_secret_is_gone_is_released_with_a_warning() {
+        let (client, mut server) = client();
+        let cosmos = Cosmos::new(
+            Backend::Azure {
+                region: "eastus".into(),
+            },
+            client.clone(),
+        );
+        let defaults = Defaults {
+            sidecar_image: "s:t".into(),
+        };
+        let ctx = Arc::new(Context::new(client, defaults, cosmos, None));
+        let verifier = tokio::spawn(async move {
+            server
+                .answer(
+                    Method::GET,
+                    "/api/v1/namespaces/shop/secrets/cosmos-key",
+                    not_found(),
+                )
+                .await;
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Warning"), &json!("DeleteSkipped"))
+            );
+            let note = event["note"].as_str().unwrap();
+            assert!(
+                note.contains("NOT deleted") && note.contains("shop/orders"),
+                "{note}"
+            );
+            let seen = server.expect(Method::PATCH, QUEUE).await;
+            assert_eq!(seen.body[1]["op"], "remove", "the finalizer comes off");
+            seen.send
+                .send_response(json_response(StatusCode::OK, &deleting("Delete")));
+        });
+        reconcile_queue(arc(&deleting("Delete")), ctx)
+            .await
+            .unwrap();
+        verifier.await.unwrap();
     }
 
     /// A queue being deleted: the finalizer is present and a deletion timestamp set.
@@ -354,7 +492,10 @@ mod tests {
     #[tokio::test]
     async fn an_invalid_spec_is_reported_and_nothing_is_created() {
         let (ctx, mut server, cosmos) = emulator_context().await;
-        let bad = queue(json!({"retention": "99999999999999999999d"}), true);
+        let bad = queue(
+            json!({"retention": "99999999999999999999d", "deletionPolicy": "Delete"}),
+            true,
+        );
         let verifier = tokio::spawn(async move {
             let event = server.event().await;
             assert_eq!(
@@ -414,9 +555,8 @@ mod tests {
                 assert_eq!(event["reason"], "InvalidSpec");
                 server.status(STATUS, queue(json!({}), true)).await
             });
-            let action = reconcile_queue(arc(&queue(json!({}), true)), ctx)
-                .await
-                .unwrap();
+            let input = queue(json!({"deletionPolicy": "Delete"}), true);
+            let action = reconcile_queue(arc(&input), ctx).await.unwrap();
             assert_eq!(action, Action::await_change());
             let body = verifier.await.unwrap();
             let message = body["status"]["conditions"][0]["message"].as_str().unwrap();

@@ -11,6 +11,7 @@ use cosmosq_queue::{CosmosClient, NewMessage, Queue, QueueConfig};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::wait::await_condition;
@@ -119,7 +120,7 @@ pub async fn operator_scenario(s: Scenario) {
     if let Some(identity) = &s.identity {
         args.push(format!("--identity={identity}"));
     }
-    let config = Config::try_parse_from(args).expect("valid settings");
+    let config = Config::try_parse_from(args.clone()).expect("valid settings");
     let shutdown = CancellationToken::new();
     let operator = tokio::spawn(run_with(
         s.operator_client.clone(),
@@ -151,6 +152,45 @@ pub async fn operator_scenario(s: Scenario) {
     .await;
     assert!(container_exists(&s.cosmos, ns, "orders").await);
     assert!(container_exists(&s.cosmos, ns, "orders-leases").await);
+    let finalizers = |q: &CosmosQueue| q.metadata.finalizers.clone().unwrap_or_default();
+    assert_eq!(
+        finalizers(&queues.get("orders").await.unwrap()),
+        vec!["cosmosq.io/deletion-policy".to_owned()],
+        "a Delete queue is held until its containers are deleted"
+    );
+    // A Retain queue has nothing to do at deletion, so nothing holds it (or its namespace).
+    let archive = json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+        "metadata": {"name": "archive"},
+        "spec": {"endpoint": "https://cosmosq.emulator.local/",
+                 "credentials": {"workloadIdentity": {}},
+                 "database": ns, "container": "archive", "deletionPolicy": "Retain"}
+    });
+    queues
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(archive).unwrap(),
+        )
+        .await
+        .expect("create the Retain queue");
+    until(&queues, "archive", "the Retain queue to be ready", |q| {
+        q.and_then(|q| q.status.as_ref())
+            .is_some_and(|s| ready(&s.conditions))
+    })
+    .await;
+    assert!(finalizers(&queues.get("archive").await.unwrap()).is_empty());
+    queues
+        .delete("archive", &DeleteParams::default())
+        .await
+        .expect("delete the Retain queue");
+    until(&queues, "archive", "the Retain queue to go", |q| {
+        q.is_none()
+    })
+    .await;
+    assert!(
+        container_exists(&s.cosmos, ns, "archive").await,
+        "Retain keeps the containers"
+    );
 
     // A group gets its Deployment with the sidecar injected.
     let groups: Api<QueueConsumerGroup> = Api::namespaced(s.client.clone(), ns);
@@ -336,4 +376,47 @@ pub async fn operator_scenario(s: Scenario) {
         .spec
         .and_then(|s| s.holder_identity);
     assert_eq!(released, None, "released on shutdown");
+
+    if s.controllers {
+        // A new operator process takes the released Lease over and carries on; then the
+        // namespace is deleted while a `Delete` queue still exists in it: the queue's
+        // containers are deleted and the namespace goes (a finalizer must never hold it).
+        let config = Config::try_parse_from(args.clone()).expect("valid settings");
+        let shutdown = CancellationToken::new();
+        let operator = tokio::spawn(run_with(
+            s.operator_client.clone(),
+            Backend::Fixed(s.cosmos.clone()),
+            config,
+            shutdown.clone(),
+        ));
+        let last = json!({
+            "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+            "metadata": {"name": "last"},
+            "spec": {"endpoint": "https://cosmosq.emulator.local/",
+                     "credentials": {"workloadIdentity": {}},
+                     "database": ns, "container": "last", "deletionPolicy": "Delete"}
+        });
+        queues
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(last).unwrap(),
+            )
+            .await
+            .expect("create a queue for the restarted operator");
+        until(&queues, "last", "the restarted operator's queue", |q| {
+            q.and_then(|q| q.status.as_ref())
+                .is_some_and(|s| ready(&s.conditions))
+        })
+        .await;
+        let namespaces: Api<Namespace> = Api::all(s.client.clone());
+        namespaces
+            .delete(ns, &DeleteParams::background())
+            .await
+            .expect("delete the namespace");
+        until(&namespaces, ns, "the namespace to go", |n| n.is_none()).await;
+        assert!(!container_exists(&s.cosmos, ns, "last").await);
+        shutdown.cancel();
+        // Its leader Lease went with the namespace: the process ends, cleanly or not.
+        let _ = operator.await.expect("the operator task");
+    }
 }
