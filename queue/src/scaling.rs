@@ -187,8 +187,13 @@ pub fn decide(policy: &Policy, obs: &Observation, history: &mut History) -> Deci
             reason: Reason::EstimateFailed,
         };
     };
-    // An operator that just started knows nothing of the past: count from now, so a restart
-    // never scales a group to zero at once.
+    // An operator that just started (a restart, a new leader) knows nothing of the past: the
+    // replicas it finds count as a recommendation made now, so the stabilization window
+    // starts over instead of being skipped (the HPA controller does the same), and idle time
+    // counts from now, so a restart never scales a group to zero at once.
+    if history.last_active_ms.is_none() && current > 0 {
+        history.recommendations.push_back((obs.now_ms, current));
+    }
     let last_active = history.last_active_ms.get_or_insert(obs.now_ms);
     if backlog > 0 {
         *last_active = obs.now_ms;
@@ -288,6 +293,27 @@ pub fn decide(policy: &Policy, obs: &Observation, history: &mut History) -> Deci
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_restarted_operator_waits_a_full_window_before_scaling_down() {
+        let policy = policy();
+        let mut history = History::default();
+        let at = |now_ms| Observation {
+            now_ms,
+            backlog: Some(0),
+            arrival_rate: None,
+            rate_per_replica: None,
+            leases: 16,
+            current_replicas: 8,
+        };
+        // The first round after a restart finds 8 replicas and nothing to do.
+        let first = decide(&policy, &at(1_000), &mut history);
+        assert_eq!((first.replicas, first.reason), (8, Reason::Stabilizing));
+        let within = decide(&policy, &at(1_000 + 299_000), &mut history);
+        assert_eq!(within.replicas, 8, "still inside the window");
+        let after = decide(&policy, &at(1_000 + 301_000), &mut history);
+        assert_eq!((after.replicas, after.reason), (1, Reason::ScaleDown));
+    }
 
     fn policy() -> Policy {
         Policy {
