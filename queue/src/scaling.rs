@@ -191,7 +191,7 @@ pub fn decide(policy: &Policy, obs: &Observation, history: &mut History) -> Deci
     // replicas it finds count as a recommendation made now, so the stabilization window
     // starts over instead of being skipped (the HPA controller does the same), and idle time
     // counts from now, so a restart never scales a group to zero at once.
-    if history.last_active_ms.is_none() && current > 0 {
+    if history.last_active_ms.is_none() && current > 0 && policy.scale_down_stabilization_ms > 0 {
         history.recommendations.push_back((obs.now_ms, current));
     }
     let last_active = history.last_active_ms.get_or_insert(obs.now_ms);
