@@ -62,16 +62,20 @@ fn conditions_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Sch
 pub struct CosmosQueueSpec {
     /// Account endpoint, e.g. `https://myaccount.documents.azure.com:443/`.
     #[schemars(regex(pattern = r"^https?://"))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("endpoint is immutable: the queue's messages live in that account (create a new queue to move)"))]
     pub endpoint: String,
     pub credentials: Credentials,
     #[schemars(regex(pattern = r"^[^/\\?#]{1,255}$"))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("database is immutable: the queue's messages live there (create a new queue to move)"))]
     pub database: String,
     /// The messages container; the queue's name in Cosmos DB.
     #[schemars(regex(pattern = r"^[^/\\?#]{1,255}$"))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("container is immutable: it holds the queue's messages (create a new queue to move)"))]
     pub container: String,
     /// Partition key path of the messages container: one top-level property.
     #[serde(default = "default_partition_key_path")]
     #[schemars(regex(pattern = r"^/[A-Za-z_][A-Za-z0-9_]*$"))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("partitionKeyPath is immutable: it is fixed when the container is created"))]
     pub partition_key_path: String,
     /// Provisioned throughput of the messages container when it is created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -208,20 +212,24 @@ pub struct CosmosQueueStatus {
         json_path = ".metadata.creationTimestamp"
     )
 )]
+#[x_kube(validation = Rule::new("has(self.group) == has(oldSelf.group) && (!has(self.group) || self.group == oldSelf.group)").message("group is immutable: it names the group's state and leases in the queue (create a new group)"))]
 #[serde(rename_all = "camelCase")]
 pub struct QueueConsumerGroupSpec {
     /// The CosmosQueue (same namespace).
+    #[x_kube(validation = Rule::new("self == oldSelf").message("queueRef is immutable: the group's state and leases belong to that queue (create a new group)"))]
     pub queue_ref: QueueRef,
     /// The consumer group's name in the queue; defaults to the resource's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[A-Za-z0-9._-]{1,63}$"))]
     pub group: Option<String>,
     #[serde(default)]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("deliveryMode is immutable: the two modes keep different state (create a new group)"))]
     pub delivery_mode: DeliveryMode,
     #[serde(default)]
     pub start_from: StartFrom,
     /// FIFO per partition key.
     #[serde(default)]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("ordered is immutable: switching it mid-stream breaks the order of messages in flight (create a new group)"))]
     pub ordered: bool,
     /// The app's pod template (its containers); the sidecar is added to it.
     #[schemars(schema_with = "preserve_unknown_fields")]
@@ -675,6 +683,9 @@ mod tests {
         let yaml = serde_yaml::to_string(&QueueConsumerGroup::crd()).unwrap();
         for rule in [
             "self.minReplicas <= self.maxReplicas",
+            "self == oldSelf",
+            "deliveryMode is immutable",
+            "has(self.group) == has(oldSelf.group)",
             "duration(self.initialBackoff) <= duration(self.maxBackoff)",
             "x-kubernetes-preserve-unknown-fields: true",
             "maximum: 65535",
