@@ -106,6 +106,53 @@ pub async fn container_exists(client: &CosmosClient, db: &str, name: &str) -> bo
     }
 }
 
+/// Starts an operator process (in this one) as the scenario's operator identity.
+fn start_operator(
+    s: &Scenario,
+    args: &[String],
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), crate::run::RunError>>,
+) {
+    let config = Config::try_parse_from(args).expect("valid settings");
+    let shutdown = CancellationToken::new();
+    let operator = tokio::spawn(run_with(
+        s.operator_client.clone(),
+        Backend::Fixed(s.cosmos.clone()),
+        config,
+        shutdown.clone(),
+    ));
+    (shutdown, operator)
+}
+
+/// Creates queue `name` on the emulator with `policy` and waits until it is ready.
+async fn create_ready_queue(queues: &Api<CosmosQueue>, ns: &str, name: &str, policy: &str) {
+    let queue = json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+        "metadata": {"name": name},
+        "spec": {"endpoint": "https://cosmosq.emulator.local/",
+                 "credentials": {"workloadIdentity": {}},
+                 "database": ns, "container": name, "deletionPolicy": policy}
+    });
+    queues
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(queue).unwrap(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("create the CosmosQueue {name}: {e}"));
+    until(
+        queues,
+        name,
+        &format!("the queue {name} to be ready"),
+        |q| {
+            q.and_then(|q| q.status.as_ref())
+                .is_some_and(|s| ready(&s.conditions))
+        },
+    )
+    .await;
+}
+
 /// Runs the operator and the scenario; panics with what did not happen.
 pub async fn operator_scenario(s: Scenario) {
     let ns = s.namespace.as_str();
@@ -120,34 +167,14 @@ pub async fn operator_scenario(s: Scenario) {
     if let Some(identity) = &s.identity {
         args.push(format!("--identity={identity}"));
     }
-    let config = Config::try_parse_from(args.clone()).expect("valid settings");
-    let shutdown = CancellationToken::new();
-    let operator = tokio::spawn(run_with(
-        s.operator_client.clone(),
-        Backend::Fixed(s.cosmos.clone()),
-        config,
-        shutdown.clone(),
-    ));
+    let (shutdown, operator) = start_operator(&s, &args);
 
     // A queue is provisioned and reported ready.
     let queues: Api<CosmosQueue> = Api::namespaced(s.client.clone(), ns);
-    let queue = json!({
-        "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
-        "metadata": {"name": "orders"},
-        "spec": {"endpoint": "https://cosmosq.emulator.local/",
-                 "credentials": {"workloadIdentity": {}},
-                 "database": ns, "container": "orders", "deletionPolicy": "Delete"}
-    });
-    queues
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(queue).unwrap(),
-        )
-        .await
-        .expect("create the CosmosQueue");
-    until(&queues, "orders", "the queue to be ready", |q| {
+    create_ready_queue(&queues, ns, "orders", "Delete").await;
+    until(&queues, "orders", "the queue's partitions", |q| {
         q.and_then(|q| q.status.as_ref())
-            .is_some_and(|s| ready(&s.conditions) && s.partitions == Some(4))
+            .is_some_and(|s| s.partitions == Some(4))
     })
     .await;
     assert!(container_exists(&s.cosmos, ns, "orders").await);
@@ -159,25 +186,7 @@ pub async fn operator_scenario(s: Scenario) {
         "a Delete queue is held until its containers are deleted"
     );
     // A Retain queue has nothing to do at deletion, so nothing holds it (or its namespace).
-    let archive = json!({
-        "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
-        "metadata": {"name": "archive"},
-        "spec": {"endpoint": "https://cosmosq.emulator.local/",
-                 "credentials": {"workloadIdentity": {}},
-                 "database": ns, "container": "archive", "deletionPolicy": "Retain"}
-    });
-    queues
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(archive).unwrap(),
-        )
-        .await
-        .expect("create the Retain queue");
-    until(&queues, "archive", "the Retain queue to be ready", |q| {
-        q.and_then(|q| q.status.as_ref())
-            .is_some_and(|s| ready(&s.conditions))
-    })
-    .await;
+    create_ready_queue(&queues, ns, "archive", "Retain").await;
     assert!(finalizers(&queues.get("archive").await.unwrap()).is_empty());
     queues
         .delete("archive", &DeleteParams::default())
@@ -381,33 +390,8 @@ pub async fn operator_scenario(s: Scenario) {
         // A new operator process takes the released Lease over and carries on; then the
         // namespace is deleted while a `Delete` queue still exists in it: the queue's
         // containers are deleted and the namespace goes (a finalizer must never hold it).
-        let config = Config::try_parse_from(args.clone()).expect("valid settings");
-        let shutdown = CancellationToken::new();
-        let operator = tokio::spawn(run_with(
-            s.operator_client.clone(),
-            Backend::Fixed(s.cosmos.clone()),
-            config,
-            shutdown.clone(),
-        ));
-        let last = json!({
-            "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
-            "metadata": {"name": "last"},
-            "spec": {"endpoint": "https://cosmosq.emulator.local/",
-                     "credentials": {"workloadIdentity": {}},
-                     "database": ns, "container": "last", "deletionPolicy": "Delete"}
-        });
-        queues
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(last).unwrap(),
-            )
-            .await
-            .expect("create a queue for the restarted operator");
-        until(&queues, "last", "the restarted operator's queue", |q| {
-            q.and_then(|q| q.status.as_ref())
-                .is_some_and(|s| ready(&s.conditions))
-        })
-        .await;
+        let (shutdown, operator) = start_operator(&s, &args);
+        create_ready_queue(&queues, ns, "last", "Delete").await;
         let namespaces: Api<Namespace> = Api::all(s.client.clone());
         namespaces
             .delete(ns, &DeleteParams::background())
