@@ -158,6 +158,18 @@ mod tests {
                 .send_response(json_response(StatusCode::OK, &seen.body));
             seen.body
         }
+
+        /// The group's ServiceAccount, Role, RoleBinding and Deployment, applied in order.
+        async fn expect_workers_applied(&mut self) {
+            for (path, kind) in [
+                ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
+                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers", "Role"),
+                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
+                ("/apis/apps/v1/namespaces/shop/deployments/billing-workers", "Deployment"),
+            ] {
+                self.expect_apply(path, kind).await;
+            }
+        }
     }
 
     fn queue() -> CosmosQueue {
@@ -241,14 +253,7 @@ mod tests {
     async fn hpa_mode_also_applies_the_autoscaler() {
         let (client, mut server) = client();
         let verifier = tokio::spawn(async move {
-            for (path, kind) in [
-                ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
-                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers", "Role"),
-                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
-                ("/apis/apps/v1/namespaces/shop/deployments/billing-workers", "Deployment"),
-            ] {
-                server.expect_apply(path, kind).await;
-            }
+            server.expect_workers_applied().await;
             let hpa = server
                 .expect_apply(
                     "/apis/autoscaling/v2/namespaces/shop/horizontalpodautoscalers/billing-workers",
@@ -279,14 +284,7 @@ mod tests {
         for (owner, deleted) in [("g1", true), ("someone-else", false)] {
             let (client, mut server) = client();
             let verifier = tokio::spawn(async move {
-                for (path, kind) in [
-                    ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
-                    ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers", "Role"),
-                    ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
-                    ("/apis/apps/v1/namespaces/shop/deployments/billing-workers", "Deployment"),
-                ] {
-                    server.expect_apply(path, kind).await;
-                }
+                server.expect_workers_applied().await;
                 let existing = json!({
                     "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
                     "metadata": {"name": "billing-workers", "namespace": "shop", "uid": "h1",

@@ -408,17 +408,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_delete_queue_whose_secret_is_gone_is_released_with_a_warning() {
-        let (client, mut server) = client();
-        let cosmos = Cosmos::new(
-            Backend::Azure {
-                region: "eastus".into(),
-            },
-            client.clone(),
-        );
-        let defaults = Defaults {
-            sidecar_image: "s:t".into(),
-        };
-        let ctx = Arc::new(Context::new(client, defaults, cosmos, None));
+        let (ctx, mut server) = azure_context();
         let verifier = tokio::spawn(async move {
             server
                 .answer(
@@ -446,6 +436,24 @@ mod tests {
             .await
             .unwrap();
         verifier.await.unwrap();
+    }
+
+    /// A context whose Cosmos connections are Azure's: credentials are read from Secrets.
+    fn azure_context() -> (Arc<Context>, crate::testing::ApiServerVerifier) {
+        let (client, server) = client();
+        let cosmos = Cosmos::new(
+            Backend::Azure {
+                region: "eastus".into(),
+            },
+            client.clone(),
+        );
+        let defaults = Defaults {
+            sidecar_image: "s:t".into(),
+        };
+        (
+            Arc::new(Context::new(client, defaults, cosmos, None)),
+            server,
+        )
     }
 
     /// A queue being deleted: the finalizer is present and a deletion timestamp set.
@@ -528,17 +536,7 @@ mod tests {
                 "Secret shop/cosmos-key has no key \"key\"",
             ),
         ] {
-            let (client, mut server) = client();
-            let cosmos = Cosmos::new(
-                Backend::Azure {
-                    region: "eastus".into(),
-                },
-                client.clone(),
-            );
-            let defaults = Defaults {
-                sidecar_image: "s:t".into(),
-            };
-            let ctx = Arc::new(Context::new(client, defaults, cosmos, None));
+            let (ctx, mut server) = azure_context();
             let verifier = tokio::spawn(async move {
                 let response = match secret {
                     None => not_found(),

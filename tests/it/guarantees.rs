@@ -1150,17 +1150,7 @@ async fn hosts_sweep_disjoint_sets_of_due_messages_by_owned_range() {
         .unwrap();
     clock.advance(Duration::from_secs(2));
 
-    let ranges: Vec<(String, String)> = fixture
-        .queue
-        .messages()
-        .read_feed_ranges(Some(
-            azure_data_cosmos::options::ReadFeedRangesOptions::default().with_force_refresh(true),
-        ))
-        .await
-        .unwrap()
-        .iter()
-        .map(cosmosq_queue::lease::range_bounds)
-        .collect();
+    let ranges = cosmosq_tests::physical_ranges(&fixture.queue).await;
     assert_eq!(ranges.len(), 2);
     let ids = |docs: Vec<cosmosq_queue::StateDoc>| -> std::collections::BTreeSet<String> {
         docs.into_iter().map(|d| d.id).collect()

@@ -851,7 +851,7 @@ async fn stream_hosts_hand_leases_over_for_balance_without_delivering_anything_t
 /// newest checkpoint.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_from_a_stale_read_of_the_parent_writes_nothing() {
-    use cosmosq_queue::lease::{range_bounds, split_children};
+    use cosmosq_queue::lease::split_children;
     let fixture = Fixture::new(1).await;
     let store = LeaseStore::new(fixture.queue.clone(), "g");
     let now = 1_000_000;
@@ -874,17 +874,7 @@ async fn a_split_from_a_stale_read_of_the_parent_writes_nothing() {
         .set_partition_count("db", "q", 2)
         .await
         .unwrap();
-    let physical: Vec<_> = fixture
-        .queue
-        .messages()
-        .read_feed_ranges(Some(
-            azure_data_cosmos::options::ReadFeedRangesOptions::default().with_force_refresh(true),
-        ))
-        .await
-        .unwrap()
-        .iter()
-        .map(range_bounds)
-        .collect();
+    let physical = cosmosq_tests::physical_ranges(&fixture.queue).await;
     let children = split_children(&stale, &physical);
     assert_eq!(children.len(), 2);
 

@@ -219,3 +219,18 @@ pub fn fast_host(name: &str) -> cosmosq_queue::host::HostOptions {
         ..cosmosq_queue::host::HostOptions::new(name)
     }
 }
+
+/// The messages container's physical ranges as the service has them now (the SDK's cached
+/// topology would hide a split or merge made a moment ago).
+pub async fn physical_ranges(queue: &Queue) -> Vec<(String, String)> {
+    queue
+        .messages()
+        .read_feed_ranges(Some(
+            azure_data_cosmos::options::ReadFeedRangesOptions::default().with_force_refresh(true),
+        ))
+        .await
+        .expect("read feed ranges")
+        .iter()
+        .map(cosmosq_queue::lease::range_bounds)
+        .collect()
+}
