@@ -381,15 +381,7 @@ mod tests {
             let (ctx, mut server, cosmos) = emulator_context().await;
             let verifier = tokio::spawn(async move {
                 if finalized {
-                    let seen = server.expect(Method::PATCH, QUEUE).await;
-                    assert_eq!(seen.content_type, "application/json-patch+json");
-                    assert_eq!(
-                        seen.body[0],
-                        json!({"op": "test", "path": "/metadata/finalizers/0", "value": FINALIZER})
-                    );
-                    assert_eq!(seen.body[1]["op"], "remove");
-                    seen.send
-                        .send_response(json_response(StatusCode::OK, &queue(json!({}), false)));
+                    expect_finalizer_removed(&mut server, queue(json!({}), false)).await;
                 }
                 let event = server.event().await;
                 assert_eq!(event["reason"], "Provisioned");
@@ -427,15 +419,28 @@ mod tests {
                 note.contains("NOT deleted") && note.contains("shop/orders"),
                 "{note}"
             );
-            let seen = server.expect(Method::PATCH, QUEUE).await;
-            assert_eq!(seen.body[1]["op"], "remove", "the finalizer comes off");
-            seen.send
-                .send_response(json_response(StatusCode::OK, &deleting("Delete")));
+            expect_finalizer_removed(&mut server, deleting("Delete")).await;
         });
         reconcile_queue(arc(&deleting("Delete")), ctx)
             .await
             .unwrap();
         verifier.await.unwrap();
+    }
+
+    /// The next request takes our finalizer off: a JSON patch that tests it is still ours.
+    async fn expect_finalizer_removed(
+        server: &mut crate::testing::ApiServerVerifier,
+        reply: Value,
+    ) {
+        let seen = server.expect(Method::PATCH, QUEUE).await;
+        assert_eq!(seen.content_type, "application/json-patch+json");
+        assert_eq!(
+            seen.body[0],
+            json!({"op": "test", "path": "/metadata/finalizers/0", "value": FINALIZER})
+        );
+        assert_eq!(seen.body[1]["op"], "remove");
+        seen.send
+            .send_response(json_response(StatusCode::OK, &reply));
     }
 
     /// A context whose Cosmos connections are Azure's: credentials are read from Secrets.
@@ -471,16 +476,8 @@ mod tests {
             let verifier = tokio::spawn(async move {
                 let event = server.event().await;
                 assert_eq!(event["reason"], reason);
-                // Then the finalizer comes off (a JSON patch that tests it is still ours).
-                let seen = server.expect(Method::PATCH, QUEUE).await;
-                assert_eq!(seen.content_type, "application/json-patch+json");
-                assert_eq!(
-                    seen.body[0],
-                    json!({"op": "test", "path": "/metadata/finalizers/0", "value": FINALIZER})
-                );
-                assert_eq!(seen.body[1]["op"], "remove");
-                seen.send
-                    .send_response(json_response(StatusCode::OK, &deleting(policy)));
+                // Then the finalizer comes off.
+                expect_finalizer_removed(&mut server, deleting(policy)).await;
             });
             reconcile_queue(arc(&deleting(policy)), ctx).await.unwrap();
             verifier.await.unwrap();
