@@ -169,11 +169,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::build::Defaults;
-    use crate::cosmos::{Backend, Cosmos};
-    use crate::testing::{
-        client, group_json, json_response, not_found, queue_json, ApiServerVerifier,
-    };
+    use crate::testing::{group_json, json_response, not_found, queue_json, ApiServerVerifier};
     use http::{Method, StatusCode};
     use serde_json::Value;
     use tokio::sync::mpsc;
@@ -190,17 +186,7 @@ mod tests {
         ApiServerVerifier,
         mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
     ) {
-        let (client, server) = client();
-        let cosmos = Cosmos::new(
-            Backend::Azure {
-                region: "eastus".into(),
-            },
-            client.clone(),
-        );
-        let defaults = Defaults {
-            sidecar_image: "s:t".into(),
-        };
-        let mut ctx = Context::new(client, defaults, cosmos, None);
+        let (mut ctx, server) = crate::testing::azure_context();
         let (tx, rx) = mpsc::unbounded_channel();
         ctx.changed = Some(tx);
         let qcg: QueueConsumerGroup = serde_json::from_value(group_json(spec)).unwrap();

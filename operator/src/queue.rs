@@ -273,10 +273,8 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::build::Defaults;
-    use crate::cosmos::{Backend, Cosmos};
     use crate::testing::{
-        client, container_exists, emulator_context, json_response, not_found, queue_json,
+        container_exists, emulator_context, json_response, not_found, queue_json,
     };
     use http::{Method, StatusCode};
     use serde_json::Value;
@@ -443,22 +441,9 @@ mod tests {
             .send_response(json_response(StatusCode::OK, &reply));
     }
 
-    /// A context whose Cosmos connections are Azure's: credentials are read from Secrets.
     fn azure_context() -> (Arc<Context>, crate::testing::ApiServerVerifier) {
-        let (client, server) = client();
-        let cosmos = Cosmos::new(
-            Backend::Azure {
-                region: "eastus".into(),
-            },
-            client.clone(),
-        );
-        let defaults = Defaults {
-            sidecar_image: "s:t".into(),
-        };
-        (
-            Arc::new(Context::new(client, defaults, cosmos, None)),
-            server,
-        )
+        let (ctx, server) = crate::testing::azure_context();
+        (Arc::new(ctx), server)
     }
 
     /// A queue being deleted: the finalizer is present and a deletion timestamp set.

@@ -152,6 +152,25 @@ pub fn group_json(spec_extra: Value) -> Value {
 
 /// A Context whose queues live on a fresh in-process emulator (4 partitions), with the API
 /// server played by the returned verifier.
+/// A context whose Cosmos connections are Azure's (credentials read from Secrets through the
+/// mock API server); not yet shared, so a test can set its channels first.
+pub fn azure_context() -> (crate::context::Context, ApiServerVerifier) {
+    let (client, server) = client();
+    let cosmos = crate::cosmos::Cosmos::new(
+        crate::cosmos::Backend::Azure {
+            region: "eastus".into(),
+        },
+        client.clone(),
+    );
+    let defaults = crate::build::Defaults {
+        sidecar_image: "s:t".into(),
+    };
+    (
+        crate::context::Context::new(client, defaults, cosmos, None),
+        server,
+    )
+}
+
 pub async fn emulator_context() -> (
     std::sync::Arc<crate::context::Context>,
     ApiServerVerifier,

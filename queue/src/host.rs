@@ -342,14 +342,14 @@ impl<H: Handler> Host<H> {
         worker: &Arc<Worker<H>>,
         sweeps: &mut JoinSet<()>,
     ) {
+        if ranges.is_empty() {
+            return;
+        }
         let limit = self
             .options
             .max_concurrency
             .saturating_sub(sweeps.len())
             .max(1);
-        if ranges.is_empty() {
-            return;
-        }
         match self.group.due(limit, Some(ranges)).await {
             Ok(docs) => {
                 for doc in docs {
