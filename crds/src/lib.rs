@@ -13,6 +13,8 @@ use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 pub const GROUP: &str = "cosmosq.io";
+/// The API version of both kinds.
+pub const VERSION: &str = "v1alpha1";
 
 fn preserve_unknown_fields(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({"type": "object", "x-kubernetes-preserve-unknown-fields": true})

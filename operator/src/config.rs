@@ -29,16 +29,21 @@ pub struct Config {
         default_value = concat!("ghcr.io/cosmosq/sidecar:", env!("CARGO_PKG_VERSION"))
     )]
     pub sidecar_image: String,
-    /// Metrics, health, readiness and the KEDA endpoint (plain HTTP).
+    /// Prometheus metrics, health and readiness (plain HTTP).
     #[arg(long, env = "COSMOSQ_LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: SocketAddr,
-    /// The external metrics API over TLS, when --tls-cert-file and --tls-key-file are set.
+    /// The external metrics API (and the KEDA endpoint) over TLS, when --tls-cert-file and
+    /// --tls-key-file are set. Both files are read again when they change.
     #[arg(long, env = "COSMOSQ_SECURE_LISTEN", default_value = "0.0.0.0:6443")]
     pub secure_listen: SocketAddr,
     #[arg(long, env = "COSMOSQ_TLS_CERT_FILE", requires = "tls_key_file")]
     pub tls_cert_file: Option<PathBuf>,
     #[arg(long, env = "COSMOSQ_TLS_KEY_FILE", requires = "tls_cert_file")]
     pub tls_key_file: Option<PathBuf>,
+    /// Serve `/keda/namespaces/<ns>/queueconsumergroups/<name>` on the TLS listener, for
+    /// callers whose bearer token may `get` that QueueConsumerGroup.
+    #[arg(long, env = "COSMOSQ_KEDA_ENDPOINT", default_value_t = false, action = clap::ArgAction::Set, requires = "tls_cert_file")]
+    pub keda_endpoint: bool,
     /// How often every group's remaining work is estimated and its replicas decided.
     #[arg(long, env = "COSMOSQ_SCALE_INTERVAL", default_value = "15s", value_parser = duration)]
     pub scale_interval: Duration,

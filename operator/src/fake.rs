@@ -44,6 +44,10 @@ struct State {
     requests: BTreeMap<String, u64>,
     /// What each client did, as RBAC sees it: (actor, API group, resource, verb).
     verbs: std::collections::BTreeSet<(String, String, String, String)>,
+    /// Bearer tokens a TokenReview accepts, and the user each names.
+    tokens: BTreeMap<String, String>,
+    /// What a SubjectAccessReview allows: (user, verb, API group, resource, namespace).
+    grants: std::collections::BTreeSet<(String, String, String, String, String)>,
 }
 
 impl State {
@@ -226,6 +230,54 @@ impl FakeApiServer {
             async move { Ok::<_, Infallible>(server.handle(request).await) }
         });
         kube::Client::new(service, "default")
+    }
+
+    /// A token that TokenReviews accept as `user`.
+    pub fn issue_token(&self, token: &str, user: &str) {
+        let mut state = self.state.lock().expect("state");
+        state.tokens.insert(token.into(), user.into());
+    }
+
+    /// Lets SubjectAccessReviews allow `user` to `verb` `resource` of `group` in `namespace`.
+    pub fn grant(&self, user: &str, verb: &str, group: &str, resource: &str, namespace: &str) {
+        let mut state = self.state.lock().expect("state");
+        state.grants.insert((
+            user.into(),
+            verb.into(),
+            group.into(),
+            resource.into(),
+            namespace.into(),
+        ));
+    }
+
+    /// Answers the reviews of `auth`: no object is stored.
+    fn review(&self, target: &Target, mut review: Value) -> Option<Response<ResponseBody>> {
+        let state = self.state.lock().expect("state");
+        review["status"] = match target.collection.as_str() {
+            "apis/authentication.k8s.io/v1/tokenreviews" => {
+                let token = review["spec"]["token"].as_str().unwrap_or_default();
+                match state.tokens.get(token) {
+                    Some(user) => json!({"authenticated": true,
+                        "user": {"username": user, "groups": ["system:authenticated"]}}),
+                    None => json!({"authenticated": false, "error": "invalid bearer token"}),
+                }
+            }
+            "apis/authorization.k8s.io/v1/subjectaccessreviews" => {
+                let spec = &review["spec"];
+                let attrs = &spec["resourceAttributes"];
+                let field = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+                let key = (
+                    field(&spec["user"]),
+                    field(&attrs["verb"]),
+                    field(&attrs["group"]),
+                    field(&attrs["resource"]),
+                    field(&attrs["namespace"]),
+                );
+                json!({"allowed": state.grants.contains(&key)})
+            }
+            _ => return None,
+        };
+        Some(full(StatusCode::CREATED, &review))
     }
 
     /// The (API group, resource, verb) triples `actor` used: what its RBAC must allow.
@@ -527,6 +579,9 @@ impl FakeApiServer {
     }
 
     fn create(&self, target: &Target, mut object: Value) -> Response<ResponseBody> {
+        if let Some(answer) = self.review(target, object.clone()) {
+            return answer;
+        }
         let mut state = self.state.lock().expect("state");
         let namespace = target.namespace.clone().unwrap_or_default();
         let name = object["metadata"]["name"]

@@ -1,33 +1,36 @@
-//! The operator's HTTP surface: `/metrics`, `/healthz`, `/readyz`, the
-//! `external.metrics.k8s.io/v1beta1` API an HPA reads through an APIService (served over TLS
-//! when a certificate is given), and the same figures as plain JSON for KEDA's metrics-api
-//! scaler.
+//! The operator's HTTP surface. Plain HTTP: `/metrics`, `/healthz`, `/readyz`. Over TLS only,
+//! and only for authenticated, authorized callers (see [`crate::auth`]): the
+//! `external.metrics.k8s.io/v1beta1` API an HPA reads through an APIService, and the same
+//! figures as plain JSON for KEDA's metrics-api scaler (when enabled).
 //!
 //! A group whose estimate failed answers with an error, never with a zero: the HPA and KEDA
 //! then keep the replicas they have.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::extract::{Path as UrlPath, Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
+use rustls::pki_types::CertificateDer;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::auth::{Attributes, AuthError, Authorizer, RequestHeader};
 use crate::build::BACKLOG_METRIC;
 use crate::context::{Figures, GroupFigures};
 use crate::metrics::Metrics;
+use crate::tls::ServingTls;
 
 /// The lag metric, next to `cosmosq_backlog`.
 pub const LAG_METRIC: &str = "cosmosq_lag";
+const EXTERNAL_METRICS_GROUP: &str = "external.metrics.k8s.io";
 const EXTERNAL_METRICS: &str = "/apis/external.metrics.k8s.io/v1beta1";
 
 #[derive(Debug, thiserror::Error)]
@@ -37,8 +40,6 @@ pub enum HttpError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("TLS certificate or key {path}: {reason}")]
-    Tls { path: String, reason: String },
 }
 
 /// What the handlers read.
@@ -74,21 +75,128 @@ impl Shared {
     }
 }
 
+/// Who is on the other end of a TLS connection, fixed at its handshake.
+#[derive(Clone)]
+pub struct Peer {
+    /// The client certificate, already verified against the front proxy's CA.
+    pub certificate: Option<CertificateDer<'static>>,
+    pub front_proxy: Result<Arc<RequestHeader>, String>,
+}
+
+/// What the secure handlers read.
+#[derive(Clone)]
+struct Secure {
+    shared: Shared,
+    authorizer: Arc<Authorizer>,
+}
+
+/// Health, readiness and Prometheus metrics: nothing a caller must be trusted with.
 pub fn router(shared: Shared) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .with_state(shared)
+}
+
+/// The figures, per group and namespace, for authorized callers; connections come from
+/// [`serve_tls`], which attaches each one's [`Peer`].
+pub fn secure_router(shared: Shared, authorizer: Arc<Authorizer>, keda: bool) -> Router {
+    let router = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
         .route(EXTERNAL_METRICS, get(discovery))
         .route(
             &format!("{EXTERNAL_METRICS}/namespaces/{{namespace}}/{{metric}}"),
             get(external_metric),
-        )
-        .route(
+        );
+    let router = if keda {
+        router.route(
             "/keda/namespaces/{namespace}/queueconsumergroups/{name}",
-            get(keda),
+            get(keda_figures),
         )
-        .with_state(shared)
+    } else {
+        router
+    };
+    router.with_state(Secure { shared, authorizer })
+}
+
+fn auth_response(error: AuthError) -> Response {
+    debug!(error = %error, "refused a metrics request");
+    match error {
+        AuthError::Unauthenticated(message) => {
+            status_error(StatusCode::UNAUTHORIZED, "Unauthorized", message)
+        }
+        AuthError::Config(_) => {
+            status_error(StatusCode::UNAUTHORIZED, "Unauthorized", error.to_string())
+        }
+        AuthError::Forbidden(message) => status_error(StatusCode::FORBIDDEN, "Forbidden", message),
+        AuthError::Api(_) => status_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            error.to_string(),
+        ),
+    }
+}
+
+impl Secure {
+    /// The caller the API server's front proxy vouches for, if it may do `attributes`.
+    async fn front_proxy_caller(
+        &self,
+        peer: Option<Extension<Peer>>,
+        headers: &HeaderMap,
+        attributes: Attributes,
+    ) -> Result<(), Response> {
+        let Some(Extension(peer)) = peer else {
+            return Err(auth_response(AuthError::Unauthenticated(
+                "the external metrics API is served over TLS only".into(),
+            )));
+        };
+        let Some(certificate) = &peer.certificate else {
+            return Err(auth_response(AuthError::Unauthenticated(
+                "a client certificate of the API server's front proxy is required".into(),
+            )));
+        };
+        let front_proxy = peer.front_proxy.as_ref().map_err(|reason| {
+            auth_response(AuthError::Unauthenticated(format!(
+                "client certificates cannot be verified: {reason}"
+            )))
+        })?;
+        let user = front_proxy
+            .user(certificate, headers)
+            .map_err(auth_response)?;
+        self.authorizer
+            .authorize(&user, &attributes)
+            .await
+            .map_err(auth_response)
+    }
+
+    /// The holder of the request's bearer token, if it may do `attributes`.
+    async fn bearer_caller(
+        &self,
+        headers: &HeaderMap,
+        attributes: Attributes,
+    ) -> Result<(), Response> {
+        let token = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                auth_response(AuthError::Unauthenticated(
+                    "a bearer token is required (Authorization: Bearer ...)".into(),
+                ))
+            })?;
+        let user = self
+            .authorizer
+            .token_user(token)
+            .await
+            .map_err(auth_response)?;
+        self.authorizer
+            .authorize(&user, &attributes)
+            .await
+            .map_err(auth_response)
+    }
 }
 
 /// A standby is ready (it is healthy and waiting); a leader once its caches are synced.
@@ -111,7 +219,18 @@ async fn metrics(State(shared): State<Shared>) -> Response {
         .into_response()
 }
 
-async fn discovery() -> Json<Value> {
+async fn discovery(
+    State(secure): State<Secure>,
+    peer: Option<Extension<Peer>>,
+    headers: HeaderMap,
+) -> Response {
+    let attributes = Attributes::NonResource {
+        path: EXTERNAL_METRICS.into(),
+        verb: "get".into(),
+    };
+    if let Err(refused) = secure.front_proxy_caller(peer, &headers, attributes).await {
+        return refused;
+    }
     let resource = |name: &str| {
         json!({"name": name, "singularName": "", "namespaced": true,
                "kind": "ExternalMetricValueList", "verbs": ["get"]})
@@ -121,6 +240,7 @@ async fn discovery() -> Json<Value> {
         "groupVersion": "external.metrics.k8s.io/v1beta1",
         "resources": [resource(BACKLOG_METRIC), resource(LAG_METRIC)]
     }))
+    .into_response()
 }
 
 /// A Kubernetes `Status` error, which the HPA controller reports in its own conditions.
@@ -165,10 +285,24 @@ struct MetricQuery {
 }
 
 async fn external_metric(
-    State(shared): State<Shared>,
+    State(secure): State<Secure>,
+    peer: Option<Extension<Peer>>,
+    headers: HeaderMap,
     UrlPath((namespace, metric)): UrlPath<(String, String)>,
     Query(query): Query<MetricQuery>,
 ) -> Response {
+    let attributes = Attributes::Resource {
+        group: EXTERNAL_METRICS_GROUP.into(),
+        version: "v1beta1".into(),
+        resource: metric.clone(),
+        namespace: namespace.clone(),
+        name: None,
+        verb: "get".into(),
+    };
+    if let Err(refused) = secure.front_proxy_caller(peer, &headers, attributes).await {
+        return refused;
+    }
+    let shared = &secure.shared;
     if let Some(response) = shared.not_leading() {
         return response;
     }
@@ -226,10 +360,24 @@ async fn external_metric(
     .into_response()
 }
 
-async fn keda(
-    State(shared): State<Shared>,
+/// Whoever may read a QueueConsumerGroup may read its figures.
+async fn keda_figures(
+    State(secure): State<Secure>,
+    headers: HeaderMap,
     UrlPath((namespace, name)): UrlPath<(String, String)>,
 ) -> Response {
+    let attributes = Attributes::Resource {
+        group: cosmosq_crds::GROUP.into(),
+        version: cosmosq_crds::VERSION.into(),
+        resource: "queueconsumergroups".into(),
+        namespace: namespace.clone(),
+        name: Some(name.clone()),
+        verb: "get".into(),
+    };
+    if let Err(refused) = secure.bearer_caller(&headers, attributes).await {
+        return refused;
+    }
+    let shared = &secure.shared;
     if let Some(response) = shared.not_leading() {
         return response;
     }
@@ -270,46 +418,15 @@ pub async fn serve(
         .map_err(|source| HttpError::Bind { addr, source })
 }
 
-fn tls_error(path: &Path, reason: impl ToString) -> HttpError {
-    HttpError::Tls {
-        path: path.display().to_string(),
-        reason: reason.to_string(),
-    }
-}
-
-/// The TLS settings from PEM files (the APIService's serving certificate).
-pub fn tls_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>, HttpError> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| tls_error(cert, e))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| tls_error(cert, e))?;
-    if certs.is_empty() {
-        return Err(tls_error(cert, "no certificate in the file"));
-    }
-    let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| tls_error(key, e))?;
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| tls_error(cert, e))?
-    .with_no_client_auth()
-    .with_single_cert(certs, key_der)
-    .map_err(|e| tls_error(cert, e))?;
-    Ok(Arc::new(config))
-}
-
 /// Serves HTTPS until `shutdown`: each connection's handshake runs in its own task, so a slow
-/// client cannot hold up the others.
+/// client cannot hold up the others, and takes the newest certificate and client CA.
 pub async fn serve_tls(
     listener: tokio::net::TcpListener,
     router: Router,
-    tls: Arc<rustls::ServerConfig>,
+    tls: Arc<ServingTls>,
     shutdown: CancellationToken,
 ) -> Result<(), HttpError> {
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    info!(addr = ?listener.local_addr().ok(), "serving external.metrics.k8s.io over TLS");
+    info!(addr = ?listener.local_addr().ok(), "serving the figures over TLS");
     loop {
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
@@ -321,8 +438,9 @@ pub async fn serve_tls(
                 }
             },
         };
-        let acceptor = acceptor.clone();
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let settings = tls.current();
+        let acceptor = tokio_rustls::TlsAcceptor::from(settings.config.clone());
+        let router = router.clone();
         tokio::spawn(async move {
             let stream = match acceptor.accept(stream).await {
                 Ok(stream) => stream,
@@ -331,6 +449,17 @@ pub async fn serve_tls(
                     return;
                 }
             };
+            let caller = Peer {
+                certificate: stream
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|chain| chain.first())
+                    .map(|c| c.clone().into_owned()),
+                front_proxy: settings.front_proxy.clone(),
+            };
+            let service =
+                hyper_util::service::TowerToHyperService::new(router.layer(Extension(caller)));
             let io = hyper_util::rt::TokioIo::new(stream);
             if let Err(e) =
                 hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
@@ -346,9 +475,14 @@ pub async fn serve_tls(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::body::Body;
-    use http::Request;
-    use tower::ServiceExt;
+    use crate::auth::{AUTHENTICATION_CONFIG_MAP, AUTHENTICATION_NAMESPACE};
+    use crate::fake::FakeApiServer;
+    use crate::pki::TestCa;
+    use kube::api::{Api, PostParams};
+    use serde_json::Value;
+
+    const HPA: &str = "system:serviceaccount:kube-system:horizontal-pod-autoscaler";
+    const KEDA: &str = "system:serviceaccount:keda:keda-operator";
 
     fn figures(backlog: Option<u64>) -> GroupFigures {
         GroupFigures {
@@ -364,22 +498,63 @@ mod tests {
         }
     }
 
-    async fn get(shared: &Shared, uri: &str) -> (StatusCode, Value) {
-        let response = router(shared.clone())
-            .oneshot(Request::get(uri).body(Body::empty()).unwrap())
-            .await
-            .unwrap();
-        let status = response.status();
-        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
-            .await
-            .unwrap();
-        (
-            status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        )
+    /// The operator's TLS listener on loopback, in a cluster whose front proxy, HPA controller
+    /// and KEDA are known to the (in-memory) API server.
+    struct Served {
+        shared: Shared,
+        tls: Arc<ServingTls>,
+        url: String,
+        serving_ca: TestCa,
+        proxy_ca: TestCa,
+        front_proxy: (String, String),
+        dir: std::path::PathBuf,
+        _shutdown: tokio_util::sync::DropGuard,
     }
 
-    async fn shared_with(f: GroupFigures) -> Shared {
+    async fn serve(f: GroupFigures, keda: bool) -> Served {
+        crate::run::install_crypto_provider();
+        let server = FakeApiServer::new();
+        let proxy_ca = TestCa::new("front-proxy-ca");
+        let maps = Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(
+            server.client(),
+            AUTHENTICATION_NAMESPACE,
+        );
+        let data = json!({
+            "requestheader-client-ca-file": proxy_ca.pem,
+            "requestheader-allowed-names": r#"["front-proxy-client"]"#,
+            "requestheader-username-headers": r#"["X-Remote-User"]"#,
+            "requestheader-group-headers": r#"["X-Remote-Group"]"#,
+            "requestheader-extra-headers-prefix": r#"["X-Remote-Extra-"]"#,
+        });
+        maps.create(
+            &PostParams::default(),
+            &serde_json::from_value(
+                json!({"metadata": {"name": AUTHENTICATION_CONFIG_MAP}, "data": data}),
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+        server.grant(HPA, "get", EXTERNAL_METRICS_GROUP, BACKLOG_METRIC, "shop");
+        server.issue_token("keda-token", KEDA);
+        server.grant(
+            KEDA,
+            "get",
+            cosmosq_crds::GROUP,
+            "queueconsumergroups",
+            "shop",
+        );
+        server.issue_token("stranger-token", "system:serviceaccount:other:app");
+
+        let serving_ca = TestCa::new("serving-ca");
+        let dir = std::env::temp_dir().join(format!("cosmosq-tls-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        write_pair(&dir, serving_ca.server());
+        let tls = Arc::new(
+            ServingTls::load(&dir.join("tls.crt"), &dir.join("tls.key"), server.client())
+                .await
+                .unwrap(),
+        );
         let shared = Shared::new(Arc::new(Metrics::new()), Figures::default());
         shared.leader.store(true, Ordering::Relaxed);
         shared
@@ -387,71 +562,210 @@ mod tests {
             .write()
             .await
             .insert(("shop".into(), "billing-qcg".into()), f);
-        shared
+        let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await.unwrap();
+        let url = format!(
+            "https://localhost:{}",
+            listener.local_addr().unwrap().port()
+        );
+        let shutdown = CancellationToken::new();
+        let router = secure_router(
+            shared.clone(),
+            Arc::new(Authorizer::new(server.client())),
+            keda,
+        );
+        tokio::spawn(serve_tls(listener, router, tls.clone(), shutdown.clone()));
+        Served {
+            shared,
+            tls,
+            url,
+            serving_ca,
+            front_proxy: proxy_ca.client("front-proxy-client"),
+            proxy_ca,
+            dir,
+            _shutdown: shutdown.drop_guard(),
+        }
     }
 
-    #[tokio::test]
-    async fn the_hpa_reads_the_backlog_of_the_selected_group() {
-        let shared = shared_with(figures(Some(420))).await;
-        let (status, body) = get(
-            &shared,
-            "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_backlog?labelSelector=queue%3Dorders%2Cgroup%3Dbilling",
+    fn write_pair(dir: &std::path::Path, (cert, key): (String, String)) {
+        std::fs::write(dir.join("tls.crt"), cert).unwrap();
+        std::fs::write(dir.join("tls.key"), key).unwrap();
+    }
+
+    /// An HTTPS client trusting `ca`, presenting `identity` if given.
+    fn client(ca: &TestCa, identity: Option<&(String, String)>) -> reqwest::Client {
+        reqwest::Client::builder()
+            .tls_backend_preconfigured(crate::pki::client_config(&ca.pem, identity))
+            .build()
+            .unwrap()
+    }
+
+    impl Served {
+        /// A request as the aggregator proxies it for `user`.
+        async fn as_user(&self, user: &str, path: &str) -> (StatusCode, Value) {
+            let client = client(&self.serving_ca, Some(&self.front_proxy));
+            send(
+                client
+                    .get(format!("{}{path}", self.url))
+                    .header("X-Remote-User", user),
+            )
+            .await
+        }
+
+        async fn with_token(&self, token: Option<&str>, path: &str) -> (StatusCode, Value) {
+            let request = client(&self.serving_ca, None).get(format!("{}{path}", self.url));
+            let request = match token {
+                Some(token) => request.bearer_auth(token),
+                None => request,
+            };
+            send(request).await
+        }
+    }
+
+    async fn send(request: reqwest::RequestBuilder) -> (StatusCode, Value) {
+        let response = request.send().await.unwrap();
+        let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
+        let bytes = response.bytes().await.unwrap_or_default();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
         )
-        .await;
-        assert_eq!(status, StatusCode::OK);
+    }
+
+    const BACKLOG: &str = "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_backlog";
+
+    #[tokio::test]
+    async fn the_hpa_reads_the_backlog_of_the_selected_group_through_the_front_proxy() {
+        let served = serve(figures(Some(420)), false).await;
+        let (status, body) = served
+            .as_user(
+                HPA,
+                &format!("{BACKLOG}?labelSelector=queue%3Dorders%2Cgroup%3Dbilling"),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
         assert_eq!(body["kind"], "ExternalMetricValueList");
         assert_eq!(body["items"][0]["value"], "420");
         assert_eq!(body["items"][0]["metricLabels"]["group"], "billing");
         assert_eq!(body["items"][0]["timestamp"], "2023-11-14T22:13:20Z");
-        // Another group, namespace or metric selects nothing.
-        let (_, body) = get(
-            &shared,
-            "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_lag?labelSelector=group%3Dshipping",
-        )
-        .await;
+        // Another group selects nothing; a metric that does not exist is not found.
+        let (_, body) = served
+            .as_user(HPA, &format!("{BACKLOG}?labelSelector=group%3Dshipping"))
+            .await;
         assert_eq!(body["items"], json!([]));
-        let (_, body) = get(
-            &shared,
-            "/apis/external.metrics.k8s.io/v1beta1/namespaces/other/cosmosq_lag",
+        // A metric nobody was granted is refused before anything is looked up.
+        let (status, _) = served
+            .as_user(
+                HPA,
+                "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cpu",
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+    }
+
+    #[tokio::test]
+    async fn the_external_metrics_api_answers_only_callers_the_front_proxy_vouches_for() {
+        let served = serve(figures(Some(420)), false).await;
+        // Straight to the operator, without the front proxy's certificate.
+        let (status, body) = send(
+            client(&served.serving_ca, None)
+                .get(format!("{}{BACKLOG}", served.url))
+                .header("X-Remote-User", HPA),
         )
         .await;
-        assert_eq!(body["items"], json!([]));
-        let (status, _) = get(
-            &shared,
-            "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cpu",
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("client certificate"),
+            "{body}"
+        );
+        // A certificate with the right name from another CA fails the handshake.
+        let rogue = TestCa::new("rogue").client("front-proxy-client");
+        let refused = client(&served.serving_ca, Some(&rogue))
+            .get(format!("{}{BACKLOG}", served.url))
+            .header("X-Remote-User", HPA)
+            .send()
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+        // The front proxy's CA, but a name that is not allowed to vouch.
+        let impostor = served.proxy_ca.client("system:node:worker-1");
+        let (status, body) = send(
+            client(&served.serving_ca, Some(&impostor))
+                .get(format!("{}{BACKLOG}", served.url))
+                .header("X-Remote-User", HPA),
         )
         .await;
-        assert_eq!(status, StatusCode::NOT_FOUND);
-        let (_, body) = get(&shared, "/apis/external.metrics.k8s.io/v1beta1").await;
-        assert_eq!(body["resources"][0]["name"], "cosmosq_backlog");
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("not an allowed front proxy"),
+            "{body}"
+        );
+        // A caller the front proxy names but RBAC does not allow: another namespace, another
+        // metric, another user.
+        let (status, body) = served
+            .as_user("system:serviceaccount:other:app", BACKLOG)
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("cosmosq_backlog"),
+            "{body}"
+        );
+        let (status, _) = served
+            .as_user(
+                HPA,
+                "/apis/external.metrics.k8s.io/v1beta1/namespaces/bank/cosmosq_backlog",
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        let (status, _) = served
+            .as_user(
+                HPA,
+                "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_lag",
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        // The plain HTTP router does not serve the figures at all.
+        let plain = router(served.shared.clone());
+        let response = tower::ServiceExt::oneshot(
+            plain,
+            http::Request::get(BACKLOG)
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(response.status(), StatusCode::NOT_FOUND);
     }
 
     #[tokio::test]
     async fn a_failed_estimate_is_an_error_never_a_zero() {
-        let shared = shared_with(figures(None)).await;
-        let (status, body) = get(
-            &shared,
-            "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_backlog?labelSelector=group%3Dbilling",
-        )
-        .await;
+        let served = serve(figures(None), true).await;
+        let (status, body) = served
+            .as_user(HPA, &format!("{BACKLOG}?labelSelector=group%3Dbilling"))
+            .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(body["message"].as_str().unwrap().contains("503"));
-        let (status, _) = get(
-            &shared,
-            "/keda/namespaces/shop/queueconsumergroups/billing-qcg",
-        )
-        .await;
+        let (status, _) = served
+            .with_token(
+                Some("keda-token"),
+                "/keda/namespaces/shop/queueconsumergroups/billing-qcg",
+            )
+            .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     }
 
     #[tokio::test]
-    async fn keda_gets_plain_json() {
-        let shared = shared_with(figures(Some(7))).await;
-        let (status, body) = get(
-            &shared,
-            "/keda/namespaces/shop/queueconsumergroups/billing-qcg",
-        )
-        .await;
+    async fn keda_gets_plain_json_for_a_token_that_may_read_the_group() {
+        let served = serve(figures(Some(7)), true).await;
+        let path = "/keda/namespaces/shop/queueconsumergroups/billing-qcg";
+        let (status, body) = served.with_token(Some("keda-token"), path).await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(
             (
@@ -461,29 +775,97 @@ mod tests {
             ),
             (Some(7), Some(3), Some(3))
         );
-        let (status, _) = get(&shared, "/keda/namespaces/shop/queueconsumergroups/nope").await;
+        let (status, _) = served
+            .with_token(
+                Some("keda-token"),
+                "/keda/namespaces/shop/queueconsumergroups/nope",
+            )
+            .await;
         assert_eq!(status, StatusCode::NOT_FOUND);
+        // No token, a token the API server rejects, a token whose holder may not read groups.
+        assert_eq!(
+            served.with_token(None, path).await.0,
+            StatusCode::UNAUTHORIZED
+        );
+        let (status, body) = served.with_token(Some("forged"), path).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert!(
+            body["message"].as_str().unwrap().contains("not accepted"),
+            "{body}"
+        );
+        assert_eq!(
+            served.with_token(Some("stranger-token"), path).await.0,
+            StatusCode::FORBIDDEN
+        );
+        // Off unless enabled.
+        let off = serve(figures(Some(7)), false).await;
+        assert_eq!(
+            off.with_token(Some("keda-token"), path).await.0,
+            StatusCode::NOT_FOUND
+        );
+    }
+
+    #[tokio::test]
+    async fn a_renewed_certificate_is_served_without_a_restart() {
+        let served = serve(figures(Some(7)), false).await;
+        assert_eq!(served.as_user(HPA, BACKLOG).await.0, StatusCode::OK);
+        assert!(!served.tls.reload().await.unwrap(), "nothing changed yet");
+        // What `helm upgrade` or cert-manager does: a new key pair from a new CA.
+        let renewed = TestCa::new("renewed-ca");
+        write_pair(&served.dir, renewed.server());
+        assert!(served.tls.reload().await.unwrap());
+        let (status, _) = send(
+            client(&renewed, Some(&served.front_proxy))
+                .get(format!("{}{BACKLOG}", served.url))
+                .header("X-Remote-User", HPA),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        // A half-written pair keeps the previous settings.
+        std::fs::write(served.dir.join("tls.key"), "garbage").unwrap();
+        assert!(served.tls.reload().await.is_err());
+        let (status, _) = send(
+            client(&renewed, Some(&served.front_proxy))
+                .get(format!("{}{BACKLOG}", served.url))
+                .header("X-Remote-User", HPA),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
     }
 
     #[tokio::test]
     async fn readiness_and_metrics_follow_leadership() {
-        let shared = shared_with(figures(Some(1))).await;
+        let served = serve(figures(Some(1)), true).await;
+        let shared = &served.shared;
+        shared.leader.store(true, Ordering::Relaxed);
+        let get = |path: &'static str| {
+            let plain = router(shared.clone());
+            async move {
+                tower::ServiceExt::oneshot(
+                    plain,
+                    http::Request::get(path)
+                        .body(axum::body::Body::empty())
+                        .unwrap(),
+                )
+                .await
+                .unwrap()
+                .status()
+            }
+        };
         // A leader that has not synced its caches is not ready yet.
-        assert_eq!(
-            get(&shared, "/readyz").await.0,
-            StatusCode::SERVICE_UNAVAILABLE
-        );
+        assert_eq!(get("/readyz").await, StatusCode::SERVICE_UNAVAILABLE);
         shared.synced.store(true, Ordering::Relaxed);
-        assert_eq!(get(&shared, "/readyz").await.0, StatusCode::OK);
-        assert_eq!(get(&shared, "/healthz").await.0, StatusCode::OK);
+        assert_eq!(get("/readyz").await, StatusCode::OK);
+        assert_eq!(get("/healthz").await, StatusCode::OK);
         // A standby is ready (rollouts proceed) but sends metric readers to the leader.
         shared.leader.store(false, Ordering::Relaxed);
-        assert_eq!(get(&shared, "/readyz").await.0, StatusCode::OK);
-        let (status, body) = get(
-            &shared,
-            "/keda/namespaces/shop/queueconsumergroups/billing-qcg",
-        )
-        .await;
+        assert_eq!(get("/readyz").await, StatusCode::OK);
+        let (status, body) = served
+            .with_token(
+                Some("keda-token"),
+                "/keda/namespaces/shop/queueconsumergroups/billing-qcg",
+            )
+            .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(body["message"].as_str().unwrap().contains("standby"));
     }

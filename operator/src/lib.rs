@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod apply;
+pub mod auth;
 pub mod build;
 pub mod config;
 pub mod context;
@@ -18,6 +19,8 @@ pub mod group;
 pub mod http;
 pub mod leader;
 pub mod metrics;
+#[cfg(any(test, feature = "testkit"))]
+pub mod pki;
 pub mod queue;
 pub mod run;
 pub mod scaler;
@@ -28,3 +31,4 @@ pub mod scenario;
 pub mod status;
 #[cfg(test)]
 mod testing;
+pub mod tls;

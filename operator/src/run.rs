@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::auth::Authorizer;
 use crate::build::Defaults;
 use crate::config::Config;
 use crate::context::{Context, ReconcileFailure};
@@ -31,6 +32,7 @@ use crate::http::{self, HttpError, Shared};
 use crate::leader::{LeaderElection, LeaderError, Settings};
 use crate::queue::reconcile_queue;
 use crate::scaler::Scaler;
+use crate::tls::{ServingTls, TlsError};
 
 /// The label the leader puts on its own pod; the external-metrics Service selects it.
 pub const LEADER_LABEL: &str = "cosmosq.io/leader";
@@ -43,6 +45,8 @@ pub enum RunError {
     Client(#[from] kube::Error),
     #[error(transparent)]
     Http(#[from] HttpError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
     #[error(transparent)]
     Leader(#[from] LeaderError),
 }
@@ -83,18 +87,31 @@ pub async fn run_with(
 
     // The HTTP surface comes first: the kubelet probes a standby too.
     let shared = Shared::new(ctx.metrics.clone(), ctx.figures.clone());
-    let router = http::router(shared.clone());
     let listener = http::bind(config.listen).await?;
     let secure = match (&config.tls_cert_file, &config.tls_key_file) {
         (Some(cert), Some(key)) => Some((
             http::bind(config.secure_listen).await?,
-            http::tls_config(cert, key)?,
+            Arc::new(ServingTls::load(cert, key, client.clone()).await?),
         )),
         _ => None,
     };
     let mut servers = tokio::task::JoinSet::new();
-    servers.spawn(http::serve(listener, router.clone(), shutdown.clone()));
+    servers.spawn(http::serve(
+        listener,
+        http::router(shared.clone()),
+        shutdown.clone(),
+    ));
     if let Some((listener, tls)) = secure {
+        let router = http::secure_router(
+            shared.clone(),
+            Arc::new(Authorizer::new(client.clone())),
+            config.keda_endpoint,
+        );
+        let reload = tls.clone().run(shutdown.clone());
+        servers.spawn(async move {
+            reload.await;
+            Ok(())
+        });
         servers.spawn(http::serve_tls(listener, router, tls, shutdown.clone()));
     }
     let pod = config.identity.clone().map(|name| {
@@ -384,6 +401,8 @@ mod tests {
             namespace: "shop".into(),
             identity: Some("operator-0".into()),
             controllers: false,
+            operator_args: Vec::new(),
+            while_scaled: None,
         })
         .await;
 

@@ -37,7 +37,15 @@ pub struct Scenario {
     /// The cluster runs kube-controller-manager: also check what its controllers make of the
     /// operator's objects (the Deployment's ReplicaSet). The in-memory API server has none.
     pub controllers: bool,
+    /// More operator flags (e.g. the TLS listener's).
+    pub operator_args: Vec<String>,
+    /// Run while the group has figures (backlog 100, 3 replicas), e.g. to read them as the
+    /// HPA or KEDA would.
+    pub while_scaled: Option<Check>,
 }
+
+/// A check the scenario runs at one of its steps.
+pub type Check = Box<dyn FnOnce() -> futures::future::BoxFuture<'static, ()> + Send>;
 
 /// Waits, through a watch, until `name` satisfies `condition`.
 pub async fn until<K>(api: &Api<K>, name: &str, what: &str, condition: impl Fn(Option<&K>) -> bool)
@@ -154,7 +162,7 @@ async fn create_ready_queue(queues: &Api<CosmosQueue>, ns: &str, name: &str, pol
 }
 
 /// Runs the operator and the scenario; panics with what did not happen.
-pub async fn operator_scenario(s: Scenario) {
+pub async fn operator_scenario(mut s: Scenario) {
     let ns = s.namespace.as_str();
     let mut args = vec![
         "cosmosq-operator".to_owned(),
@@ -167,6 +175,7 @@ pub async fn operator_scenario(s: Scenario) {
     if let Some(identity) = &s.identity {
         args.push(format!("--identity={identity}"));
     }
+    args.extend(s.operator_args.iter().cloned());
     let (shutdown, operator) = start_operator(&s, &args);
 
     // A queue is provisioned and reported ready.
@@ -322,6 +331,9 @@ pub async fn operator_scenario(s: Scenario) {
         q.and_then(|q| q.status.as_ref()).and_then(|s| s.backlog) == Some(100)
     })
     .await;
+    if let Some(check) = s.while_scaled.take() {
+        check().await;
+    }
     let leases: Api<Lease> = Api::namespaced(s.client.clone(), ns);
     let holder = leases
         .get("cosmosq-operator-e2e")

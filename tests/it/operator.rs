@@ -6,15 +6,26 @@
 //! server runs in every test run: a queue, a group, a backlog, the Deployment scaling (the
 //! real apps controller makes its ReplicaSet and Pods), deletion by the real garbage collector.
 //! Needs `helm` (`COSMOSQ_HELM`, `target/tools/helm` as `.ci/run` installs it, or `PATH`).
+//!
+//! The operator's TLS listener is checked as the cluster's callers reach it: straight (no
+//! front-proxy certificate: refused) and with ServiceAccount tokens (KEDA's bearer mode:
+//! TokenReview and SubjectAccessReview by the real API server). When the API server can reach
+//! this process (`COSMOSQ_E2E_OPERATOR_ADDRESS=<an IP of this host the API server can dial>`),
+//! an APIService is registered and the figures are read through the aggregation layer.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
-use cosmosq_operator::scenario::{operator_scenario, until, Scenario};
+use cosmosq_operator::pki::{client_config, TestCa};
+use cosmosq_operator::scenario::{operator_scenario, until, Check, Scenario};
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Namespace, Service, ServiceAccount};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{conditions, Condition};
@@ -78,6 +89,7 @@ async fn the_operator_on_a_real_cluster() {
     let operator_client = Client::try_from(as_operator).expect("an impersonating client");
 
     let emulator = Emulator::in_process(EmulatorOptions::default()).expect("emulator");
+    let listener = SecureListener::new(&namespace);
     operator_scenario(Scenario {
         client: client.clone(),
         operator_client,
@@ -85,6 +97,8 @@ async fn the_operator_on_a_real_cluster() {
         namespace: namespace.clone(),
         identity: None,
         controllers: true,
+        operator_args: listener.operator_args(),
+        while_scaled: Some(figures_checks(client.clone(), namespace.clone(), listener)),
     })
     .await;
 
@@ -103,10 +117,16 @@ async fn the_operator_on_a_real_cluster() {
         .delete(&release, &DeleteParams::default())
         .await
         .expect("delete the chart's ClusterRole");
-    bindings
-        .delete(&release, &DeleteParams::default())
+    for binding in [release.clone(), format!("{release}-auth-delegator")] {
+        bindings
+            .delete(&binding, &DeleteParams::default())
+            .await
+            .expect("delete the chart's ClusterRoleBindings");
+    }
+    Api::<RoleBinding>::namespaced(client.clone(), "kube-system")
+        .delete(&format!("{release}-auth-reader"), &DeleteParams::default())
         .await
-        .expect("delete the chart's ClusterRoleBinding");
+        .expect("delete the chart's RoleBinding in kube-system");
 }
 
 /// Renders the chart's ServiceAccount and RBAC for `release` in `namespace` with helm and
@@ -117,6 +137,11 @@ async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> St
         .args(["template", release])
         .arg(&chart)
         .args(["--namespace", namespace])
+        // The TLS listener's grants too: delegated authentication and authorization.
+        .args([
+            "--set",
+            "externalMetrics.enabled=true,kedaEndpoint.enabled=true",
+        ])
         .args(["--show-only", "templates/serviceaccount.yaml"])
         .args(["--show-only", "templates/rbac.yaml"])
         .output()
@@ -168,7 +193,10 @@ async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> St
                     .expect("apply the Role");
             }
             "RoleBinding" => {
-                Api::<RoleBinding>::namespaced(client.clone(), namespace)
+                let at = object["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or(namespace);
+                Api::<RoleBinding>::namespaced(client.clone(), at)
                     .patch(&name, &apply, &patch)
                     .await
                     .expect("apply the RoleBinding");
@@ -376,4 +404,261 @@ async fn the_api_server_enforces_the_crd_rules(client: &Client, namespace: &str)
         .delete("rules", &DeleteParams::default())
         .await
         .expect("delete the rules queue");
+}
+
+/// The operator's TLS listener for this run: a port, and a serving certificate for the
+/// Service an APIService names (and for loopback, where this test calls it directly).
+struct SecureListener {
+    port: u16,
+    ca: TestCa,
+    dir: PathBuf,
+    service: String,
+}
+
+impl SecureListener {
+    fn new(namespace: &str) -> Self {
+        let port = std::net::TcpListener::bind("0.0.0.0:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let service = "cosmosq-e2e-metrics".to_owned();
+        let ca = TestCa::new("cosmosq-e2e-ca");
+        let (cert, key) = ca.server_for(&[&format!("{service}.{namespace}.svc")]);
+        let dir = std::env::temp_dir().join(format!("cosmosq-e2e-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        std::fs::write(dir.join("tls.crt"), cert).expect("write the certificate");
+        std::fs::write(dir.join("tls.key"), key).expect("write the key");
+        Self {
+            port,
+            ca,
+            dir,
+            service,
+        }
+    }
+
+    fn operator_args(&self) -> Vec<String> {
+        vec![
+            format!("--secure-listen=0.0.0.0:{}", self.port),
+            format!("--tls-cert-file={}", self.dir.join("tls.crt").display()),
+            format!("--tls-key-file={}", self.dir.join("tls.key").display()),
+            "--keda-endpoint=true".into(),
+        ]
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("https://localhost:{}{path}", self.port)
+    }
+}
+
+fn figures_checks(client: Client, namespace: String, listener: SecureListener) -> Check {
+    Box::new(move || {
+        Box::pin(async move {
+            the_figures_are_served_only_to_authorized_callers(&client, &namespace, &listener).await
+        })
+    })
+}
+
+async fn get(request: reqwest::RequestBuilder) -> (u16, Value) {
+    let response = request.send().await.expect("the operator answers");
+    let status = response.status().as_u16();
+    let body = response.bytes().await.unwrap_or_default();
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+/// A token of ServiceAccount `name`, as a Secret for KEDA's TriggerAuthentication holds one.
+async fn token_of(client: &Client, namespace: &str, name: &str) -> String {
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let account = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+    accounts
+        .create(&PostParams::default(), &account)
+        .await
+        .expect("create a ServiceAccount");
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: Vec::new(),
+            expiration_seconds: Some(600),
+            ..TokenRequestSpec::default()
+        },
+        ..TokenRequest::default()
+    };
+    accounts
+        .create_token_request(name, &PostParams::default(), &request)
+        .await
+        .expect("a token")
+        .status
+        .expect("the token's status")
+        .token
+}
+
+async fn the_figures_are_served_only_to_authorized_callers(
+    client: &Client,
+    namespace: &str,
+    listener: &SecureListener,
+) {
+    let https = reqwest::Client::builder()
+        .tls_backend_preconfigured(client_config(&listener.ca.pem, None))
+        .build()
+        .expect("an HTTPS client");
+    // Straight to the operator, claiming to be an admin: refused for want of the front
+    // proxy's certificate. The message shows the operator read the front proxy's CA, which the
+    // chart's RoleBinding in kube-system allows.
+    let backlog =
+        format!("/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/cosmosq_backlog");
+    let (status, body) = get(https
+        .get(listener.url(&backlog))
+        .header("X-Remote-User", "kubernetes-admin")
+        .header("X-Remote-Group", "system:masters"))
+    .await;
+    assert_eq!(status, 401, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("front proxy is required")),
+        "{body}"
+    );
+
+    // KEDA's bearer mode, judged by the API server: the operator reviews tokens as the chart's
+    // ServiceAccount (system:auth-delegator).
+    let reader = token_of(client, namespace, "keda-reader").await;
+    let stranger = token_of(client, namespace, "stranger").await;
+    let role = serde_json::from_value(json!({
+        "metadata": {"name": "read-groups"},
+        "rules": [{"apiGroups": ["cosmosq.io"], "resources": ["queueconsumergroups"], "verbs": ["get"]}]
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &role)
+        .await
+        .expect("create the Role");
+    let binding = serde_json::from_value(json!({
+        "metadata": {"name": "keda-reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "read-groups"},
+        "subjects": [{"kind": "ServiceAccount", "name": "keda-reader", "namespace": namespace}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("create the RoleBinding");
+    let keda = listener.url(&format!(
+        "/keda/namespaces/{namespace}/queueconsumergroups/billing"
+    ));
+    // A decision is cached for 10 s; the binding may reach the authorizer after a first ask.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = get(https.get(&keda).bearer_auth(&reader)).await;
+        if status == 200 {
+            assert_eq!(body["backlog"], 100, "{body}");
+            assert_eq!(body["desiredReplicas"], 3, "{body}");
+            break;
+        }
+        assert_eq!(status, 403, "{body}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still refused: {body}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let (status, body) = get(https.get(&keda).bearer_auth(&stranger)).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("stranger")),
+        "{body}"
+    );
+    let (status, body) = get(https.get(&keda).bearer_auth("not-a-token")).await;
+    assert_eq!(status, 401, "{body}");
+    let (status, _) = get(https.get(&keda)).await;
+    assert_eq!(status, 401);
+
+    match std::env::var("COSMOSQ_E2E_OPERATOR_ADDRESS") {
+        Ok(address) => read_through_the_aggregator(client, namespace, listener, &address).await,
+        Err(_) => eprintln!(
+            "skipped the aggregated read: set COSMOSQ_E2E_OPERATOR_ADDRESS to an IP of this host the API server can reach"
+        ),
+    }
+}
+
+/// Registers the operator as `v1beta1.external.metrics.k8s.io` and reads the backlog as an
+/// HPA does, through the API server: TLS verified by the APIService's CA bundle, the front
+/// proxy's certificate verified by the operator, the caller authorized by both.
+async fn read_through_the_aggregator(
+    client: &Client,
+    namespace: &str,
+    listener: &SecureListener,
+    address: &str,
+) {
+    const NAME: &str = "v1beta1.external.metrics.k8s.io";
+    let apiservices: Api<APIService> = Api::all(client.clone());
+    if apiservices
+        .get_opt(NAME)
+        .await
+        .expect("read APIServices")
+        .is_some()
+    {
+        eprintln!(
+            "skipped the aggregated read: {NAME} already exists (KEDA or prometheus-adapter?)"
+        );
+        return;
+    }
+    let service = serde_json::from_value(json!({
+        "metadata": {"name": listener.service},
+        "spec": {"ports": [{"name": "https", "port": 443, "targetPort": listener.port}]}
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &service)
+        .await
+        .expect("create the Service");
+    let slice = serde_json::from_value(json!({
+        "metadata": {"name": format!("{}-e2e", listener.service),
+                     "labels": {"kubernetes.io/service-name": listener.service}},
+        "addressType": if address.contains(':') { "IPv6" } else { "IPv4" },
+        "endpoints": [{"addresses": [address], "conditions": {"ready": true}}],
+        "ports": [{"name": "https", "port": listener.port, "protocol": "TCP"}]
+    }))
+    .unwrap();
+    Api::<EndpointSlice>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &slice)
+        .await
+        .expect("create the EndpointSlice");
+    let apiservice = serde_json::from_value(json!({
+        "metadata": {"name": NAME},
+        "spec": {"group": "external.metrics.k8s.io", "version": "v1beta1",
+                 "groupPriorityMinimum": 100, "versionPriority": 100,
+                 "service": {"name": listener.service, "namespace": namespace, "port": 443},
+                 "caBundle": base64_encode(listener.ca.pem.as_bytes())}
+    }))
+    .unwrap();
+    apiservices
+        .create(&PostParams::default(), &apiservice)
+        .await
+        .expect("create the APIService");
+    until(&apiservices, NAME, "the APIService to be available", |a| {
+        a.and_then(|a| a.status.as_ref())
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| {
+                c.iter()
+                    .any(|c| c.type_ == "Available" && c.status == "True")
+            })
+    })
+    .await;
+    let path = format!(
+        "/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/cosmosq_backlog?labelSelector=group%3Dbilling"
+    );
+    let list: Value = client
+        .request(http::Request::get(&path).body(Vec::new()).unwrap())
+        .await
+        .expect("the backlog through the aggregation layer");
+    assert_eq!(list["items"][0]["value"], "100", "{list}");
+    apiservices
+        .delete(NAME, &DeleteParams::default())
+        .await
+        .expect("delete the APIService");
+}
+
+fn base64_encode(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }

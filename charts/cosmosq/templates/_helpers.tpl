@@ -35,3 +35,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "cosmosq.externalMetricsSecret" -}}
 {{- default (printf "%s-external-metrics-tls" (include "cosmosq.fullname" .)) .Values.externalMetrics.existingSecret -}}
 {{- end -}}
+
+{{/* Non-empty when the operator serves TLS: the external metrics API or the KEDA endpoint. */}}
+{{- define "cosmosq.secure" -}}
+{{- if or .Values.externalMetrics.enabled .Values.kedaEndpoint.enabled }}true{{ end -}}
+{{- end }}

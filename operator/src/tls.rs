@@ -1,0 +1,192 @@
+//! The secure listener's TLS settings: the serving certificate, and which client certificates
+//! are believed (those of the API server's front proxy), both reloaded while the operator runs.
+//!
+//! `helm upgrade`, a cert-manager renewal or a rotated front-proxy CA change them under a
+//! running operator. Each new connection takes the newest settings, as client-go's dynamic
+//! certificate controllers do; a change that does not load keeps the previous settings.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::Api;
+use kube::Client;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::auth::{RequestHeader, AUTHENTICATION_CONFIG_MAP, AUTHENTICATION_NAMESPACE};
+
+/// How often the files and the front proxy's ConfigMap are read again (the kubelet updates a
+/// mounted Secret within about a minute).
+pub const RELOAD_INTERVAL: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("TLS certificate or key {path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("the front proxy's CA: {0}")]
+    ClientCa(String),
+}
+
+fn file_error(path: &Path, reason: impl ToString) -> TlsError {
+    TlsError::File {
+        path: path.display().to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// What connections are served with.
+pub struct Snapshot {
+    pub config: Arc<ServerConfig>,
+    /// How the front proxy authenticates, or why that is unknown (then no client certificate
+    /// is asked for and the external metrics API answers 401 saying why).
+    pub front_proxy: Result<Arc<RequestHeader>, String>,
+}
+
+/// What a snapshot is built from, kept to see whether anything changed.
+#[derive(Clone, PartialEq)]
+struct Inputs {
+    cert: Vec<u8>,
+    key: Vec<u8>,
+    front_proxy: Result<RequestHeader, String>,
+}
+
+pub struct ServingTls {
+    cert: PathBuf,
+    key: PathBuf,
+    client: Client,
+    current: RwLock<(Inputs, Arc<Snapshot>)>,
+}
+
+impl ServingTls {
+    /// Loads the certificate (an error stops the operator: it was asked to serve TLS) and the
+    /// front proxy's settings (a failure there is logged and retried on every reload).
+    pub async fn load(cert: &Path, key: &Path, client: Client) -> Result<Self, TlsError> {
+        let inputs = read_inputs(cert, key, &client).await?;
+        if let Err(reason) = &inputs.front_proxy {
+            warn!(%reason, "the external metrics API cannot authenticate the API server's front proxy yet");
+        }
+        let snapshot = Arc::new(build(cert, key, &inputs)?);
+        Ok(Self {
+            cert: cert.to_owned(),
+            key: key.to_owned(),
+            client,
+            current: RwLock::new((inputs, snapshot)),
+        })
+    }
+
+    pub fn current(&self) -> Arc<Snapshot> {
+        self.current.read().expect("tls settings").1.clone()
+    }
+
+    /// Reads everything again; true when the settings changed.
+    pub async fn reload(&self) -> Result<bool, TlsError> {
+        let inputs = read_inputs(&self.cert, &self.key, &self.client).await?;
+        if self.current.read().expect("tls settings").0 == inputs {
+            return Ok(false);
+        }
+        let snapshot = Arc::new(build(&self.cert, &self.key, &inputs)?);
+        *self.current.write().expect("tls settings") = (inputs, snapshot);
+        Ok(true)
+    }
+
+    /// Reloads every [`RELOAD_INTERVAL`] until `shutdown`.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut interval = tokio::time::interval(RELOAD_INTERVAL);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        interval.tick().await;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = interval.tick() => {}
+            }
+            match self.reload().await {
+                Ok(true) => info!(
+                    front_proxy = self.current().front_proxy.is_ok(),
+                    "reloaded the TLS certificate and the front proxy's CA"
+                ),
+                Ok(false) => {}
+                Err(e) => warn!(error = %e, "keeping the previous TLS settings"),
+            }
+        }
+    }
+}
+
+async fn read_inputs(cert: &Path, key: &Path, client: &Client) -> Result<Inputs, TlsError> {
+    let read = |path: &Path| {
+        let path = path.to_owned();
+        async move {
+            tokio::fs::read(&path)
+                .await
+                .map_err(|e| file_error(&path, e))
+        }
+    };
+    let front_proxy = match Api::<ConfigMap>::namespaced(client.clone(), AUTHENTICATION_NAMESPACE)
+        .get_opt(AUTHENTICATION_CONFIG_MAP)
+        .await
+    {
+        Ok(Some(map)) => match RequestHeader::from_data(&map.data.unwrap_or_default()) {
+            Ok(Some(header)) => Ok(header),
+            Ok(None) => Err(format!(
+                "{AUTHENTICATION_NAMESPACE}/{AUTHENTICATION_CONFIG_MAP} names no front-proxy CA \
+                 (kube-apiserver runs without --requestheader-client-ca-file)"
+            )),
+            Err(e) => Err(e.to_string()),
+        },
+        Ok(None) => Err(format!(
+            "{AUTHENTICATION_NAMESPACE}/{AUTHENTICATION_CONFIG_MAP} does not exist"
+        )),
+        Err(e) => Err(format!(
+            "reading {AUTHENTICATION_NAMESPACE}/{AUTHENTICATION_CONFIG_MAP}: {e}"
+        )),
+    };
+    Ok(Inputs {
+        cert: read(cert).await?,
+        key: read(key).await?,
+        front_proxy,
+    })
+}
+
+fn build(cert_path: &Path, key_path: &Path, inputs: &Inputs) -> Result<Snapshot, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(&inputs.cert)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file_error(cert_path, e))?;
+    if certs.is_empty() {
+        return Err(file_error(cert_path, "no certificate in the file"));
+    }
+    let key = PrivateKeyDer::from_pem_slice(&inputs.key).map_err(|e| file_error(key_path, e))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| file_error(cert_path, e))?;
+    let builder = match &inputs.front_proxy {
+        Ok(header) => {
+            let mut roots = RootCertStore::empty();
+            for ca in &header.client_ca {
+                roots
+                    .add(ca.clone())
+                    .map_err(|e| TlsError::ClientCa(e.to_string()))?;
+            }
+            // Unauthenticated clients may connect: KEDA presents a bearer token instead, and
+            // the external metrics API refuses a request without a certificate itself.
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| TlsError::ClientCa(e.to_string()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        Err(_) => builder.with_no_client_auth(),
+    };
+    let config = builder
+        .with_single_cert(certs, key)
+        .map_err(|e| file_error(cert_path, e))?;
+    Ok(Snapshot {
+        config: Arc::new(config),
+        front_proxy: inputs.front_proxy.clone().map(Arc::new),
+    })
+}
