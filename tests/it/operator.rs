@@ -74,6 +74,7 @@ async fn the_operator_on_a_real_cluster() {
         .expect("create the test namespace");
 
     the_api_server_enforces_the_crd_rules(&client, &namespace).await;
+    the_chart_keeps_its_certificate_across_upgrades(&client, &path, &namespace, &suffix).await;
 
     // The operator runs as the chart's ServiceAccount, with the chart's grants and no others.
     let release = format!("cosmosq-{suffix}");
@@ -218,6 +219,50 @@ async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> St
         );
     }
     account.expect("the chart's ServiceAccount")
+}
+
+/// `helm install`, then `helm upgrade`: the generated serving certificate and its CA (which
+/// the APIService trusts) survive the upgrade, so HPA mode keeps working through it.
+async fn the_chart_keeps_its_certificate_across_upgrades(
+    client: &Client,
+    kubeconfig: &std::ffi::OsStr,
+    namespace: &str,
+    suffix: &str,
+) {
+    let chart = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
+    let release = format!("cosmosq-upgrade-{suffix}");
+    let helm_run = |args: &[&str]| {
+        let output = std::process::Command::new(helm())
+            .args(args)
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(["--namespace", namespace])
+            .output()
+            .expect("run helm");
+        assert!(
+            output.status.success(),
+            "helm {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    let chart = chart.to_str().expect("a UTF-8 path");
+    let values = format!("kedaEndpoint.enabled=true,watchNamespace={namespace}");
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(client.clone(), namespace);
+    let secret = format!("{release}-external-metrics-tls");
+    let certificate = || async {
+        let secret = secrets.get(&secret).await.expect("the serving certificate");
+        let data = secret.data.expect("its data");
+        (data["tls.crt"].clone(), data["ca.crt"].clone())
+    };
+    helm_run(&["upgrade", "--install", &release, chart, "--set", &values]);
+    let installed = certificate().await;
+    helm_run(&["upgrade", "--install", &release, chart, "--set", &values]);
+    assert!(
+        installed == certificate().await,
+        "helm upgrade replaced the serving certificate"
+    );
+    helm_run(&["uninstall", &release, "--wait"]);
 }
 
 /// helm: `COSMOSQ_HELM`, then `target/tools/helm` (where `.ci/run` installs it), then `PATH`.
