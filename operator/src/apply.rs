@@ -48,7 +48,49 @@ where
         .await?)
 }
 
-/// Builds and applies the group's ServiceAccount, Role, RoleBinding, Deployment and (HPA mode)
+/// Applies the workers' RoleBinding. One made before the worker ClusterRole existed names the
+/// group's own Role, and a binding's roleRef cannot change: that binding and its Role are
+/// deleted and the binding made anew (the workers lack the grant for a moment; their deletion
+/// cost waits for the next try).
+async fn apply_binding(
+    client: &Client,
+    namespace: &str,
+    binding: &RoleBinding,
+) -> Result<(), ApplyError> {
+    match apply::<RoleBinding>(client, namespace, binding).await {
+        Err(ApplyError::Kube(kube::Error::Api(e)))
+            if e.code == 422 && e.message.contains("roleRef") =>
+        {
+            let name = binding.name_any();
+            gone(
+                Api::<RoleBinding>::namespaced(client.clone(), namespace)
+                    .delete(&name, &DeleteParams::default())
+                    .await
+                    .map(|_| ()),
+            )?;
+            gone(
+                Api::<Role>::namespaced(client.clone(), namespace)
+                    .delete(&name, &DeleteParams::default())
+                    .await
+                    .map(|_| ()),
+            )?;
+            tracing::info!(%namespace, binding = %name, "replaced a RoleBinding to the group's own Role by one to the worker ClusterRole");
+            apply::<RoleBinding>(client, namespace, binding).await?;
+            Ok(())
+        }
+        other => other.map(|_| ()),
+    }
+}
+
+/// A delete that found nothing to delete succeeded.
+fn gone(result: Result<(), kube::Error>) -> Result<(), kube::Error> {
+    match result {
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        other => other,
+    }
+}
+
+/// Builds and applies the group's ServiceAccount, RoleBinding, Deployment and (HPA mode)
 /// HorizontalPodAutoscaler. Building is pure and happens first: an invalid spec writes nothing.
 pub async fn apply_group(
     client: &Client,
@@ -61,19 +103,17 @@ pub async fn apply_group(
         .ok_or_else(|| ApplyError::NoNamespace(qcg.name_any()))?;
     let deployment = build::deployment(qcg, queue, defaults)?;
     let service_account = build::service_account(qcg, queue)?;
-    let role = build::role(qcg)?;
     let pod_account = deployment
         .spec
         .as_ref()
         .and_then(|s| s.template.spec.as_ref())
         .and_then(|p| p.service_account_name.clone())
         .unwrap_or_else(|| build::workers_name(qcg));
-    let binding = build::role_binding(qcg, &pod_account)?;
+    let binding = build::role_binding(qcg, &pod_account, defaults)?;
     let hpa = build::hpa(qcg)?;
 
     apply::<ServiceAccount>(client, &namespace, &service_account).await?;
-    apply::<Role>(client, &namespace, &role).await?;
-    apply::<RoleBinding>(client, &namespace, &binding).await?;
+    apply_binding(client, &namespace, &binding).await?;
     apply::<Deployment>(client, &namespace, &deployment).await?;
     if let Some(hpa) = &hpa {
         apply::<HorizontalPodAutoscaler>(client, &namespace, hpa).await?;
@@ -159,11 +199,10 @@ mod tests {
             seen.body
         }
 
-        /// The group's ServiceAccount, Role, RoleBinding and Deployment, applied in order.
+        /// The group's ServiceAccount, RoleBinding and Deployment, applied in order.
         async fn expect_workers_applied(&mut self) {
             for (path, kind) in [
                 ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
-                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers", "Role"),
                 ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
                 ("/apis/apps/v1/namespaces/shop/deployments/billing-workers", "Deployment"),
             ] {
@@ -195,9 +234,7 @@ mod tests {
     }
 
     fn defaults() -> Defaults {
-        Defaults {
-            sidecar_image: "cosmosq/sidecar:test".into(),
-        }
+        Defaults::new("cosmosq/sidecar:test")
     }
 
     #[tokio::test]
@@ -210,14 +247,10 @@ mod tests {
                     "ServiceAccount",
                 )
                 .await;
-            server
-                .expect_apply(
-                    "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers",
-                    "Role",
-                )
-                .await;
             let binding = server.expect_apply("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding").await;
             assert_eq!(binding["subjects"][0]["name"], "billing-workers");
+            assert_eq!(binding["roleRef"]["kind"], "ClusterRole");
+            assert_eq!(binding["roleRef"]["name"], "cosmosq-worker");
             let deployment = server
                 .expect_apply(
                     "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
@@ -247,6 +280,60 @@ mod tests {
         let server = verifier.await.unwrap();
         drop(client);
         server.done().await; // nothing else was written
+    }
+
+    #[tokio::test]
+    async fn a_binding_to_the_old_per_group_role_is_replaced() {
+        let (client, mut server) = client();
+        let binding =
+            "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers";
+        let verifier = tokio::spawn(async move {
+            server
+                .expect_apply(
+                    "/api/v1/namespaces/shop/serviceaccounts/billing-workers",
+                    "ServiceAccount",
+                )
+                .await;
+            // The API server refuses to change the roleRef of the existing binding.
+            let seen = server.expect(Method::PATCH, binding).await;
+            seen.send.send_response(json_response(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "reason": "Invalid", "code": 422,
+                        "message": "RoleBinding.rbac.authorization.k8s.io \"billing-workers\" is invalid: roleRef: Invalid value: ...: cannot change roleRef"}),
+            ));
+            let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Success"});
+            server
+                .answer(
+                    Method::DELETE,
+                    binding,
+                    json_response(StatusCode::OK, &gone),
+                )
+                .await;
+            // The old Role may already be gone.
+            server
+                .answer(
+                    Method::DELETE,
+                    "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers",
+                    crate::testing::not_found(),
+                )
+                .await;
+            let applied = server.expect_apply(binding, "RoleBinding").await;
+            assert_eq!(applied["roleRef"]["kind"], "ClusterRole");
+            server
+                .expect_apply(
+                    "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                    "Deployment",
+                )
+                .await;
+            server
+        });
+        apply_group(&client, &group(json!({})), &queue(), &defaults())
+            .await
+            .unwrap();
+        let server = verifier.await.unwrap();
+        drop(client);
+        server.done().await;
     }
 
     #[tokio::test]

@@ -12,11 +12,13 @@ use k8s_openapi::api::autoscaling::v2::{
     MetricTarget,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
-    ObjectFieldSelector, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
-    SecretVolumeSource, SecurityContext, ServiceAccount, Volume, VolumeMount,
+    Capabilities, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
+    DownwardAPIVolumeFile, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath, ObjectFieldSelector,
+    PodTemplateSpec, Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
+    SecretVolumeSource, SecurityContext, ServiceAccount, ServiceAccountTokenProjection, Volume,
+    VolumeMount, VolumeProjection,
 };
-use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -49,6 +51,22 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> BuildError {
 #[derive(Clone, Debug)]
 pub struct Defaults {
     pub sidecar_image: String,
+    /// The ClusterRole each group's RoleBinding grants its workers (the chart's
+    /// `<release>-worker`: patch pods, narrowed by the chart's admission policy to the caller's
+    /// own pod's deletion cost).
+    pub worker_cluster_role: String,
+}
+
+/// The worker ClusterRole's name when none is configured.
+pub const WORKER_CLUSTER_ROLE: &str = "cosmosq-worker";
+
+impl Defaults {
+    pub fn new(sidecar_image: impl Into<String>) -> Self {
+        Self {
+            sidecar_image: sidecar_image.into(),
+            worker_cluster_role: WORKER_CLUSTER_ROLE.into(),
+        }
+    }
 }
 
 /// The consumer group's name in the queue.
@@ -294,6 +312,28 @@ pub fn deployment(
     if pod.service_account_name.is_none() {
         pod.service_account_name = Some(workers_name(qcg));
     }
+    // The app gets no API token (unless the template asks for one): only the sidecar talks
+    // to the API server, with a projected token bound to its pod.
+    if pod.automount_service_account_token != Some(true) {
+        pod.automount_service_account_token = Some(false);
+        pod.volumes
+            .get_or_insert_with(Vec::new)
+            .push(api_token_volume());
+        let sidecar = pod
+            .containers
+            .iter_mut()
+            .find(|c| c.name == SIDECAR_CONTAINER)
+            .expect("the sidecar was just added");
+        sidecar
+            .volume_mounts
+            .get_or_insert_with(Vec::new)
+            .push(VolumeMount {
+                name: API_TOKEN_VOLUME.into(),
+                mount_path: API_TOKEN_DIR.into(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            });
+    }
     pod.termination_grace_period_seconds = Some(
         pod.termination_grace_period_seconds
             .unwrap_or(0)
@@ -346,6 +386,57 @@ pub fn deployment(
     })
 }
 
+const API_TOKEN_VOLUME: &str = "cosmosq-api-token";
+/// Where in-cluster clients (kube-rs, client-go) look for the token, CA and namespace.
+const API_TOKEN_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// What the kubelet mounts for an automounted token: a bound, expiring token (refreshed by the
+/// kubelet), the cluster CA and the namespace.
+fn api_token_volume() -> Volume {
+    Volume {
+        name: API_TOKEN_VOLUME.into(),
+        projected: Some(ProjectedVolumeSource {
+            default_mode: Some(0o444),
+            sources: Some(vec![
+                VolumeProjection {
+                    service_account_token: Some(ServiceAccountTokenProjection {
+                        path: "token".into(),
+                        expiration_seconds: Some(3607),
+                        ..ServiceAccountTokenProjection::default()
+                    }),
+                    ..VolumeProjection::default()
+                },
+                VolumeProjection {
+                    config_map: Some(ConfigMapProjection {
+                        name: "kube-root-ca.crt".into(),
+                        items: Some(vec![KeyToPath {
+                            key: "ca.crt".into(),
+                            path: "ca.crt".into(),
+                            ..KeyToPath::default()
+                        }]),
+                        ..ConfigMapProjection::default()
+                    }),
+                    ..VolumeProjection::default()
+                },
+                VolumeProjection {
+                    downward_api: Some(DownwardAPIProjection {
+                        items: Some(vec![DownwardAPIVolumeFile {
+                            path: "namespace".into(),
+                            field_ref: Some(ObjectFieldSelector {
+                                field_path: "metadata.namespace".into(),
+                                ..ObjectFieldSelector::default()
+                            }),
+                            ..DownwardAPIVolumeFile::default()
+                        }]),
+                    }),
+                    ..VolumeProjection::default()
+                },
+            ]),
+        }),
+        ..Volume::default()
+    }
+}
+
 /// The sidecar's identity (workload identity is federated on it when the queue uses it).
 pub fn service_account(
     qcg: &QueueConsumerGroup,
@@ -370,29 +461,20 @@ pub fn service_account(
     })
 }
 
-/// Least privilege for the sidecar: patch pods (its own deletion cost), nothing else.
-pub fn role(qcg: &QueueConsumerGroup) -> Result<Role, BuildError> {
-    Ok(Role {
-        metadata: metadata(qcg)?,
-        rules: Some(vec![PolicyRule {
-            api_groups: Some(vec!["".into()]),
-            resources: Some(vec!["pods".into()]),
-            verbs: vec!["patch".into()],
-            ..PolicyRule::default()
-        }]),
-    })
-}
-
+/// The workers' grant: the installation's worker ClusterRole, in the group's namespace only.
+/// A ClusterRole the chart owns (rather than a Role per group) means the operator needs no
+/// right to create Roles, only to bind that one role.
 pub fn role_binding(
     qcg: &QueueConsumerGroup,
     service_account: &str,
+    defaults: &Defaults,
 ) -> Result<RoleBinding, BuildError> {
     Ok(RoleBinding {
         metadata: metadata(qcg)?,
         role_ref: RoleRef {
             api_group: "rbac.authorization.k8s.io".into(),
-            kind: "Role".into(),
-            name: workers_name(qcg),
+            kind: "ClusterRole".into(),
+            name: defaults.worker_cluster_role.clone(),
         },
         subjects: Some(vec![Subject {
             kind: "ServiceAccount".into(),
@@ -501,9 +583,7 @@ mod tests {
     }
 
     fn defaults() -> Defaults {
-        Defaults {
-            sidecar_image: "ghcr.io/cosmosq/sidecar:0.1.0".into(),
-        }
+        Defaults::new("ghcr.io/cosmosq/sidecar:0.1.0")
     }
 
     fn key_queue() -> CosmosQueue {
@@ -610,7 +690,13 @@ mod tests {
         );
         assert_eq!(pod.termination_grace_period_seconds, Some(30));
         assert_eq!(pod.service_account_name.as_deref(), Some("billing-workers"));
-        let volume = &pod.volumes.as_ref().unwrap()[0];
+        let volume = pod
+            .volumes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|v| v.name == KEY_VOLUME)
+            .unwrap();
         assert_eq!(
             volume.secret.as_ref().unwrap().secret_name.as_deref(),
             Some("cosmos-key")
@@ -690,18 +776,65 @@ mod tests {
     }
 
     #[test]
-    fn the_sidecar_may_patch_pods_and_nothing_else() {
+    fn only_the_sidecar_gets_an_api_token_and_the_worker_role_is_bound() {
         let g = group(json!({}));
-        let rules = role(&g).unwrap().rules.unwrap();
-        assert_eq!(rules.len(), 1);
-        assert_eq!(
-            rules[0].resources.as_deref(),
-            Some(&["pods".to_string()][..])
-        );
-        assert_eq!(rules[0].verbs, vec!["patch".to_string()]);
-        let binding = role_binding(&g, "billing-workers").unwrap();
+        let binding = role_binding(&g, "billing-workers", &defaults()).unwrap();
         assert_eq!(binding.subjects.unwrap()[0].name, "billing-workers");
-        assert_eq!(binding.role_ref.name, "billing-workers");
+        assert_eq!(
+            (
+                binding.role_ref.kind.as_str(),
+                binding.role_ref.name.as_str()
+            ),
+            ("ClusterRole", WORKER_CLUSTER_ROLE)
+        );
+        let d = deployment(&g, &key_queue(), &defaults()).unwrap();
+        let pod = d.spec.unwrap().template.spec.unwrap();
+        assert_eq!(pod.automount_service_account_token, Some(false));
+        let mounts = |name: &str| -> Vec<String> {
+            pod.containers
+                .iter()
+                .find(|c| c.name == name)
+                .unwrap()
+                .volume_mounts
+                .iter()
+                .flatten()
+                .map(|m| m.mount_path.clone())
+                .collect()
+        };
+        assert!(mounts("app").is_empty(), "{:?}", mounts("app"));
+        assert!(mounts(SIDECAR_CONTAINER).contains(&API_TOKEN_DIR.to_owned()));
+        let token = pod
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == API_TOKEN_VOLUME)
+            .unwrap()
+            .projected
+            .unwrap();
+        let sources = token.sources.unwrap();
+        assert!(sources[0].service_account_token.is_some());
+        assert_eq!(
+            sources[1].config_map.as_ref().unwrap().name,
+            "kube-root-ca.crt"
+        );
+        // A template that asks for the automounted token keeps it (for every container).
+        let g = group(
+            json!({"template": {"spec": {"automountServiceAccountToken": true,
+            "containers": [{"name": "app", "image": "example/app"}]}}}),
+        );
+        let pod = deployment(&g, &key_queue(), &defaults())
+            .unwrap()
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap();
+        assert_eq!(pod.automount_service_account_token, Some(true));
+        assert!(!pod
+            .volumes
+            .iter()
+            .flatten()
+            .any(|v| v.name == API_TOKEN_VOLUME));
     }
 
     #[test]

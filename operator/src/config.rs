@@ -29,6 +29,10 @@ pub struct Config {
         default_value = concat!("ghcr.io/cosmosq/sidecar:", env!("CARGO_PKG_VERSION"))
     )]
     pub sidecar_image: String,
+    /// The ClusterRole every group's RoleBinding grants its workers (the chart's
+    /// `<release>-worker`).
+    #[arg(long, env = "COSMOSQ_WORKER_CLUSTER_ROLE", default_value = crate::build::WORKER_CLUSTER_ROLE)]
+    pub worker_cluster_role: String,
     /// Prometheus metrics, health and readiness (plain HTTP).
     #[arg(long, env = "COSMOSQ_LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: SocketAddr,

@@ -4,8 +4,9 @@
 //! It keeps objects as JSON and serves what the operator uses: list and watch (with label
 //! selectors and resource versions), get, create, server-side apply (conditions merged by type,
 //! like a list-map), merge and JSON patches, the status and scale subresources, conditional
-//! replace, delete with finalizers, and garbage collection of owned objects. It is not a
-//! general API server: no validation, admission or field ownership.
+//! replace, delete with finalizers, and garbage collection of owned objects, the immutable
+//! roleRef of RoleBindings, and TokenReviews and SubjectAccessReviews answered from tables a
+//! test fills. It is not a general API server: no validation, admission or field ownership.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -692,6 +693,18 @@ impl FakeApiServer {
                 }
             }
             None => json_patch::merge(&mut object, &body),
+        }
+        if target.collection.ends_with("/rolebindings")
+            && state
+                .object(&target.collection, &namespace, name)
+                .is_some_and(|old| old["roleRef"] != object["roleRef"])
+        {
+            // As the API server: a binding's role never changes.
+            return status_error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "RoleBinding is invalid: roleRef: Invalid value: cannot change roleRef",
+            );
         }
         if object.get("spec").cloned() != before_spec {
             let generation = object["metadata"]["generation"].as_i64().unwrap_or(1);

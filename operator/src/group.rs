@@ -212,7 +212,7 @@ mod tests {
                     json_response(StatusCode::OK, &queue_json()),
                 )
                 .await;
-            for _ in 0..4 {
+            for _ in 0..3 {
                 let seen = server.next().await;
                 assert_eq!(seen.method, Method::PATCH);
                 seen.send
@@ -321,7 +321,7 @@ mod tests {
                     json_response(StatusCode::OK, &queue_json()),
                 )
                 .await;
-            for _ in 0..4 {
+            for _ in 0..3 {
                 let seen = server.next().await;
                 seen.send
                     .send_response(json_response(StatusCode::OK, &seen.body));

@@ -78,6 +78,7 @@ pub async fn run_with(
     let identity = config.identity();
     let defaults = Defaults {
         sidecar_image: config.sidecar_image.clone(),
+        worker_cluster_role: config.worker_cluster_role.clone(),
     };
     let cosmos = Cosmos::new(backend, client.clone());
     let mut ctx = Context::new(client.clone(), defaults, cosmos, Some(identity.clone()));
@@ -440,6 +441,9 @@ mod tests {
             ("", "secrets", "get"),                                     // key Secrets
             ("events.k8s.io", "events", "patch"),                       // repeated Events
             ("coordination.k8s.io", "leases", "update"),                // renewals (2 s)
+            ("rbac.authorization.k8s.io", "rolebindings", "delete"),    // pre-ClusterRole binding
+            ("rbac.authorization.k8s.io", "roles", "delete"),           // pre-ClusterRole Role
+            ("rbac.authorization.k8s.io", "clusterroles", "bind"),      // checked by real RBAC only
         ]
         .into_iter()
         .map(|(g, r, v)| (g.to_owned(), r.to_owned(), v.to_owned()))

@@ -12,6 +12,7 @@ use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::wait::await_condition;
@@ -210,6 +211,29 @@ pub async fn operator_scenario(mut s: Scenario) {
         "Retain keeps the containers"
     );
 
+    // A version before the worker ClusterRole left a Role and a binding to it for the group.
+    let roles: Api<Role> = Api::namespaced(s.client.clone(), ns);
+    let bindings: Api<RoleBinding> = Api::namespaced(s.client.clone(), ns);
+    let legacy_role = json!({"metadata": {"name": "billing-workers"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]});
+    roles
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(legacy_role).unwrap(),
+        )
+        .await
+        .expect("create the old per-group Role");
+    let legacy_binding = json!({"metadata": {"name": "billing-workers"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "billing-workers"},
+        "subjects": [{"kind": "ServiceAccount", "name": "billing-workers", "namespace": ns}]});
+    bindings
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(legacy_binding).unwrap(),
+        )
+        .await
+        .expect("create the old binding");
+
     // A group gets its Deployment with the sidecar injected.
     let groups: Api<QueueConsumerGroup> = Api::namespaced(s.client.clone(), ns);
     let group = json!({
@@ -234,6 +258,16 @@ pub async fn operator_scenario(mut s: Scenario) {
             .is_some_and(|p| p.containers.iter().any(|c| c.name == "cosmosq-sidecar"))
     })
     .await;
+
+    // Its workers are bound to the worker ClusterRole; the old Role is gone.
+    until(
+        &bindings,
+        "billing-workers",
+        "the binding to the worker ClusterRole",
+        |b| b.is_some_and(|b| b.role_ref.kind == "ClusterRole"),
+    )
+    .await;
+    assert!(roles.get_opt("billing-workers").await.unwrap().is_none());
 
     // A spec change reaches the Deployment.
     groups

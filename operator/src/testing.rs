@@ -162,9 +162,7 @@ pub fn azure_context() -> (crate::context::Context, ApiServerVerifier) {
         },
         client.clone(),
     );
-    let defaults = crate::build::Defaults {
-        sidecar_image: "s:t".into(),
-    };
+    let defaults = crate::build::Defaults::new("s:t");
     (
         crate::context::Context::new(client, defaults, cosmos, None),
         server,
@@ -184,9 +182,7 @@ pub async fn emulator_context() -> (
         crate::cosmos::Backend::Fixed(cosmos_client.clone()),
         client.clone(),
     );
-    let defaults = crate::build::Defaults {
-        sidecar_image: "s:t".into(),
-    };
+    let defaults = crate::build::Defaults::new("s:t");
     let ctx = crate::context::Context::new(client, defaults, cosmos, None);
     (std::sync::Arc::new(ctx), server, cosmos_client)
 }

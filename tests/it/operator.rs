@@ -20,7 +20,11 @@ use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use cosmosq_operator::pki::{client_config, TestCa};
 use cosmosq_operator::scenario::{operator_scenario, until, Check, Scenario};
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::core::v1::{Namespace, Service, ServiceAccount};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
@@ -98,8 +102,12 @@ async fn the_operator_on_a_real_cluster() {
         namespace: namespace.clone(),
         identity: None,
         controllers: true,
-        operator_args: listener.operator_args(),
-        while_scaled: Some(figures_checks(client.clone(), namespace.clone(), listener)),
+        operator_args: [
+            listener.operator_args(),
+            vec![format!("--worker-cluster-role={release}-worker")],
+        ]
+        .concat(),
+        while_scaled: Some(while_scaled(config.clone(), namespace.clone(), listener)),
     })
     .await;
 
@@ -115,15 +123,25 @@ async fn the_operator_on_a_real_cluster() {
     let cluster_roles: Api<ClusterRole> = Api::all(client.clone());
     let bindings: Api<ClusterRoleBinding> = Api::all(client.clone());
     cluster_roles
-        .delete(&release, &DeleteParams::default())
+        .delete(&format!("{release}-worker"), &DeleteParams::default())
         .await
-        .expect("delete the chart's ClusterRole");
-    for binding in [release.clone(), format!("{release}-auth-delegator")] {
-        bindings
-            .delete(&binding, &DeleteParams::default())
-            .await
-            .expect("delete the chart's ClusterRoleBindings");
-    }
+        .expect("delete the chart's worker ClusterRole");
+    bindings
+        .delete(
+            &format!("{release}-auth-delegator"),
+            &DeleteParams::default(),
+        )
+        .await
+        .expect("delete the chart's ClusterRoleBinding");
+    let policy = format!("{release}-worker-own-pod");
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .delete(&policy, &DeleteParams::default())
+        .await
+        .expect("delete the chart's admission policy binding");
+    Api::<ValidatingAdmissionPolicy>::all(client.clone())
+        .delete(&policy, &DeleteParams::default())
+        .await
+        .expect("delete the chart's admission policy");
     Api::<RoleBinding>::namespaced(client.clone(), "kube-system")
         .delete(&format!("{release}-auth-reader"), &DeleteParams::default())
         .await
@@ -138,13 +156,16 @@ async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> St
         .args(["template", release])
         .arg(&chart)
         .args(["--namespace", namespace])
-        // The TLS listener's grants too: delegated authentication and authorization.
+        // The TLS listener's grants too (delegated authentication and authorization), and
+        // the least of them: only the test namespace is watched, so only it is granted.
         .args([
             "--set",
             "externalMetrics.enabled=true,kedaEndpoint.enabled=true",
         ])
+        .args(["--set", &format!("watchNamespace={namespace}")])
         .args(["--show-only", "templates/serviceaccount.yaml"])
         .args(["--show-only", "templates/rbac.yaml"])
+        .args(["--show-only", "templates/workers.yaml"])
         .output()
         .expect("run helm");
     assert!(
@@ -187,8 +208,23 @@ async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> St
                     .await
                     .expect("apply the ClusterRoleBinding");
             }
+            "ValidatingAdmissionPolicy" => {
+                Api::<ValidatingAdmissionPolicy>::all(client.clone())
+                    .patch(&name, &apply, &patch)
+                    .await
+                    .expect("apply the ValidatingAdmissionPolicy");
+            }
+            "ValidatingAdmissionPolicyBinding" => {
+                Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+                    .patch(&name, &apply, &patch)
+                    .await
+                    .expect("apply the ValidatingAdmissionPolicyBinding");
+            }
             "Role" => {
-                Api::<Role>::namespaced(client.clone(), namespace)
+                let at = object["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or(namespace);
+                Api::<Role>::namespaced(client.clone(), at)
                     .patch(&name, &apply, &patch)
                     .await
                     .expect("apply the Role");
@@ -212,6 +248,8 @@ async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> St
         "ClusterRoleBinding",
         "Role",
         "RoleBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     ] {
         assert!(
             kinds.iter().any(|k| k == kind),
@@ -495,12 +533,151 @@ impl SecureListener {
     }
 }
 
-fn figures_checks(client: Client, namespace: String, listener: SecureListener) -> Check {
+/// What is checked while the group runs 3 (Pending) pods and has figures.
+fn while_scaled(config: kube::Config, namespace: String, listener: SecureListener) -> Check {
     Box::new(move || {
         Box::pin(async move {
-            the_figures_are_served_only_to_authorized_callers(&client, &namespace, &listener).await
+            let client = Client::try_from(config.clone()).expect("a client");
+            the_figures_are_served_only_to_authorized_callers(&client, &namespace, &listener).await;
+            a_worker_changes_only_its_own_deletion_cost(&config, &namespace).await;
         })
     })
+}
+
+/// The workers' grant (patch pods) as the chart's admission policy narrows it: a token bound
+/// to one worker pod changes that pod's deletion cost and nothing else; the app container has
+/// no token at all.
+async fn a_worker_changes_only_its_own_deletion_cost(config: &kube::Config, namespace: &str) {
+    let client = Client::try_from(config.clone()).expect("a client");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let workers = pods
+        .list(&kube::api::ListParams::default().labels("app.kubernetes.io/instance=billing"))
+        .await
+        .expect("list the worker pods");
+    assert!(
+        workers.items.len() >= 2,
+        "{} worker pods",
+        workers.items.len()
+    );
+    let (own, other) = (&workers.items[0], &workers.items[1]);
+    let spec = own.spec.as_ref().expect("a pod spec");
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    for container in &spec.containers {
+        let has_token = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.mount_path == "/var/run/secrets/kubernetes.io/serviceaccount");
+        assert_eq!(
+            has_token,
+            container.name == "cosmosq-sidecar",
+            "only the sidecar has an API token ({})",
+            container.name
+        );
+    }
+
+    // What the kubelet would mount for the sidecar: a token bound to its pod.
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let token = |bound: Option<&Pod>| {
+        let request = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: Vec::new(),
+                expiration_seconds: Some(600),
+                bound_object_ref: bound.map(|pod| {
+                    k8s_openapi::api::authentication::v1::BoundObjectReference {
+                        api_version: Some("v1".into()),
+                        kind: Some("Pod".into()),
+                        name: Some(pod.name_any()),
+                        uid: pod.metadata.uid.clone(),
+                    }
+                }),
+            },
+            ..TokenRequest::default()
+        };
+        let accounts = accounts.clone();
+        async move {
+            accounts
+                .create_token_request("billing-workers", &PostParams::default(), &request)
+                .await
+                .expect("a worker token")
+                .status
+                .expect("its status")
+                .token
+        }
+    };
+    let as_worker = |token: String| {
+        let mut config = config.clone();
+        config.auth_info = kube::config::AuthInfo {
+            token: Some(token.into()),
+            ..kube::config::AuthInfo::default()
+        };
+        Api::<Pod>::namespaced(Client::try_from(config).expect("a client"), namespace)
+    };
+    let patch = |annotations: Value, labels: Value| {
+        Patch::Merge(json!({"metadata": {"annotations": annotations, "labels": labels}}))
+    };
+    let cost = json!({"controller.kubernetes.io/pod-deletion-cost": "5"});
+    let worker = as_worker(token(Some(own)).await);
+    // The RoleBinding's grant may reach the authorizer a moment after the binding.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match worker
+            .patch(
+                &own.name_any(),
+                &PatchParams::default(),
+                &patch(cost.clone(), json!({})),
+            )
+            .await
+        {
+            Ok(pod) => {
+                assert_eq!(
+                    pod.annotations()["controller.kubernetes.io/pod-deletion-cost"],
+                    "5"
+                );
+                break;
+            }
+            Err(kube::Error::Api(e)) if e.code == 403 && !e.message.contains("cosmosq") => {
+                assert!(tokio::time::Instant::now() < deadline, "{e:?}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("a worker sets its own deletion cost: {e:?}"),
+        }
+    }
+    let refused = |result: Result<Pod, kube::Error>, message: &str| match result {
+        Err(kube::Error::Api(e)) => assert!(e.message.contains(message), "{message:?}: {e:?}"),
+        Ok(_) => panic!("allowed, want {message:?}"),
+        Err(e) => panic!("{e:?}"),
+    };
+    let own_only = "may change only its own pod";
+    let cost_only = "only its pod's controller.kubernetes.io/pod-deletion-cost annotation";
+    let params = PatchParams::default();
+    refused(
+        worker
+            .patch(&other.name_any(), &params, &patch(cost.clone(), json!({})))
+            .await,
+        own_only,
+    );
+    let relabel = patch(
+        json!({}),
+        json!({"app.kubernetes.io/instance": "elsewhere"}),
+    );
+    refused(
+        worker.patch(&own.name_any(), &params, &relabel).await,
+        cost_only,
+    );
+    let annotate = patch(json!({"note": "x"}), json!({}));
+    refused(
+        worker.patch(&own.name_any(), &params, &annotate).await,
+        cost_only,
+    );
+    // A token of the worker account that is bound to no pod changes none.
+    let unbound = as_worker(token(None).await);
+    refused(
+        unbound
+            .patch(&own.name_any(), &params, &patch(cost, json!({})))
+            .await,
+        own_only,
+    );
 }
 
 async fn get(request: reqwest::RequestBuilder) -> (u16, Value) {
