@@ -24,6 +24,10 @@ pub enum CosmosError {
     InvalidSpec { field: &'static str, reason: String },
     #[error("spec.credentials.secretKeyRef: Secret {0} not found")]
     SecretNotFound(String),
+    /// The operator may not read it: in a namespace being deleted, the Role that let it (with
+    /// `watchNamespace`) may already be gone.
+    #[error("spec.credentials.secretKeyRef: Secret {0} may not be read by the operator")]
+    SecretForbidden(String),
     #[error("spec.credentials.secretKeyRef: Secret {secret} has no key {key:?}")]
     SecretKeyMissing { secret: String, key: String },
     #[error("reading Secret {secret}: {source}")]
@@ -144,9 +148,14 @@ impl Cosmos {
             let secret = secrets
                 .get_opt(&secret_ref.name)
                 .await
-                .map_err(|source| CosmosError::Secret {
-                    secret: name.clone(),
-                    source,
+                .map_err(|source| match source {
+                    kube::Error::Api(e) if e.code == 403 => {
+                        CosmosError::SecretForbidden(name.clone())
+                    }
+                    source => CosmosError::Secret {
+                        secret: name.clone(),
+                        source,
+                    },
                 })?
                 .ok_or_else(|| CosmosError::SecretNotFound(name.clone()))?;
             let value = secret

@@ -1,19 +1,33 @@
 //! Leader election on a `coordination.k8s.io/v1` Lease, with client-go's semantics: the holder
-//! renews every `retry` period; others take the lease only once `renewTime +
-//! leaseDurationSeconds` has passed; every write carries the resourceVersion it read, so two
+//! renews every `retry` period; every write carries the resourceVersion it read, so two
 //! candidates can never both win; a leader that cannot renew within the renew deadline stops
 //! acting (the process exits and Kubernetes restarts it as a candidate); a graceful shutdown
 //! releases the lease so a standby takes over at once.
+//!
+//! Expiry is judged as client-go judges it: by when *this* replica last saw the record change
+//! (its own monotonic clock), plus the record's duration. The holder's `renewTime` is written
+//! by another node's clock and is never compared with ours, so clock skew between nodes can
+//! neither let two replicas lead nor keep a dead leader's lease alive.
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::PostParams;
 use kube::Api;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+
+#[derive(Debug, thiserror::Error)]
+enum AttemptError {
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+    #[error("no answer within {0:?}")]
+    TimedOut(Duration),
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum LeaderError {
@@ -34,24 +48,50 @@ pub enum Verdict {
     Wait { holder: String },
 }
 
-pub fn verdict(spec: Option<&LeaseSpec>, me: &str, now: Timestamp) -> Verdict {
-    let Some(spec) = spec else {
-        return Verdict::Acquire;
+/// The last record this replica saw, and when (by its own clock) it first saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observed {
+    pub record: Option<LeaseSpec>,
+    pub at: Instant,
+}
+
+/// Judges the record just read against what was observed before; returns the verdict and
+/// what is observed now. A record that changed restarts the expiry clock; one unchanged for
+/// its `leaseDurationSeconds` (or `default_duration`) has expired.
+pub fn verdict(
+    observed: Option<&Observed>,
+    read: Option<&LeaseSpec>,
+    me: &str,
+    now: Instant,
+    default_duration: Duration,
+) -> (Verdict, Observed) {
+    let at = match observed {
+        Some(o) if o.record.as_ref() == read => o.at,
+        _ => now,
     };
-    let holder = spec.holder_identity.clone().unwrap_or_default();
-    if holder.is_empty() {
-        return Verdict::Acquire;
-    }
-    if holder == me {
-        return Verdict::Renew;
-    }
-    let expires = spec.renew_time.as_ref().map(|t| {
-        t.0 + SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(0)))
-    });
-    match expires {
-        Some(expires) if expires > now => Verdict::Wait { holder },
-        _ => Verdict::Acquire,
-    }
+    let seen = Observed {
+        record: read.cloned(),
+        at,
+    };
+    let holder = read
+        .and_then(|r| r.holder_identity.clone())
+        .unwrap_or_default();
+    let verdict = if holder.is_empty() {
+        Verdict::Acquire
+    } else if holder == me {
+        Verdict::Renew
+    } else {
+        let duration = read
+            .and_then(|r| r.lease_duration_seconds)
+            .and_then(|s| u64::try_from(s).ok())
+            .map_or(default_duration, Duration::from_secs);
+        if now >= at + duration {
+            Verdict::Acquire
+        } else {
+            Verdict::Wait { holder }
+        }
+    };
+    (verdict, seen)
 }
 
 #[derive(Clone, Debug)]
@@ -81,11 +121,16 @@ impl Settings {
 pub struct LeaderElection {
     api: Api<Lease>,
     settings: Settings,
+    observed: Mutex<Option<Observed>>,
 }
 
 impl LeaderElection {
     pub fn new(api: Api<Lease>, settings: Settings) -> Self {
-        Self { api, settings }
+        Self {
+            api,
+            settings,
+            observed: Mutex::new(None),
+        }
     }
 
     fn spec(&self, previous: Option<&LeaseSpec>, now: Timestamp) -> LeaseSpec {
@@ -117,7 +162,18 @@ impl LeaderElection {
         let name = &self.settings.lease_name;
         let existing = self.api.get_opt(name).await?;
         let spec = existing.as_ref().and_then(|l| l.spec.as_ref());
-        let result = match verdict(spec, &self.settings.identity, now) {
+        let (verdict, seen) = {
+            let observed = self.observed.lock().expect("observed lease");
+            verdict(
+                observed.as_ref(),
+                spec,
+                &self.settings.identity,
+                Instant::now(),
+                self.settings.lease_duration,
+            )
+        };
+        *self.observed.lock().expect("observed lease") = Some(seen);
+        let result = match verdict {
             Verdict::Wait { .. } => return Ok(false),
             Verdict::Acquire | Verdict::Renew => match existing {
                 None => {
@@ -144,11 +200,19 @@ impl LeaderElection {
         }
     }
 
+    /// One attempt that gives up after `limit` (a hung request must not outlast the deadline).
+    async fn attempt(&self, limit: Duration) -> Result<bool, AttemptError> {
+        match tokio::time::timeout(limit, self.try_once()).await {
+            Ok(result) => result.map_err(AttemptError::Api),
+            Err(_) => Err(AttemptError::TimedOut(limit)),
+        }
+    }
+
     /// Waits until this candidate leads.
     pub async fn acquire(&self, shutdown: &CancellationToken) -> Result<(), LeaderError> {
         let mut waiting_logged = false;
         loop {
-            match self.try_once().await {
+            match self.attempt(self.settings.renew_deadline).await {
                 Ok(true) => {
                     info!(lease = %self.settings.lease_name, identity = %self.settings.identity, "leading");
                     return Ok(());
@@ -170,14 +234,20 @@ impl LeaderElection {
     /// Renews while leading; returns `Lost` once a renewal has not succeeded for the renew
     /// deadline, or `Cancelled` on shutdown.
     pub async fn hold(&self, shutdown: &CancellationToken) -> LeaderError {
-        let mut last_renewed = tokio::time::Instant::now();
+        let mut last_renewed = Instant::now();
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return LeaderError::Cancelled,
                 _ = tokio::time::sleep(self.settings.retry_period) => {}
             }
-            match self.try_once().await {
-                Ok(true) => last_renewed = tokio::time::Instant::now(),
+            // Each renewal may take only what is left of the deadline.
+            let left = self
+                .settings
+                .renew_deadline
+                .saturating_sub(last_renewed.elapsed())
+                .max(Duration::from_millis(1));
+            match self.attempt(left).await {
+                Ok(true) => last_renewed = Instant::now(),
                 Ok(false) => {
                     // Someone else holds it now: stop at once.
                     return LeaderError::Lost(self.settings.lease_name.clone());
@@ -225,47 +295,89 @@ mod tests {
     use super::*;
     use crate::testing::{client, json_response, not_found};
     use http::{Method, StatusCode};
+    use k8s_openapi::jiff::SignedDuration;
     use serde_json::json;
 
     const LEASE: &str = "/apis/coordination.k8s.io/v1/namespaces/cosmosq/leases/cosmosq-operator";
     const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/cosmosq/leases";
 
-    fn at(secs: i64) -> Timestamp {
-        Timestamp::from_second(1_800_000_000 + secs).unwrap()
-    }
-
     fn held_by(holder: &str, renewed: i64) -> LeaseSpec {
         LeaseSpec {
             holder_identity: Some(holder.into()),
             lease_duration_seconds: Some(15),
-            renew_time: Some(MicroTime(at(renewed))),
+            renew_time: Some(MicroTime(
+                Timestamp::from_second(1_800_000_000 + renewed).unwrap(),
+            )),
             ..LeaseSpec::default()
         }
     }
 
     #[test]
-    fn verdicts() {
+    fn verdicts_follow_the_local_clock_not_the_holders() {
+        let t0 = Instant::now();
+        let secs = |s: u64| t0 + Duration::from_secs(s);
+        let default = Duration::from_secs(15);
         let wait = Verdict::Wait { holder: "b".into() };
-        for (spec, now, expected) in [
-            (None, 0, Verdict::Acquire),
-            (Some(LeaseSpec::default()), 0, Verdict::Acquire), // released
-            (Some(held_by("a", 0)), 100, Verdict::Renew),      // ours, even if late
-            (Some(held_by("b", 0)), 14, wait.clone()),         // fresh
-            (Some(held_by("b", 0)), 15, Verdict::Acquire),     // expired
+        let seen = |record: LeaseSpec, at: u64| Observed {
+            record: Some(record),
+            at: secs(at),
+        };
+        // (observed before, read now, now) -> verdict, and when the read was first seen.
+        for (observed, read, now, expected, first_seen) in [
+            (None, None, 0, Verdict::Acquire, 0),
+            (None, Some(LeaseSpec::default()), 0, Verdict::Acquire, 0), // released
+            (None, Some(held_by("a", 0)), 100, Verdict::Renew, 100),    // ours, even if late
+            // First sight of someone else's record: fresh, whatever its renewTime says (a
+            // holder whose clock runs an hour behind is not taken over).
+            (None, Some(held_by("b", -3600)), 5, wait.clone(), 5),
+            // Unchanged for less than its duration: fresh; for its duration: expired.
             (
+                Some(seen(held_by("b", 0), 5)),
+                Some(held_by("b", 0)),
+                19,
+                wait.clone(),
+                5,
+            ),
+            (
+                Some(seen(held_by("b", 0), 5)),
+                Some(held_by("b", 0)),
+                20,
+                Verdict::Acquire,
+                5,
+            ),
+            // Renewed (changed) since: the clock restarts, whatever renewTime says.
+            (
+                Some(seen(held_by("b", 0), 5)),
+                Some(held_by("b", -7200)),
+                30,
+                wait.clone(),
+                30,
+            ),
+            // The record's own duration counts.
+            (
+                Some(seen(
+                    LeaseSpec {
+                        lease_duration_seconds: Some(60),
+                        ..held_by("b", 0)
+                    },
+                    0,
+                )),
                 Some(LeaseSpec {
-                    renew_time: None,
+                    lease_duration_seconds: Some(60),
                     ..held_by("b", 0)
                 }),
+                59,
+                wait.clone(),
                 0,
-                Verdict::Acquire,
             ),
         ] {
+            let (verdict, now_seen) =
+                verdict(observed.as_ref(), read.as_ref(), "a", secs(now), default);
             assert_eq!(
-                verdict(spec.as_ref(), "a", at(now)),
-                expected,
-                "{spec:?} at {now}"
+                verdict, expected,
+                "{read:?} at {now}, observed {observed:?}"
             );
+            assert_eq!(now_seen.at, secs(first_seen), "{read:?} at {now}");
         }
     }
 
@@ -314,18 +426,21 @@ mod tests {
         verifier.await.unwrap().done().await;
     }
 
-    #[tokio::test]
-    async fn an_expired_lease_is_taken_over_conditionally() {
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_unchanged_for_its_duration_is_taken_over_conditionally() {
         let (client, mut server) = client();
+        // Its renewTime is far in the future (the holder's clock runs ahead): irrelevant.
+        let stale = lease_json(
+            "pod-b",
+            Timestamp::now() + SignedDuration::from_secs(3600),
+            "7",
+        );
         let verifier = tokio::spawn(async move {
-            let stale = lease_json(
-                "pod-b",
-                Timestamp::now() - SignedDuration::from_secs(60),
-                "7",
-            );
-            server
-                .answer(Method::GET, LEASE, json_response(StatusCode::OK, &stale))
-                .await;
+            for _ in 0..2 {
+                server
+                    .answer(Method::GET, LEASE, json_response(StatusCode::OK, &stale))
+                    .await;
+            }
             let seen = server.expect(Method::PUT, LEASE).await;
             assert_eq!(
                 seen.body["metadata"]["resourceVersion"], "7",
@@ -340,8 +455,34 @@ mod tests {
                         "reason": "Conflict", "code": 409, "message": "conflict"}),
             ));
         });
-        assert!(!election(client).try_once().await.unwrap());
+        let election = election(client);
+        // First sight: fresh, however its times read.
+        assert!(!election.try_once().await.unwrap());
+        // Unchanged for the lease's 15 s by this replica's clock: expired.
+        tokio::time::advance(Duration::from_secs(15)).await;
+        assert!(!election.try_once().await.unwrap());
         verifier.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_hangs_does_not_outlast_the_deadline() {
+        let (client, mut server) = client();
+        let verifier = tokio::spawn(async move {
+            // The API server accepts requests and never answers.
+            let mut pending = Vec::new();
+            loop {
+                pending.push(server.next().await.send);
+            }
+        });
+        let started = Instant::now();
+        let outcome = election(client).hold(&CancellationToken::new()).await;
+        assert!(matches!(outcome, LeaderError::Lost(_)), "{outcome}");
+        let held = started.elapsed();
+        assert!(
+            held >= Duration::from_secs(10) && held < Duration::from_secs(13),
+            "{held:?}"
+        );
+        verifier.abort();
     }
 
     #[tokio::test(start_paused = true)]
@@ -358,7 +499,7 @@ mod tests {
                 ));
             }
         });
-        let started = tokio::time::Instant::now();
+        let started = Instant::now();
         let outcome = election(client).hold(&CancellationToken::new()).await;
         assert!(matches!(outcome, LeaderError::Lost(_)), "{outcome}");
         let held = started.elapsed();

@@ -235,10 +235,15 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
         }
         DeletionPolicy::Delete => match ctx.cosmos.deprovision(cq).await {
             Ok(()) => {}
-            Err(e @ (CosmosError::SecretNotFound(_) | CosmosError::SecretKeyMissing { .. })) => {
-                // The credentials are gone (a namespace being deleted takes its Secrets with
-                // it): nothing can delete the containers now, and holding the queue would hold
-                // its namespace for ever. Say so, and let it go.
+            Err(
+                e @ (CosmosError::SecretNotFound(_)
+                | CosmosError::SecretForbidden(_)
+                | CosmosError::SecretKeyMissing { .. }),
+            ) => {
+                // The credentials are gone or out of reach (a namespace being deleted takes its
+                // Secrets with it, and the operator's Role there with `watchNamespace`):
+                // nothing can delete the containers now, and holding the queue would hold its
+                // namespace for ever. Say so, and let it go.
                 let note = format!(
                     "deletionPolicy Delete: the containers of {what} were NOT deleted ({e}); \
                      delete them in Azure"
@@ -397,14 +402,27 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_delete_queue_whose_secret_is_gone_is_released_with_a_warning() {
+    async fn a_delete_queue_whose_secret_is_gone_or_forbidden_is_released_with_a_warning() {
+        let forbidden = || {
+            json_response(
+                StatusCode::FORBIDDEN,
+                &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "reason": "Forbidden", "code": 403, "message": "forbidden"}),
+            )
+        };
+        for answer in [not_found(), forbidden()] {
+            released_with_a_warning(answer).await;
+        }
+    }
+
+    async fn released_with_a_warning(secret_answer: http::Response<kube::client::Body>) {
         let (ctx, mut server) = azure_context();
         let verifier = tokio::spawn(async move {
             server
                 .answer(
                     Method::GET,
                     "/api/v1/namespaces/shop/secrets/cosmos-key",
-                    not_found(),
+                    secret_answer,
                 )
                 .await;
             let event = server.event().await;

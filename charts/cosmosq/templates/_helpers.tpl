@@ -27,11 +27,6 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .Values.sidecarImage.repository (default .Chart.AppVersion .Values.sidecarImage.tag) -}}
 {{- end -}}
 
-{{/* Leader election is on whenever two operators could run at once. */}}
-{{- define "cosmosq.leaderElection" -}}
-{{- if gt (int .Values.replicaCount) 1 -}}true{{- else -}}false{{- end -}}
-{{- end -}}
-
 {{- define "cosmosq.externalMetricsSecret" -}}
 {{- default (printf "%s-external-metrics-tls" (include "cosmosq.fullname" .)) .Values.externalMetrics.existingSecret -}}
 {{- end -}}
