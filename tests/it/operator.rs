@@ -122,17 +122,18 @@ async fn the_operator_on_a_real_cluster() {
     );
     let cluster_roles: Api<ClusterRole> = Api::all(client.clone());
     let bindings: Api<ClusterRoleBinding> = Api::all(client.clone());
-    cluster_roles
-        .delete(&format!("{release}-worker"), &DeleteParams::default())
-        .await
-        .expect("delete the chart's worker ClusterRole");
-    bindings
-        .delete(
-            &format!("{release}-auth-delegator"),
-            &DeleteParams::default(),
-        )
-        .await
-        .expect("delete the chart's ClusterRoleBinding");
+    for role in ["worker", "queues"] {
+        cluster_roles
+            .delete(&format!("{release}-{role}"), &DeleteParams::default())
+            .await
+            .expect("delete the chart's ClusterRoles");
+    }
+    for binding in ["auth-delegator", "queues"] {
+        bindings
+            .delete(&format!("{release}-{binding}"), &DeleteParams::default())
+            .await
+            .expect("delete the chart's ClusterRoleBindings");
+    }
     let policy = format!("{release}-worker-own-pod");
     Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
         .delete(&policy, &DeleteParams::default())
