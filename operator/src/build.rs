@@ -13,10 +13,10 @@ use k8s_openapi::api::autoscaling::v2::{
 };
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
-    DownwardAPIVolumeFile, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath, ObjectFieldSelector,
-    PodTemplateSpec, Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
-    SecretVolumeSource, SecurityContext, ServiceAccount, ServiceAccountTokenProjection, Volume,
-    VolumeMount, VolumeProjection,
+    DownwardAPIVolumeFile, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath, Lifecycle,
+    LifecycleHandler, ObjectFieldSelector, PodTemplateSpec, Probe, ProjectedVolumeSource,
+    ResourceRequirements, SeccompProfile, SecretVolumeSource, SecurityContext, ServiceAccount,
+    ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -30,6 +30,10 @@ const KEY_VOLUME: &str = "cosmosq-account-key";
 const KEY_DIR: &str = "/var/run/cosmosq";
 /// The sidecar drains for 25 s; the pod gets a little more.
 const MIN_TERMINATION_GRACE_SECONDS: i64 = 30;
+/// Beyond `app.timeout`, what the sidecar's drain allows for settling the last deliveries.
+const DRAIN_MARGIN_SECONDS: i64 = 10;
+/// Beyond the drain, what the pod's grace allows the app for its own shutdown.
+const APP_STOP_MARGIN_SECONDS: i64 = 15;
 /// The external metric HPA mode scales on (served by the operator).
 pub const BACKLOG_METRIC: &str = "cosmosq_backlog";
 
@@ -334,9 +338,36 @@ pub fn deployment(
                 ..VolumeMount::default()
             });
     }
+    // Scale-in never cuts a delivery: the sidecar drains for the longest delivery plus a
+    // margin to settle it; each app container's preStop waits for that drain, so the app
+    // serves until its last delivery is settled; the pod's grace covers both and the app's
+    // own shutdown.
+    let drain =
+        i64::from(seconds("spec.app.timeout", &qcg.spec.app.timeout)?) + DRAIN_MARGIN_SECONDS;
+    for container in pod.containers.iter_mut() {
+        if container.name == SIDECAR_CONTAINER {
+            container
+                .env
+                .get_or_insert_with(Vec::new)
+                .push(env("COSMOSQ_GRACE_PERIOD", format!("{drain}s")));
+            continue;
+        }
+        let lifecycle = container.lifecycle.get_or_insert_with(Lifecycle::default);
+        if lifecycle.pre_stop.is_none() {
+            lifecycle.pre_stop = Some(LifecycleHandler {
+                http_get: Some(HTTPGetAction {
+                    path: Some("/drained".into()),
+                    port: IntOrString::Int(PROBE_PORT),
+                    ..HTTPGetAction::default()
+                }),
+                ..LifecycleHandler::default()
+            });
+        }
+    }
     pod.termination_grace_period_seconds = Some(
         pod.termination_grace_period_seconds
             .unwrap_or(0)
+            .max(drain + APP_STOP_MARGIN_SECONDS)
             .max(MIN_TERMINATION_GRACE_SECONDS),
     );
     if let Some(key) = &queue.spec.credentials.secret_key_ref {
@@ -688,7 +719,8 @@ mod tests {
             (readiness.path.as_deref(), &readiness.port),
             (Some("/readyz"), &IntOrString::Int(9464))
         );
-        assert_eq!(pod.termination_grace_period_seconds, Some(30));
+        // app.timeout 60 s: the sidecar drains for 70 s, the pod's grace adds 15 s for the app.
+        assert_eq!(pod.termination_grace_period_seconds, Some(85));
         assert_eq!(pod.service_account_name.as_deref(), Some("billing-workers"));
         let volume = pod
             .volumes
@@ -773,6 +805,51 @@ mod tests {
                 other => panic!("{extra}: expected an error naming {field}, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn scale_in_waits_for_the_drain_and_the_grace_follows_the_app_timeout() {
+        let g = group(json!({"app": {"port": 8080, "timeout": "5m"},
+            "template": {"spec": {"terminationGracePeriodSeconds": 10, "containers": [
+                {"name": "app", "image": "example/app"},
+                {"name": "helper", "image": "example/helper",
+                 "lifecycle": {"preStop": {"exec": {"command": ["/bin/flush"]}}}}]}}}));
+        let pod = deployment(&g, &key_queue(), &defaults())
+            .unwrap()
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap();
+        let container = |name: &str| pod.containers.iter().find(|c| c.name == name).unwrap();
+        let pre_stop = |name: &str| {
+            container(name)
+                .lifecycle
+                .as_ref()
+                .unwrap()
+                .pre_stop
+                .clone()
+                .unwrap()
+        };
+        let drained = pre_stop("app").http_get.unwrap();
+        assert_eq!(
+            (drained.path.as_deref(), &drained.port),
+            (Some("/drained"), &IntOrString::Int(PROBE_PORT))
+        );
+        assert!(
+            pre_stop("helper").exec.is_some(),
+            "a preStop of the user's is kept"
+        );
+        assert!(container(SIDECAR_CONTAINER).lifecycle.is_none());
+        let grace = container(SIDECAR_CONTAINER)
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "COSMOSQ_GRACE_PERIOD")
+            .and_then(|e| e.value.clone());
+        assert_eq!(grace.as_deref(), Some("310s"));
+        // The template's 10 s would kill a drain in progress: raised to cover it.
+        assert_eq!(pod.termination_grace_period_seconds, Some(325));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use axum::{Json, Router};
 use cosmosq_queue::message::MessageInput;
 use cosmosq_queue::{ConsumerStats, EnqueueOutcome, MessageError, NewMessage, Queue, QueueError};
 use serde_json::json;
+use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 
@@ -24,7 +25,16 @@ pub struct ApiState {
     pub stats: Arc<ConsumerStats>,
     /// Connected, and the app answered: leases may be taken.
     pub ready: AtomicBool,
+    /// Cancelled when the sidecar is told to stop (SIGTERM).
+    pub stopping: CancellationToken,
+    /// Cancelled once it has drained: deliveries settled, leases released.
+    pub drained: CancellationToken,
 }
+
+/// How long `/drained` waits for this sidecar to begin stopping. A pod being deleted sends
+/// SIGTERM to the sidecar as the app's preStop hook starts; if none comes, the app container
+/// alone is being restarted (a failed liveness probe), and it should not wait for a drain.
+pub const DRAIN_START_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Health, readiness and metrics only, for the kubelet's probes and Prometheus, which reach the
 /// pod's IP, not its loopback. Nothing here changes anything.
@@ -33,7 +43,22 @@ pub fn probe_router(state: Arc<ApiState>) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/drained", get(drained))
         .with_state(state)
+}
+
+/// For the app containers' preStop hook (the operator sets it): answers once this sidecar has
+/// drained, so the app keeps serving until its last delivery is settled and only then gets
+/// SIGTERM. Scale-in never cuts a delivery short.
+async fn drained(State(state): State<Arc<ApiState>>) -> Response {
+    if tokio::time::timeout(DRAIN_START_WAIT, state.stopping.cancelled())
+        .await
+        .is_err()
+    {
+        return (StatusCode::OK, "not stopping").into_response();
+    }
+    state.drained.cancelled().await;
+    (StatusCode::OK, "drained").into_response()
 }
 
 /// The full local API for the app next to the sidecar (loopback only).

@@ -1,8 +1,15 @@
 //! Scale-in friendliness: while the app has work in flight the pod carries a higher
 //! `controller.kubernetes.io/pod-deletion-cost`, so a ReplicaSet scaling down removes idle pods
-//! first. Needs only `patch` on its own pod (the operator's Role grants exactly that).
+//! first. Needs only `patch` on its own pod (the group's RoleBinding grants patch on pods; the
+//! chart's admission policy narrows it to this pod's deletion cost).
+//!
+//! A pod turns idle only after a quiet period: a worker between two messages is not busy for
+//! a second and idle the next, and the API server is not patched every second.
 
+use std::path::PathBuf;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -14,12 +21,22 @@ pub const ANNOTATION: &str = "controller.kubernetes.io/pod-deletion-cost";
 pub const BUSY_COST: i32 = 1000;
 pub const IDLE_COST: i32 = 0;
 const SERVICE_ACCOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+/// How long a pod must have had nothing in flight before it is marked idle.
+pub const IDLE_AFTER: Duration = Duration::from_secs(30);
+
+/// Where the bearer token comes from.
+enum Token {
+    Fixed(String),
+    /// The projected token, which the kubelet rotates: read again for every request, as
+    /// client-go does.
+    File(PathBuf),
+}
 
 /// Patches one pod's annotations through the Kubernetes API.
 pub struct PodPatcher {
     http: reqwest::Client,
     url: String,
-    token: String,
+    token: Token,
 }
 
 impl PodPatcher {
@@ -36,21 +53,23 @@ impl PodPatcher {
                 SidecarError::Kubernetes(format!("reading the service account {file}: {e}"))
             })
         };
-        let token = String::from_utf8_lossy(&read("token")?).trim().to_owned();
+        // Read once here so a missing token is reported at start.
+        read("token")?;
         let ca = read("ca.crt")?;
         let host = if host.contains(':') {
             format!("[{host}]")
         } else {
             host
         };
-        Self::new(
+        let mut patcher = Self::new(
             &format!("https://{host}:{port}"),
-            token,
+            String::new(),
             Some(&ca),
             namespace,
             pod,
-        )
-        .map(Some)
+        )?;
+        patcher.token = Token::File(PathBuf::from(SERVICE_ACCOUNT).join("token"));
+        Ok(Some(patcher))
     }
 
     pub fn new(
@@ -75,16 +94,27 @@ impl PodPatcher {
                 "{}/api/v1/namespaces/{namespace}/pods/{pod}",
                 api.trim_end_matches('/')
             ),
-            token,
+            token: Token::Fixed(token),
         })
+    }
+
+    async fn token(&self) -> Result<String, SidecarError> {
+        match &self.token {
+            Token::Fixed(token) => Ok(token.clone()),
+            Token::File(path) => tokio::fs::read_to_string(path)
+                .await
+                .map(|t| t.trim().to_owned())
+                .map_err(|e| SidecarError::Kubernetes(format!("reading {}: {e}", path.display()))),
+        }
     }
 
     pub async fn set_cost(&self, cost: i32) -> Result<(), SidecarError> {
         let patch = json!({"metadata": {"annotations": {ANNOTATION: cost.to_string()}}});
+        let token = self.token().await?;
         let response = self
             .http
             .patch(&self.url)
-            .bearer_auth(&self.token)
+            .bearer_auth(token)
             .header(
                 reqwest::header::CONTENT_TYPE,
                 "application/merge-patch+json",
@@ -103,25 +133,43 @@ impl PodPatcher {
     }
 }
 
-/// Keeps the annotation in step with whether deliveries are in flight (checked every second,
-/// patched only when busy turns idle or back).
+/// The cost the pod should carry (pure): busy while anything is in flight, and for `quiet`
+/// after; idle otherwise (and at start, when nothing has been busy yet).
+pub fn wanted_cost(
+    in_flight: i64,
+    last_busy: Option<Instant>,
+    now: Instant,
+    quiet: Duration,
+) -> i32 {
+    match last_busy {
+        _ if in_flight > 0 => BUSY_COST,
+        Some(at) if now.duration_since(at) < quiet => BUSY_COST,
+        _ => IDLE_COST,
+    }
+}
+
+/// Keeps the annotation in step with the work in flight (checked every second, patched only
+/// when the wanted cost changes; idle only after `quiet`).
 pub async fn run(
     patcher: PodPatcher,
     in_flight: prometheus::IntGauge,
+    quiet: Duration,
     shutdown: CancellationToken,
 ) {
     let mut current: Option<i32> = None;
+    let mut last_busy: Option<Instant> = None;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let wanted = if in_flight.get() > 0 {
-            BUSY_COST
-        } else {
-            IDLE_COST
-        };
+        let now = Instant::now();
+        let busy = in_flight.get();
+        if busy > 0 {
+            last_busy = Some(now);
+        }
+        let wanted = wanted_cost(busy, last_busy, now, quiet);
         if current == Some(wanted) {
             continue;
         }
@@ -185,7 +233,9 @@ mod tests {
         let patcher = PodPatcher::new(&url, "t0ken".into(), None, "shop", "worker-1").unwrap();
         let in_flight = prometheus::IntGauge::new("in_flight", "x").unwrap();
         let stop = CancellationToken::new();
-        let task = tokio::spawn(run(patcher, in_flight.clone(), stop.clone()));
+        // Longer than a gap between messages plus a tick (1 s), so the gap never reads as idle.
+        let quiet = Duration::from_millis(2500);
+        let task = tokio::spawn(run(patcher, in_flight.clone(), quiet, stop.clone()));
         let wait_for = |n: usize| {
             let seen = Arc::clone(&seen);
             async move {
@@ -201,6 +251,11 @@ mod tests {
         wait_for(1).await; // idle at start
         in_flight.set(3);
         wait_for(2).await;
+        in_flight.set(0);
+        // Between two messages: still busy.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        in_flight.set(1);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
         in_flight.set(0);
         wait_for(3).await;
         stop.cancel();
@@ -218,6 +273,26 @@ mod tests {
             })
             .collect();
         assert_eq!(costs, vec!["0", "1000", "0"], "patched only on transitions");
+    }
+
+    #[test]
+    fn a_pod_turns_idle_only_after_the_quiet_period() {
+        let t0 = Instant::now();
+        let quiet = Duration::from_secs(30);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        for (in_flight, last_busy, now, expected) in [
+            (0, None, 0, IDLE_COST),          // nothing yet
+            (2, None, 0, BUSY_COST),          // work in flight
+            (0, Some(at(0)), 29, BUSY_COST),  // between messages
+            (0, Some(at(0)), 30, IDLE_COST),  // quiet long enough
+            (1, Some(at(0)), 100, BUSY_COST), // busy again
+        ] {
+            assert_eq!(
+                wanted_cost(in_flight, last_busy, at(now), quiet),
+                expected,
+                "{in_flight} in flight, last busy {last_busy:?}, now {now}"
+            );
+        }
     }
 
     #[test]

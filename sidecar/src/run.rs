@@ -64,6 +64,8 @@ pub async fn run_with_client(
         metrics: Arc::clone(&metrics),
         stats: host.stats(),
         ready: false.into(),
+        stopping: shutdown.clone(),
+        drained: CancellationToken::new(),
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -100,6 +102,7 @@ pub async fn run_with_client(
 
     let background = CancellationToken::new();
     if !wait_for_app(&config, &shutdown).await {
+        state.drained.cancel();
         api_stop.cancel();
         let _ = server.await;
         if let Some(probes) = probes {
@@ -129,6 +132,7 @@ pub async fn run_with_client(
                     tokio::spawn(deletion_cost::run(
                         patcher,
                         metrics.in_flight.clone(),
+                        deletion_cost::IDLE_AFTER,
                         background.clone(),
                     ));
                 }
@@ -140,6 +144,7 @@ pub async fn run_with_client(
 
     let result = host.run(shutdown.clone()).await;
     state.ready.store(false, Ordering::Relaxed);
+    state.drained.cancel();
     background.cancel();
     let _ = estimates.await;
     api_stop.cancel();

@@ -575,6 +575,16 @@ async fn a_worker_changes_only_its_own_deletion_cost(config: &kube::Config, name
             "only the sidecar has an API token ({})",
             container.name
         );
+        if container.name != "cosmosq-sidecar" {
+            // Scale-in waits for the sidecar's drain before the app gets SIGTERM.
+            let pre_stop = container
+                .lifecycle
+                .as_ref()
+                .and_then(|l| l.pre_stop.as_ref())
+                .and_then(|p| p.http_get.as_ref())
+                .and_then(|h| h.path.as_deref());
+            assert_eq!(pre_stop, Some("/drained"), "{}", container.name);
+        }
     }
 
     // What the kubelet would mount for the sidecar: a token bound to its pod.

@@ -521,29 +521,46 @@ async fn sigterm_with_fifty_in_flight_loses_nothing_and_releases_leases() {
         .map(|i| NewMessage::json(json!(i)).with_id(format!("m{i}")))
         .collect();
     fixture.enqueue_all(batch).await;
-    let sidecar = start_sidecar(
-        &fixture,
-        config(
-            "g",
-            app_port,
-            free_port(),
-            &[
-                "--max-concurrency",
-                "64",
-                "--lock-duration",
-                "10s",
-                "--app-timeout",
-                "30s",
-            ],
-        ),
+    let settings = config(
+        "g",
+        app_port,
+        free_port(),
+        &[
+            "--max-concurrency",
+            "64",
+            "--lock-duration",
+            "10s",
+            "--app-timeout",
+            "30s",
+        ],
     );
+    let probe = settings.probe_addr().unwrap();
+    let sidecar = start_sidecar(&fixture, settings);
     app.wait_for("50 in flight", |a| *a.waiting.lock().unwrap() == 50)
         .await;
 
+    // The app container's preStop hook (what the kubelet calls when the pod is deleted).
+    // Without SIGTERM to the sidecar (the app container alone restarting) it does not hold
+    // the app up beyond the wait for a drain to begin.
+    let drained = format!("http://{}/drained", probe.expect("a probe listener"));
+    let answer = reqwest::get(&drained).await.unwrap();
+    assert_eq!(answer.text().await.unwrap(), "not stopping");
+    let pre_stop = tokio::spawn(async move {
+        let text = reqwest::get(&drained).await.unwrap().text().await.unwrap();
+        (text, tokio::time::Instant::now())
+    });
     sidecar.stop.cancel(); // what SIGTERM does
     tokio::time::sleep(Duration::from_millis(200)).await; // the app is still busy for a while
+    assert!(
+        !pre_stop.is_finished(),
+        "the app must keep serving while deliveries are in flight"
+    );
+    let released = tokio::time::Instant::now();
     app.release.notify_waiters();
     sidecar.task.await.unwrap().unwrap();
+    let (text, answered) = pre_stop.await.unwrap();
+    assert_eq!(text, "drained");
+    assert!(answered >= released);
 
     for i in 0..50 {
         let id = format!("m{i}");
