@@ -5,7 +5,7 @@
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
 use kube::{Api, Client, ResourceExt};
@@ -82,6 +82,24 @@ async fn apply_binding(
     }
 }
 
+/// The digest of the account key the queue's Secret holds now (`None` with workload identity,
+/// or while the Secret or key is missing: the queue's status reports that).
+async fn key_digest(
+    client: &Client,
+    namespace: &str,
+    queue: &CosmosQueue,
+) -> Result<Option<String>, ApplyError> {
+    let Some(key_ref) = &queue.spec.credentials.secret_key_ref else {
+        return Ok(None);
+    };
+    let secret = Api::<Secret>::namespaced(client.clone(), namespace)
+        .get_opt(&key_ref.name)
+        .await?;
+    Ok(secret
+        .and_then(|s| s.data)
+        .and_then(|d| d.get(&key_ref.key).map(|v| build::key_digest(&v.0))))
+}
+
 /// A delete that found nothing to delete succeeded.
 fn gone(result: Result<(), kube::Error>) -> Result<(), kube::Error> {
     match result {
@@ -101,7 +119,10 @@ pub async fn apply_group(
     let namespace = qcg
         .namespace()
         .ok_or_else(|| ApplyError::NoNamespace(qcg.name_any()))?;
-    let deployment = build::deployment(qcg, queue, defaults)?;
+    let mut deployment = build::deployment(qcg, queue, defaults)?;
+    if let Some(digest) = key_digest(client, &namespace, queue).await? {
+        build::with_key_digest(&mut deployment, digest);
+    }
     let service_account = build::service_account(qcg, queue)?;
     let pod_account = deployment
         .spec
@@ -201,6 +222,7 @@ mod tests {
 
         /// The group's ServiceAccount, RoleBinding and Deployment, applied in order.
         async fn expect_workers_applied(&mut self) {
+            self.key_read("k1").await;
             for (path, kind) in [
                 ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
                 ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
@@ -241,6 +263,7 @@ mod tests {
     async fn direct_mode_applies_rbac_then_the_deployment() {
         let (client, mut server) = client();
         let verifier = tokio::spawn(async move {
+            let digest = server.key_read("k1").await;
             server
                 .expect_apply(
                     "/api/v1/namespaces/shop/serviceaccounts/billing-workers",
@@ -265,6 +288,12 @@ mod tests {
                 deployment["spec"]["template"]["spec"]["containers"][1]["name"],
                 "cosmosq-sidecar"
             );
+            // A rotated key changes the template, which rolls the workers onto it.
+            assert_eq!(
+                deployment["spec"]["template"]["metadata"]["annotations"]
+                    [build::KEY_DIGEST_ANNOTATION],
+                digest.as_str()
+            );
             server
         });
         let applied = apply_group(&client, &group(json!({})), &queue(), &defaults())
@@ -288,6 +317,7 @@ mod tests {
         let binding =
             "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers";
         let verifier = tokio::spawn(async move {
+            server.key_read("k1").await;
             server
                 .expect_apply(
                     "/api/v1/namespaces/shop/serviceaccounts/billing-workers",

@@ -468,6 +468,29 @@ fn api_token_volume() -> Volume {
     }
 }
 
+/// The pod template annotation that carries a digest of the account key the sidecars use.
+pub const KEY_DIGEST_ANNOTATION: &str = "cosmosq.io/key-digest";
+
+/// A digest of an account key: it changes when the key is rotated, and reveals nothing of it.
+pub fn key_digest(key: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(key);
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Marks the worker pods with the key's digest: a rotated key changes the template, and the
+/// Deployment rolls the workers onto it (the sidecar reads the key once, at start).
+pub fn with_key_digest(deployment: &mut Deployment, digest: String) {
+    if let Some(template) = deployment.spec.as_mut().map(|s| &mut s.template) {
+        template
+            .metadata
+            .get_or_insert_with(ObjectMeta::default)
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(KEY_DIGEST_ANNOTATION.into(), digest);
+    }
+}
+
 /// The sidecar's identity (workload identity is federated on it when the queue uses it).
 pub fn service_account(
     qcg: &QueueConsumerGroup,
@@ -805,6 +828,32 @@ mod tests {
                 other => panic!("{extra}: expected an error naming {field}, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_rotated_key_changes_the_worker_template() {
+        let mut d = deployment(&group(json!({})), &key_queue(), &defaults()).unwrap();
+        with_key_digest(&mut d, key_digest(b"primary"));
+        let annotation = |d: &Deployment| {
+            d.spec
+                .as_ref()
+                .unwrap()
+                .template
+                .metadata
+                .as_ref()
+                .unwrap()
+                .annotations
+                .as_ref()
+                .unwrap()[KEY_DIGEST_ANNOTATION]
+                .clone()
+        };
+        let before = annotation(&d);
+        assert_eq!(before.len(), 16);
+        assert!(!before.contains("primary"));
+        with_key_digest(&mut d, key_digest(b"primary"));
+        assert_eq!(annotation(&d), before, "the same key, the same template");
+        with_key_digest(&mut d, key_digest(b"secondary"));
+        assert_ne!(annotation(&d), before, "a new key, a new template");
     }
 
     #[test]

@@ -212,6 +212,7 @@ mod tests {
                     json_response(StatusCode::OK, &queue_json()),
                 )
                 .await;
+            server.key_read("k1").await;
             for _ in 0..3 {
                 let seen = server.next().await;
                 assert_eq!(seen.method, Method::PATCH);
@@ -321,6 +322,7 @@ mod tests {
                     json_response(StatusCode::OK, &queue_json()),
                 )
                 .await;
+            server.key_read("k1").await;
             for _ in 0..3 {
                 let seen = server.next().await;
                 seen.send

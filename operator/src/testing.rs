@@ -87,6 +87,22 @@ impl ApiServerVerifier {
         seen.body
     }
 
+    /// The next request reads the queue's key Secret (`shop/cosmos-key`); answered with key
+    /// `key`. Returns the digest the worker pods should carry.
+    pub async fn key_read(&mut self, key: &str) -> String {
+        use base64::Engine;
+        let secret = json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "cosmos-key", "namespace": "shop"},
+            "data": {"key": base64::engine::general_purpose::STANDARD.encode(key)}});
+        self.answer(
+            Method::GET,
+            "/api/v1/namespaces/shop/secrets/cosmos-key",
+            json_response(StatusCode::OK, &secret),
+        )
+        .await;
+        crate::build::key_digest(key.as_bytes())
+    }
+
     /// The next request writes `path` (apply, patch, create); it is echoed back as stored.
     pub async fn echo(&mut self, method: Method, path: &str) -> Value {
         let seen = self.expect(method, path).await;
