@@ -38,6 +38,7 @@ fn conditions_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Sch
     group = "cosmosq.io",
     version = "v1alpha1",
     kind = "CosmosQueue",
+    validation = Rule::new("self.metadata.name.size() <= 63").message("the name labels the queue's metrics and its groups refer to it: at most 63 characters"),
     namespaced,
     shortname = "cq",
     category = "cosmosq",
@@ -190,6 +191,7 @@ pub struct CosmosQueueStatus {
     group = "cosmosq.io",
     version = "v1alpha1",
     kind = "QueueConsumerGroup",
+    validation = Rule::new("self.metadata.name.size() <= 63").message("the name labels the group's pods and metrics: at most 63 characters"),
     namespaced,
     shortname = "qcg",
     category = "cosmosq",
@@ -222,7 +224,7 @@ pub struct QueueConsumerGroupSpec {
     pub queue_ref: QueueRef,
     /// The consumer group's name in the queue; defaults to the resource's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = r"^[A-Za-z0-9._-]{1,63}$"))]
+    #[schemars(regex(pattern = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"))]
     pub group: Option<String>,
     #[serde(default)]
     #[x_kube(validation = Rule::new("self == oldSelf").message("deliveryMode is immutable: the two modes keep different state (create a new group)"))]
@@ -263,7 +265,8 @@ fn default_lock_duration() -> String {
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct QueueRef {
-    #[schemars(length(min = 1, max = 253))]
+    /// At most 63 characters: it labels the group's metrics (`queue=<name>`).
+    #[schemars(length(min = 1, max = 63))]
     pub name: String,
 }
 
@@ -376,6 +379,7 @@ pub struct SidecarSpec {
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("minReplicas must not exceed maxReplicas"))]
+#[x_kube(validation = Rule::new("!has(self.mode) || self.mode != 'HPA' || !has(self.scaleDownStabilization) || duration(self.scaleDownStabilization) <= duration('1h')").message("scaleDownStabilization must be at most 1h in HPA mode (the HorizontalPodAutoscaler's limit)"))]
 #[serde(rename_all = "camelCase")]
 pub struct ScalingSpec {
     /// `Direct`: the operator sets replicas; `HPA`: an HPA scales on the operator's metrics.

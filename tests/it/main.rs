@@ -2,6 +2,7 @@
 //! One test binary on purpose: linking is the slow part here.
 
 mod consume;
+mod crds;
 mod emulator;
 mod faults;
 mod guarantees;

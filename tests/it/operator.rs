@@ -20,6 +20,7 @@ use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use cosmosq_operator::pki::{client_config, TestCa};
 use cosmosq_operator::scenario::{operator_scenario, until, Check, Scenario};
 use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_tests::crd_rules::Kind;
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
@@ -316,178 +317,55 @@ fn helm() -> PathBuf {
     PathBuf::from("helm")
 }
 
-/// Every CEL rule of the CRDs, judged by the API server itself: a valid object is accepted,
-/// an invalid one refused with the rule's message; immutable fields refuse a change.
+/// Every rule of the CRDs (CEL, patterns, lengths), judged by the API server itself on the
+/// cases `cargo test` also runs through a CEL interpreter: a valid object is accepted, an
+/// invalid one refused with the rule's message; immutable fields refuse a change.
 async fn the_api_server_enforces_the_crd_rules(client: &Client, namespace: &str) {
-    let queues: Api<CosmosQueue> = Api::namespaced(client.clone(), namespace);
-    let groups: Api<QueueConsumerGroup> = Api::namespaced(client.clone(), namespace);
-    let queue = |name: &str, credentials: Value| {
-        json!({
-            "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
-            "metadata": {"name": name},
-            "spec": {"endpoint": "https://a.documents.azure.com/", "credentials": credentials,
-                     "database": "db", "container": name}
-        })
-    };
-    let group = |name: &str, extra: Value| {
-        let mut g = json!({
-            "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
-            "metadata": {"name": name},
-            "spec": {"queueRef": {"name": "rules"},
-                     "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
-                     "app": {"port": 8080}}
-        });
-        g["spec"]
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        g
-    };
-    let refused = |result: Result<Value, kube::Error>, message: &str| match result {
-        Err(kube::Error::Api(e)) => {
-            assert_eq!(e.code, 422, "{e:?}");
-            assert!(
-                e.message.contains(message),
-                "{message:?} not in {:?}",
-                e.message
-            );
+    use kube::api::{ApiResource, DynamicObject};
+    for case in cosmosq_tests::crd_rules::cases() {
+        let resource = match case.kind {
+            Kind::Queue => ApiResource::erase::<CosmosQueue>(&()),
+            Kind::Group => ApiResource::erase::<QueueConsumerGroup>(&()),
+        };
+        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource);
+        let object = |spec: &Value| -> DynamicObject {
+            serde_json::from_value(case.object(spec)).expect("a valid object")
+        };
+        let result = match &case.old {
+            None => {
+                api.create(&PostParams::default(), &object(&case.spec))
+                    .await
+            }
+            Some(old) => {
+                let created = api
+                    .create(&PostParams::default(), &object(old))
+                    .await
+                    .unwrap_or_else(|e| panic!("{}: create the old object: {e}", case.id));
+                let mut changed = object(&case.spec);
+                changed.metadata.resource_version = created.metadata.resource_version;
+                api.replace(&case.name(), &PostParams::default(), &changed)
+                    .await
+            }
+        };
+        match (case.refused_with, &result) {
+            (None, Ok(_)) => {}
+            (Some(message), Err(kube::Error::Api(e))) => {
+                assert_eq!(e.code, 422, "{}: {e:?}", case.id);
+                assert!(
+                    e.message.contains(message),
+                    "{}: {message:?} not in {:?}",
+                    case.id,
+                    e.message
+                );
+            }
+            (_, other) => panic!("{}: want {:?}, got {other:?}", case.id, case.refused_with),
         }
-        other => panic!("accepted, want {message:?}: {other:?}"),
-    };
-    let create_queue = |object: Value| {
-        let queues = queues.clone();
-        async move {
-            queues
-                .create(
-                    &PostParams::default(),
-                    &serde_json::from_value(object).unwrap(),
-                )
+        if result.is_ok() || case.old.is_some() {
+            api.delete(&case.name(), &DeleteParams::default())
                 .await
-                .map(|q| serde_json::to_value(q).unwrap())
+                .unwrap_or_else(|e| panic!("{}: delete: {e}", case.id));
         }
-    };
-    let create_group = |object: Value| {
-        let groups = groups.clone();
-        async move {
-            groups
-                .create(
-                    &PostParams::default(),
-                    &serde_json::from_value(object).unwrap(),
-                )
-                .await
-                .map(|g| serde_json::to_value(g).unwrap())
-        }
-    };
-
-    // Exactly one credential.
-    create_queue(queue("rules", json!({"workloadIdentity": {}})))
-        .await
-        .expect("a valid queue");
-    refused(
-        create_queue(queue(
-            "two-credentials",
-            json!({"workloadIdentity": {}, "secretKeyRef": {"name": "k"}}),
-        ))
-        .await,
-        "set exactly one of secretKeyRef and workloadIdentity",
-    );
-    refused(
-        create_queue(queue("no-credentials", json!({}))).await,
-        "set exactly one of secretKeyRef and workloadIdentity",
-    );
-    // Back-off and replica bounds.
-    create_group(group(
-        "rules",
-        json!({"retry": {"initialBackoff": "1s", "maxBackoff": "1m"},
-               "scaling": {"minReplicas": 1, "maxReplicas": 2}}),
-    ))
-    .await
-    .expect("a valid group");
-    refused(
-        create_group(group(
-            "backoff",
-            json!({"retry": {"initialBackoff": "2m", "maxBackoff": "1m"}}),
-        ))
-        .await,
-        "initialBackoff must not exceed maxBackoff",
-    );
-    refused(
-        create_group(group(
-            "replicas",
-            json!({"scaling": {"minReplicas": 3, "maxReplicas": 2}}),
-        ))
-        .await,
-        "minReplicas must not exceed maxReplicas",
-    );
-    // Immutable fields: a change would silently abandon the messages or the group's state.
-    let patch_queue = |spec: Value| {
-        let queues = queues.clone();
-        async move {
-            queues
-                .patch(
-                    "rules",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": spec})),
-                )
-                .await
-                .map(|q| serde_json::to_value(q).unwrap())
-        }
-    };
-    for (spec, message) in [
-        (
-            json!({"endpoint": "https://b.documents.azure.com/"}),
-            "endpoint is immutable",
-        ),
-        (json!({"database": "other"}), "database is immutable"),
-        (json!({"container": "other"}), "container is immutable"),
-        (
-            json!({"partitionKeyPath": "/tenant"}),
-            "partitionKeyPath is immutable",
-        ),
-    ] {
-        refused(patch_queue(spec).await, message);
     }
-    patch_queue(json!({"deletionPolicy": "Delete"}))
-        .await
-        .expect("a mutable field changes");
-    let patch_group = |spec: Value| {
-        let groups = groups.clone();
-        async move {
-            groups
-                .patch(
-                    "rules",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": spec})),
-                )
-                .await
-                .map(|g| serde_json::to_value(g).unwrap())
-        }
-    };
-    for (spec, message) in [
-        (
-            json!({"queueRef": {"name": "other"}}),
-            "queueRef is immutable",
-        ),
-        (
-            json!({"deliveryMode": "stream"}),
-            "deliveryMode is immutable",
-        ),
-        (json!({"ordered": true}), "ordered is immutable"),
-        (json!({"group": "renamed"}), "group is immutable"),
-    ] {
-        refused(patch_group(spec).await, message);
-    }
-    patch_group(json!({"concurrency": 7}))
-        .await
-        .expect("a mutable field changes");
-    groups
-        .delete("rules", &DeleteParams::default())
-        .await
-        .expect("delete the rules group");
-    queues
-        .delete("rules", &DeleteParams::default())
-        .await
-        .expect("delete the rules queue");
 }
 
 /// The operator's TLS listener for this run: a port, and a serving certificate for the

@@ -1,6 +1,8 @@
 //! Shared fixtures for the end-to-end tests: an emulated account with a provisioned queue.
 #![forbid(unsafe_code)]
 
+pub mod crd_rules;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;

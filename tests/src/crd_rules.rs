@@ -1,0 +1,262 @@
+//! The CRDs' validation rules as cases: an object (or an update from an old one) and the
+//! message it must be refused with, or none. The same table runs in every `cargo test` through
+//! a CEL interpreter (`kube::core::cel`, for the rules that are CEL) and, when a cluster is
+//! given, against the real API server (every rule, patterns and lengths too).
+
+use serde_json::{json, Value};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Queue,
+    Group,
+}
+
+#[derive(Clone, Debug)]
+pub struct RuleCase {
+    /// Unique among the cases; also the object's name unless `name` overrides it.
+    pub id: &'static str,
+    pub kind: Kind,
+    /// The object's name (`id` when `None`).
+    pub name: Option<String>,
+    /// Set: the case updates an object created with this spec.
+    pub old: Option<Value>,
+    pub spec: Value,
+    /// `Some(message)`: refused, the message naming the rule; `None`: accepted.
+    pub refused_with: Option<&'static str>,
+    /// The rule is CEL (`x-kubernetes-validations`); otherwise the schema's patterns and
+    /// lengths refuse it, which only an API server checks here.
+    pub cel: bool,
+}
+
+impl RuleCase {
+    pub fn name(&self) -> String {
+        self.name.clone().unwrap_or_else(|| self.id.to_owned())
+    }
+
+    /// The object as `kubectl apply` would send it.
+    pub fn object(&self, spec: &Value) -> Value {
+        let kind = match self.kind {
+            Kind::Queue => "CosmosQueue",
+            Kind::Group => "QueueConsumerGroup",
+        };
+        json!({"apiVersion": "cosmosq.io/v1alpha1", "kind": kind,
+               "metadata": {"name": self.name()}, "spec": spec})
+    }
+}
+
+pub fn queue_spec(extra: Value) -> Value {
+    let mut spec = json!({"endpoint": "https://a.documents.azure.com/",
+        "credentials": {"workloadIdentity": {}}, "database": "db", "container": "c"});
+    merge(&mut spec, extra);
+    spec
+}
+
+pub fn group_spec(extra: Value) -> Value {
+    let mut spec = json!({"queueRef": {"name": "rules"},
+        "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
+        "app": {"port": 8080}});
+    merge(&mut spec, extra);
+    spec
+}
+
+fn merge(target: &mut Value, extra: Value) {
+    if let (Some(target), Value::Object(extra)) = (target.as_object_mut(), extra) {
+        target.extend(extra);
+    }
+}
+
+pub fn cases() -> Vec<RuleCase> {
+    let case = |id, kind, spec, refused_with, cel| RuleCase {
+        id,
+        kind,
+        name: None,
+        old: None,
+        spec,
+        refused_with,
+        cel,
+    };
+    let update = |id, kind, old: Value, spec, refused_with| RuleCase {
+        old: Some(old),
+        ..case(id, kind, spec, refused_with, true)
+    };
+    let exactly_one = Some("set exactly one of secretKeyRef and workloadIdentity");
+    let long_name = "q".repeat(64);
+    vec![
+        // Exactly one credential.
+        case(
+            "valid-queue",
+            Kind::Queue,
+            queue_spec(json!({})),
+            None,
+            true,
+        ),
+        case(
+            "two-credentials",
+            Kind::Queue,
+            queue_spec(
+                json!({"credentials": {"workloadIdentity": {}, "secretKeyRef": {"name": "k"}}}),
+            ),
+            exactly_one,
+            true,
+        ),
+        case(
+            "no-credentials",
+            Kind::Queue,
+            queue_spec(json!({"credentials": {}})),
+            exactly_one,
+            true,
+        ),
+        RuleCase {
+            name: Some(long_name.clone()),
+            ..case(
+                "long-queue-name",
+                Kind::Queue,
+                queue_spec(json!({})),
+                Some("at most 63 characters"),
+                true,
+            )
+        },
+        // Back-off, replica bounds, the HPA's window limit.
+        case(
+            "valid-group",
+            Kind::Group,
+            group_spec(
+                json!({"retry": {"initialBackoff": "1s", "maxBackoff": "1m"},
+                              "scaling": {"minReplicas": 1, "maxReplicas": 2}}),
+            ),
+            None,
+            true,
+        ),
+        case(
+            "backoff",
+            Kind::Group,
+            group_spec(json!({"retry": {"initialBackoff": "2m", "maxBackoff": "1m"}})),
+            Some("initialBackoff must not exceed maxBackoff"),
+            true,
+        ),
+        case(
+            "replicas",
+            Kind::Group,
+            group_spec(json!({"scaling": {"minReplicas": 3, "maxReplicas": 2}})),
+            Some("minReplicas must not exceed maxReplicas"),
+            true,
+        ),
+        case(
+            "hpa-window",
+            Kind::Group,
+            group_spec(json!({"scaling": {"mode": "HPA", "scaleDownStabilization": "2h"}})),
+            Some("scaleDownStabilization must be at most 1h in HPA mode"),
+            true,
+        ),
+        case(
+            "hpa-window-ok",
+            Kind::Group,
+            group_spec(json!({"scaling": {"mode": "HPA", "scaleDownStabilization": "30m"}})),
+            None,
+            true,
+        ),
+        case(
+            "direct-window",
+            Kind::Group,
+            group_spec(json!({"scaling": {"scaleDownStabilization": "2h"}})),
+            None,
+            true,
+        ),
+        // Names that become label values.
+        case(
+            "group-label",
+            Kind::Group,
+            group_spec(json!({"group": "-billing"})),
+            Some("spec.group"),
+            false,
+        ),
+        case(
+            "queue-ref-label",
+            Kind::Group,
+            group_spec(json!({"queueRef": {"name": long_name.clone()}})),
+            Some("spec.queueRef.name"),
+            false,
+        ),
+        RuleCase {
+            name: Some("g".repeat(64)),
+            ..case(
+                "long-group-name",
+                Kind::Group,
+                group_spec(json!({})),
+                Some("at most 63 characters"),
+                true,
+            )
+        },
+        // Immutable fields: a change would silently abandon the messages or the group's state.
+        update(
+            "endpoint",
+            Kind::Queue,
+            queue_spec(json!({})),
+            queue_spec(json!({"endpoint": "https://b.documents.azure.com/"})),
+            Some("endpoint is immutable"),
+        ),
+        update(
+            "database",
+            Kind::Queue,
+            queue_spec(json!({})),
+            queue_spec(json!({"database": "other"})),
+            Some("database is immutable"),
+        ),
+        update(
+            "container",
+            Kind::Queue,
+            queue_spec(json!({})),
+            queue_spec(json!({"container": "other"})),
+            Some("container is immutable"),
+        ),
+        update(
+            "partition-key",
+            Kind::Queue,
+            queue_spec(json!({})),
+            queue_spec(json!({"partitionKeyPath": "/tenant"})),
+            Some("partitionKeyPath is immutable"),
+        ),
+        update(
+            "deletion-policy",
+            Kind::Queue,
+            queue_spec(json!({})),
+            queue_spec(json!({"deletionPolicy": "Delete"})),
+            None,
+        ),
+        update(
+            "queue-ref",
+            Kind::Group,
+            group_spec(json!({})),
+            group_spec(json!({"queueRef": {"name": "other"}})),
+            Some("queueRef is immutable"),
+        ),
+        update(
+            "delivery-mode",
+            Kind::Group,
+            group_spec(json!({})),
+            group_spec(json!({"deliveryMode": "stream"})),
+            Some("deliveryMode is immutable"),
+        ),
+        update(
+            "ordered",
+            Kind::Group,
+            group_spec(json!({})),
+            group_spec(json!({"ordered": true})),
+            Some("ordered is immutable"),
+        ),
+        update(
+            "group-name",
+            Kind::Group,
+            group_spec(json!({})),
+            group_spec(json!({"group": "renamed"})),
+            Some("group is immutable"),
+        ),
+        update(
+            "concurrency",
+            Kind::Group,
+            group_spec(json!({})),
+            group_spec(json!({"concurrency": 7})),
+            None,
+        ),
+    ]
+}
