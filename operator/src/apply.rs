@@ -31,6 +31,8 @@ pub enum ApplyError {
 pub struct Applied {
     pub deployment: String,
     pub hpa: bool,
+    /// The Deployment's status as the apply returned it.
+    pub workers: Option<k8s_openapi::api::apps::v1::DeploymentStatus>,
 }
 
 async fn apply<K>(client: &Client, namespace: &str, object: &K) -> Result<K, ApplyError>
@@ -42,7 +44,10 @@ where
         + std::fmt::Debug,
 {
     let api: Api<K> = Api::namespaced(client.clone(), namespace);
-    let params = PatchParams::apply(FIELD_MANAGER).force();
+    // Strict: a field the API server does not know is refused, not dropped.
+    let params = PatchParams::apply(FIELD_MANAGER)
+        .force()
+        .validation_strict();
     Ok(api
         .patch(&object.name_any(), &params, &Patch::Apply(object))
         .await?)
@@ -135,7 +140,7 @@ pub async fn apply_group(
 
     apply::<ServiceAccount>(client, &namespace, &service_account).await?;
     apply_binding(client, &namespace, &binding).await?;
-    apply::<Deployment>(client, &namespace, &deployment).await?;
+    let applied = apply::<Deployment>(client, &namespace, &deployment).await?;
     if let Some(hpa) = &hpa {
         apply::<HorizontalPodAutoscaler>(client, &namespace, hpa).await?;
     } else if spec_changed(qcg) {
@@ -145,6 +150,7 @@ pub async fn apply_group(
     Ok(Applied {
         deployment: deployment.name_any(),
         hpa: hpa.is_some(),
+        workers: applied.status,
     })
 }
 
@@ -303,7 +309,8 @@ mod tests {
             applied,
             Applied {
                 deployment: "billing-workers".into(),
-                hpa: false
+                hpa: false,
+                workers: None,
             }
         );
         let server = verifier.await.unwrap();

@@ -44,6 +44,62 @@ pub enum BuildError {
     Invalid { field: &'static str, reason: String },
 }
 
+/// Parses a free-form part of the spec as the Kubernetes type it must be, refusing fields that
+/// type does not have: a typo (`imagePullPolicy: Always` under `resources`, `volumeMount`) would
+/// otherwise be dropped without a word, as `fieldValidation=Strict` would refuse it.
+fn strict<T>(field: &'static str, value: &serde_json::Value) -> Result<T, BuildError>
+where
+    T: serde::de::DeserializeOwned + serde::Serialize,
+{
+    let parsed: T = serde_json::from_value(value.clone())
+        .map_err(|e| invalid(field, format!("not a {}: {e}", short_type_name::<T>())))?;
+    let round_trip = serde_json::to_value(&parsed).map_err(|e| invalid(field, e.to_string()))?;
+    let mut unknown = Vec::new();
+    unknown_fields(value, &round_trip, field, &mut unknown);
+    match unknown.as_slice() {
+        [] => Ok(parsed),
+        fields => Err(invalid(
+            field,
+            format!("unknown field {} (a typo?)", fields.join(", ")),
+        )),
+    }
+}
+
+fn short_type_name<T>() -> &'static str {
+    std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or("value")
+}
+
+/// Paths of `original` that are not in `parsed` (nulls aside: they mean "unset").
+fn unknown_fields(
+    original: &serde_json::Value,
+    parsed: &serde_json::Value,
+    path: &str,
+    out: &mut Vec<String>,
+) {
+    use serde_json::Value;
+    match (original, parsed) {
+        (Value::Object(original), Value::Object(parsed)) => {
+            for (key, value) in original {
+                let at = format!("{path}.{key}");
+                match parsed.get(key) {
+                    Some(inner) => unknown_fields(value, inner, &at, out),
+                    None if value.is_null() => {}
+                    None => out.push(at),
+                }
+            }
+        }
+        (Value::Array(original), Value::Array(parsed)) => {
+            for (i, (value, inner)) in original.iter().zip(parsed).enumerate() {
+                unknown_fields(value, inner, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
 fn invalid(field: &'static str, reason: impl Into<String>) -> BuildError {
     BuildError::Invalid {
         field,
@@ -210,8 +266,7 @@ fn sidecar_container(
     defaults: &Defaults,
 ) -> Result<Container, BuildError> {
     let resources = match &qcg.spec.sidecar.resources {
-        Some(value) => serde_json::from_value::<ResourceRequirements>(value.clone())
-            .map_err(|e| invalid("spec.sidecar.resources", e.to_string()))?,
+        Some(value) => strict::<ResourceRequirements>("spec.sidecar.resources", value)?,
         None => ResourceRequirements {
             requests: Some(BTreeMap::from([
                 ("cpu".into(), Quantity("50m".into())),
@@ -293,8 +348,7 @@ pub fn deployment(
             "\"lease\" is reserved (it names the lease documents); set spec.group",
         ));
     }
-    let mut template: PodTemplateSpec = serde_json::from_value(qcg.spec.template.clone())
-        .map_err(|e| invalid("spec.template", format!("not a pod template: {e}")))?;
+    let mut template: PodTemplateSpec = strict("spec.template", &qcg.spec.template)?;
     let mut pod = template
         .spec
         .take()
@@ -828,6 +882,44 @@ mod tests {
                 other => panic!("{extra}: expected an error naming {field}, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn typos_in_the_pod_template_are_refused_not_dropped() {
+        for (extra, named) in [
+            (
+                json!({"template": {"spec": {"containers": [{"name": "app", "image": "a",
+                    "volumeMount": [{"name": "v", "mountPath": "/v"}]}]}}}),
+                "spec.template.spec.containers[0].volumeMount",
+            ),
+            (
+                json!({"template": {"metadata": {"labels": {"a": "b"}, "annotation": {}},
+                    "spec": {"containers": [{"name": "app", "image": "a"}]}}}),
+                "spec.template.metadata.annotation",
+            ),
+            (
+                json!({"sidecar": {"resources": {"limit": {"memory": "1Gi"}}}}),
+                "spec.sidecar.resources.limit",
+            ),
+        ] {
+            match deployment(&group(extra.clone()), &key_queue(), &defaults()) {
+                Err(BuildError::Invalid { reason, .. }) => {
+                    assert!(reason.contains(named), "{reason}");
+                    assert!(reason.contains("unknown field"), "{reason}");
+                }
+                other => panic!("{extra}: expected the typo {named} named, got {other:?}"),
+            }
+        }
+        // Every field a Kubernetes type has passes, with explicit nulls and empty objects.
+        let g = group(
+            json!({"template": {"metadata": {"labels": {"tier": "jobs"}},
+            "spec": {"nodeSelector": null, "securityContext": {},
+                     "containers": [{"name": "app", "image": "a", "ports": [{"containerPort": 80}],
+                                     "resources": {"limits": {"cpu": "1"}},
+                                     "volumeMounts": [{"name": "v", "mountPath": "/v"}]}],
+                     "volumes": [{"name": "v", "emptyDir": {}}]}}}),
+        );
+        deployment(&g, &key_queue(), &defaults()).unwrap();
     }
 
     #[test]

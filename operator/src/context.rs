@@ -55,6 +55,28 @@ pub struct Context {
     pub figures: Figures,
     /// Tells the scaling loop a group changed, so it does not wait for its next round.
     pub changed: Option<mpsc::UnboundedSender<ObjectRef<QueueConsumerGroup>>>,
+    /// Failed reconciles in a row, per object: each waits longer before its retry.
+    failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+}
+
+/// The first retry after a failed reconcile, doubled per failure in a row up to
+/// [`RETRY_MAX`] (as controller-runtime's per-item rate limiter does): an object that keeps
+/// failing does not keep the API server or Cosmos DB busy.
+pub const RETRY_FIRST: std::time::Duration = std::time::Duration::from_secs(5);
+pub const RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// How long to wait after the `failures`-th failure in a row (pure).
+pub fn retry_after(failures: u32) -> std::time::Duration {
+    let factor = 1u32 << failures.saturating_sub(1).min(16);
+    RETRY_FIRST.saturating_mul(factor).min(RETRY_MAX)
+}
+
+fn failure_key<K: kube::Resource>(kind: &str, object: &K) -> String {
+    format!(
+        "{kind}/{}/{}",
+        object.meta().namespace.as_deref().unwrap_or_default(),
+        object.meta().name.as_deref().unwrap_or_default()
+    )
 }
 
 impl Context {
@@ -76,7 +98,24 @@ impl Context {
             metrics: Arc::new(Metrics::new()),
             figures: Figures::default(),
             changed: None,
+            failures: Default::default(),
         }
+    }
+
+    /// Counts a failed reconcile of `object`; returns how long to wait before the retry.
+    pub fn failed<K: kube::Resource>(&self, kind: &str, object: &K) -> std::time::Duration {
+        let mut failures = self.failures.lock().expect("failures");
+        let count = failures.entry(failure_key(kind, object)).or_insert(0);
+        *count = count.saturating_add(1);
+        retry_after(*count)
+    }
+
+    /// A reconcile of `object` succeeded: its next failure starts the back-off again.
+    pub fn succeeded<K: kube::Resource>(&self, kind: &str, object: &K) {
+        self.failures
+            .lock()
+            .expect("failures")
+            .remove(&failure_key(kind, object));
     }
 
     /// Counts and times one reconcile of `kind`.
@@ -125,4 +164,18 @@ fn truncate(mut text: String, max: usize) -> String {
         text.truncate(end);
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_back_off_per_failure_up_to_five_minutes() {
+        let secs = |n| retry_after(n).as_secs();
+        assert_eq!(
+            [1, 2, 3, 4, 5, 6, 7, 100].map(secs),
+            [5, 10, 20, 40, 80, 160, 300, 300]
+        );
+    }
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
+use k8s_openapi::api::apps::v1::DeploymentStatus;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
@@ -20,12 +21,55 @@ use crate::cosmos::group_config;
 use crate::status;
 
 pub const KIND: &str = "QueueConsumerGroup";
+/// How soon a group whose objects or pods were refused is looked at again.
+const RETRY_REFUSED: Duration = Duration::from_secs(60);
 
 /// Reasons of the `Ready` condition.
 pub mod reasons {
     pub const APPLIED: &str = "Applied";
     pub const QUEUE_NOT_FOUND: &str = "QueueNotFound";
     pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// The API server (its validation or an admission webhook/policy) refused an object.
+    pub const APPLY_REJECTED: &str = "ApplyRejected";
+    /// The Deployment cannot create the worker pods (quota, admission).
+    pub const REPLICA_FAILURE: &str = "ReplicaFailure";
+}
+
+/// The group's condition mirroring its Deployment's `Available`: the workers are running.
+pub const AVAILABLE: &str = "Available";
+
+/// What the Deployment says of the workers (pure).
+#[derive(Debug, PartialEq)]
+struct Workers {
+    /// `ReplicaFailure=True`: pods cannot be created, and nothing will change that by itself.
+    failure: Option<String>,
+    /// The Deployment's `Available`: (status, reason, message).
+    available: Option<(bool, String, String)>,
+}
+
+fn workers(status: Option<&DeploymentStatus>) -> Workers {
+    let conditions = status
+        .and_then(|s| s.conditions.as_deref())
+        .unwrap_or_default();
+    let find = |type_: &str| conditions.iter().find(|c| c.type_ == type_);
+    Workers {
+        failure: find("ReplicaFailure")
+            .filter(|c| c.status == "True")
+            .map(|c| {
+                format!(
+                    "the Deployment cannot create worker pods ({}): {}",
+                    c.reason.as_deref().unwrap_or("ReplicaFailure"),
+                    c.message.as_deref().unwrap_or_default()
+                )
+            }),
+        available: find("Available").map(|c| {
+            (
+                c.status == "True",
+                c.reason.clone().unwrap_or_else(|| "Unknown".into()),
+                c.message.clone().unwrap_or_default(),
+            )
+        }),
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +107,11 @@ pub async fn reconcile_group(
     qcg: Arc<QueueConsumerGroup>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
-    ctx.measured(KIND, reconcile(&qcg, &ctx)).await
+    let result = ctx.measured(KIND, reconcile(&qcg, &ctx)).await;
+    if result.is_ok() {
+        ctx.succeeded(KIND, qcg.as_ref());
+    }
+    result
 }
 
 async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, ReconcileError> {
@@ -72,6 +120,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
         .ok_or_else(|| ReconcileError::NoNamespace(qcg.name_any()))?;
     let queues: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
     let queue_name = &qcg.spec.queue_ref.name;
+    let mut available = None;
     let outcome = match (queues.get_opt(queue_name).await?, group_config(qcg)) {
         (None, _) => Outcome {
             ok: false,
@@ -87,12 +136,34 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             action: Action::await_change(),
         },
         (Some(queue), Ok(_)) => match apply_group(&ctx.client, qcg, &queue, &ctx.defaults).await {
-            Ok(applied) => Outcome {
-                ok: true,
-                reason: reasons::APPLIED,
-                message: format!("Deployment {} is up to date", applied.deployment),
-                action: Action::requeue(Duration::from_secs(300)),
-            },
+            Ok(applied) => {
+                let state = workers(applied.workers.as_ref());
+                available = state.available;
+                match state.failure {
+                    Some(message) => Outcome {
+                        ok: false,
+                        reason: reasons::REPLICA_FAILURE,
+                        message,
+                        action: Action::requeue(RETRY_REFUSED),
+                    },
+                    None => Outcome {
+                        ok: true,
+                        reason: reasons::APPLIED,
+                        message: format!("Deployment {} is up to date", applied.deployment),
+                        action: Action::requeue(Duration::from_secs(300)),
+                    },
+                }
+            }
+            // Refused by the API server's validation or admission: the owner must act (or
+            // a policy change), so say so in status and look again now and then.
+            Err(ApplyError::Kube(kube::Error::Api(e))) if matches!(e.code, 400 | 403 | 422) => {
+                Outcome {
+                    ok: false,
+                    reason: reasons::APPLY_REJECTED,
+                    message: format!("the API server refused the workers: {}", e.message),
+                    action: Action::requeue(RETRY_REFUSED),
+                }
+            }
             Err(ApplyError::Build(e)) => Outcome {
                 ok: false,
                 reason: reasons::INVALID_SPEC,
@@ -146,9 +217,21 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
         generation,
         status::now(),
     );
+    let mut conditions = vec![ready];
+    if let Some((ok, reason, message)) = available {
+        conditions.push(status::condition(
+            &previous.conditions,
+            AVAILABLE,
+            ok,
+            &reason,
+            message,
+            generation,
+            status::now(),
+        ));
+    }
     let patch = json!({
         "apiVersion": "cosmosq.io/v1alpha1", "kind": KIND,
-        "status": {"conditions": [ready], "observedGeneration": generation}
+        "status": {"conditions": conditions, "observedGeneration": generation}
     });
     let groups: Api<QueueConsumerGroup> = Api::namespaced(ctx.client.clone(), &namespace);
     groups
@@ -199,6 +282,145 @@ mod tests {
         let c = &conditions[0];
         assert_eq!(c["type"], "Ready");
         (c["status"].as_str().unwrap(), c["reason"].as_str().unwrap())
+    }
+
+    #[test]
+    fn the_deployments_conditions_fold_into_the_groups() {
+        let status = |conditions: Value| -> DeploymentStatus {
+            serde_json::from_value(json!({"conditions": conditions})).unwrap()
+        };
+        assert_eq!(
+            workers(None),
+            Workers {
+                failure: None,
+                available: None
+            }
+        );
+        let quota = status(json!([
+            {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable",
+             "message": "Deployment does not have minimum availability."},
+            {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+             "message": "pods \"billing-workers-x\" is forbidden: exceeded quota: compute"}]));
+        let state = workers(Some(&quota));
+        assert!(state.failure.unwrap().contains("exceeded quota"));
+        assert_eq!(
+            state.available,
+            Some((
+                false,
+                "MinimumReplicasUnavailable".into(),
+                "Deployment does not have minimum availability.".into()
+            ))
+        );
+        let healthy = status(json!([
+            {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"},
+            {"type": "ReplicaFailure", "status": "False", "reason": "Recovered"}]));
+        let state = workers(Some(&healthy));
+        assert_eq!(state.failure, None);
+        assert!(state.available.unwrap().0);
+    }
+
+    /// Reconciles the default group with the Deployment's apply answered by `deployment`
+    /// (given the applied body); returns the Warning Event and the status written.
+    async fn reconcile_with_deployment_answer(
+        deployment: impl FnOnce(&Value) -> http::Response<kube::client::Body> + Send + 'static,
+        applied: bool,
+    ) -> (Value, Value) {
+        let (qcg, ctx, mut server, _changed) = setup(json!({}));
+        let verifier = tokio::spawn(async move {
+            server
+                .answer(
+                    Method::GET,
+                    QUEUE,
+                    json_response(StatusCode::OK, &queue_json()),
+                )
+                .await;
+            server.key_read("k1").await;
+            for _ in 0..2 {
+                let seen = server.next().await;
+                assert_eq!(seen.method, Method::PATCH);
+                seen.send
+                    .send_response(json_response(StatusCode::OK, &seen.body));
+            }
+            let seen = server.next().await;
+            assert!(
+                seen.path.ends_with("/deployments/billing-workers"),
+                "{}",
+                seen.path
+            );
+            assert!(
+                seen.query.contains("fieldValidation=Strict"),
+                "{}",
+                seen.query
+            );
+            seen.send.send_response(deployment(&seen.body));
+            if applied {
+                // A changed spec: an HPA left from HPA mode is looked for.
+                server
+                    .answer(
+                        Method::GET,
+                        "/apis/autoscaling/v2/namespaces/shop/horizontalpodautoscalers/billing-workers",
+                        not_found(),
+                    )
+                    .await;
+            }
+            let event = server.event().await;
+            let status = server.status(STATUS, group_json(json!({}))).await;
+            (event, status)
+        });
+        reconcile_group(qcg, ctx.clone()).await.unwrap();
+        verifier.await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn pods_the_cluster_refuses_make_the_group_not_ready() {
+        let (event, body) = reconcile_with_deployment_answer(
+            |applied| {
+                let mut stored = applied.clone();
+                stored["status"] = json!({"conditions": [
+                {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable",
+                 "message": "Deployment does not have minimum availability."},
+                {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                 "message": "pods is forbidden: exceeded quota: compute"}]});
+                json_response(StatusCode::OK, &stored)
+            },
+            true,
+        )
+        .await;
+        assert_eq!(
+            (&event["type"], &event["reason"]),
+            (&json!("Warning"), &json!("ReplicaFailure"))
+        );
+        let conditions = body["status"]["conditions"].as_array().unwrap();
+        let of = |t: &str| conditions.iter().find(|c| c["type"] == t).unwrap();
+        assert_eq!(of("Ready")["status"], "False");
+        assert!(of("Ready")["message"]
+            .as_str()
+            .unwrap()
+            .contains("exceeded quota"));
+        assert_eq!(
+            (&of("Available")["status"], &of("Available")["reason"]),
+            (&json!("False"), &json!("MinimumReplicasUnavailable"))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_deployment_the_api_server_refuses_is_reported_not_retried_hot() {
+        let (event, body) = reconcile_with_deployment_answer(|_| {
+            json_response(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "reason": "Invalid", "code": 422,
+                        "message": "admission webhook \"policy.example.com\" denied the request: images must come from registry.example.com"}),
+            )
+        }, false)
+        .await;
+        assert_eq!(
+            (&event["type"], &event["reason"]),
+            (&json!("Warning"), &json!("ApplyRejected"))
+        );
+        assert_eq!(ready(&body["status"]), ("False", "ApplyRejected"));
+        let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
+        assert!(message.contains("registry.example.com"), "{message}");
     }
 
     #[tokio::test]

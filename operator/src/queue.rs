@@ -53,7 +53,11 @@ pub async fn reconcile_queue(
     cq: Arc<CosmosQueue>,
     ctx: Arc<Context>,
 ) -> Result<Action, QueueReconcileError> {
-    ctx.measured(KIND, reconcile(cq, &ctx)).await
+    let result = ctx.measured(KIND, reconcile(cq.clone(), &ctx)).await;
+    if result.is_ok() {
+        ctx.succeeded(KIND, cq.as_ref());
+    }
+    result
 }
 
 async fn reconcile(cq: Arc<CosmosQueue>, ctx: &Context) -> Result<Action, QueueReconcileError> {

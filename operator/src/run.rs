@@ -217,6 +217,60 @@ where
     }
 }
 
+/// What of a Deployment its group's reconcile reacts to: its spec (generation) and its
+/// conditions (availability, pods refused).
+fn deployment_signature(d: &Deployment) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    d.metadata.generation.hash(&mut hasher);
+    for c in d
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .unwrap_or_default()
+    {
+        (&c.type_, &c.status, &c.reason).hash(&mut hasher);
+    }
+    hasher.finish()
+}
+
+/// The objects `api` watches, each when first seen, when deleted, and when `signature`
+/// changes: what a controller must react to, without the chatter of status writes.
+fn changes<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    signature: fn(&K) -> u64,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let mut seen = std::collections::HashMap::<ObjectRef<K>, u64>::new();
+    watcher(api, config)
+        .default_backoff()
+        .filter_map(move |event| {
+            let passed = match event {
+                Ok(watcher::Event::Delete(object)) => {
+                    seen.remove(&ObjectRef::from_obj(&object));
+                    Some(Ok(object))
+                }
+                Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) => {
+                    let key = ObjectRef::from_obj(&object);
+                    let now = signature(&object);
+                    (seen.insert(key, now) != Some(now)).then_some(Ok(object))
+                }
+                Ok(_) => None,
+                Err(e) => Some(Err(e)),
+            };
+            futures::future::ready(passed)
+        })
+}
+
 /// A cache of `K` and the stream of its spec and finalizer changes. Only those trigger
 /// reconciles: the status writes of the reconcilers and the scaling loop must not trigger
 /// reconciles of their own.
@@ -266,20 +320,28 @@ async fn run_controllers(
         .graceful_shutdown_on(work.clone().cancelled_owned());
     let (group_store, group_changes) = spec_changes::<QueueConsumerGroup>(client, ns);
     let groups = Controller::for_stream(group_changes, group_store.clone())
-        .owns(
+        // An owned object's deletion, a spec change by someone else, or (Deployments) a
+        // change of its conditions: not every replica count of a rollout or HPA status write.
+        .owns_stream(changes(
             watch_api::<Deployment>(client, ns),
             watcher::Config::default().labels(MANAGED).any_semantic(),
-        )
-        .owns(
+            deployment_signature,
+        ))
+        .owns_stream(changes(
             watch_api::<HorizontalPodAutoscaler>(client, ns),
             watcher::Config::default().labels(MANAGED).any_semantic(),
-        )
+            |hpa: &HorizontalPodAutoscaler| hpa.metadata.generation.unwrap_or(0) as u64,
+        ))
         .graceful_shutdown_on(work.clone().cancelled_owned());
-    // A queue's change (endpoint, credentials) reaches the groups that use it.
+    // A queue's spec change (endpoint, credentials) reaches the groups that use it; its status
+    // (written every scaling round) does not.
     let groups_of_queue = group_store.clone();
-    let groups = groups.watches(
-        watch_api::<CosmosQueue>(client, ns),
-        watcher::Config::default().any_semantic(),
+    let groups = groups.watches_stream(
+        changes(
+            watch_api::<CosmosQueue>(client, ns),
+            watcher::Config::default().any_semantic(),
+            |cq: &CosmosQueue| cq.metadata.generation.unwrap_or(0) as u64,
+        ),
         move |cq: CosmosQueue| {
             let namespace = cq.namespace();
             groups_of_queue
@@ -346,7 +408,8 @@ async fn run_controllers(
     );
 }
 
-/// Counts the failure and retries after 15 s (the controller's queue deduplicates).
+/// Counts the failure and retries after a back-off that grows with this object's failures in
+/// a row (the controller's queue deduplicates).
 fn error_policy<K, E>(object: Arc<K>, error: &E, ctx: Arc<Context>) -> Action
 where
     K: Resource,
@@ -356,8 +419,9 @@ where
         .reconcile_errors
         .with_label_values(&[E::RESOURCE, error.kind()])
         .inc();
-    warn!(kind = E::RESOURCE, name = %object.name_any(), namespace = ?object.namespace(), %error, "reconcile failed; retrying");
-    Action::requeue(std::time::Duration::from_secs(15))
+    let wait = ctx.failed(E::RESOURCE, object.as_ref());
+    warn!(kind = E::RESOURCE, name = %object.name_any(), namespace = ?object.namespace(), %error, retry_in = ?wait, "reconcile failed");
+    Action::requeue(wait)
 }
 
 /// Marks this replica's pod as leader or not (best effort: a failure only affects which pod

@@ -48,8 +48,39 @@ pub enum ScalerError {
 struct GroupState {
     scaling: Autoscaler,
     last_scale: Option<(Time, String)>,
-    /// The status last written, so an unchanged one is not written again.
-    written: Option<Value>,
+    /// The status last written, so an unchanged one is not written again, and when.
+    written: Option<(Value, tokio::time::Instant)>,
+}
+
+/// How often a status whose only change is in the figures (backlog, lag, ranges) is written:
+/// a busy group's figures change every round, and 100 groups must not mean 400 writes a minute.
+/// Replicas, decisions and conditions are written at once.
+pub const FIGURES_STATUS_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Whether a new status is worth a write (pure): anything but the figures changed, or the
+/// figures changed and the last write is `FIGURES_STATUS_INTERVAL` old.
+fn status_due(
+    written: Option<&(Value, tokio::time::Instant)>,
+    status: &Value,
+    now: tokio::time::Instant,
+) -> bool {
+    let Some((before, at)) = written else {
+        return true;
+    };
+    if before == status {
+        return false;
+    }
+    let without_figures = |s: &Value| {
+        let mut s = s.clone();
+        if let Some(map) = s.as_object_mut() {
+            for figure in ["backlog", "lag", "ranges"] {
+                map.remove(figure);
+            }
+        }
+        s
+    };
+    without_figures(before) != without_figures(status)
+        || now.duration_since(*at) >= FIGURES_STATUS_INTERVAL
 }
 
 /// What one group's round did (for tests and logs).
@@ -381,7 +412,8 @@ impl Scaler {
             s["conditions"][0]["lastTransitionTime"] = Value::Null;
             s
         };
-        if state.written.as_ref() != Some(&comparable) {
+        let now_instant = tokio::time::Instant::now();
+        if status_due(state.written.as_ref(), &comparable, now_instant) {
             let groups: Api<QueueConsumerGroup> =
                 Api::namespaced(self.ctx.client.clone(), &namespace);
             groups
@@ -394,7 +426,7 @@ impl Scaler {
                     })),
                 )
                 .await?;
-            state.written = Some(comparable);
+            state.written = Some((comparable, now_instant));
         }
         if decision.reason == Reason::EstimateFailed {
             debug!(group = %qcg.name_any(), "replicas kept: the estimate failed");
@@ -487,6 +519,30 @@ fn ranges(estimate: &GroupEstimate) -> Vec<RangeStatus> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn figures_alone_are_written_at_a_bounded_rate() {
+        let t0 = tokio::time::Instant::now();
+        let status = |backlog: u64, desired: u32| json!({"replicas": 2, "desiredReplicas": desired, "backlog": backlog, "lag": backlog});
+        let written = (status(100, 2), t0);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        for (new, now, due) in [
+            (status(100, 2), 100, false), // nothing changed
+            (status(120, 2), 15, false),  // figures only, 15 s after the last write
+            (status(120, 2), 60, true),   // figures only, a minute after
+            (status(120, 3), 15, true),   // a decision: at once
+        ] {
+            assert_eq!(
+                status_due(Some(&written), &new, at(now)),
+                due,
+                "{new} at {now}"
+            );
+        }
+        assert!(
+            status_due(None, &status(0, 0), t0),
+            "the first status is written"
+        );
+    }
     use crate::testing::{
         emulator_context, group_json, json_response, queue_json, ApiServerVerifier,
     };
