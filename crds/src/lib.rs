@@ -59,6 +59,24 @@ fn conditions_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Sch
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
+    ),
+    printcolumn(
+        name = "Database",
+        type_ = "string",
+        json_path = ".spec.database",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Container",
+        type_ = "string",
+        json_path = ".spec.container",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Deletion",
+        type_ = "string",
+        json_path = ".spec.deletionPolicy",
+        priority = 1
     )
 )]
 #[serde(rename_all = "camelCase")]
@@ -214,6 +232,24 @@ pub struct CosmosQueueStatus {
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
+    ),
+    printcolumn(
+        name = "Queue",
+        type_ = "string",
+        json_path = ".spec.queueRef.name",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Delivery",
+        type_ = "string",
+        json_path = ".spec.deliveryMode",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Scaling",
+        type_ = "string",
+        json_path = ".spec.scaling.mode",
+        priority = 1
     )
 )]
 #[x_kube(validation = Rule::new("has(self.group) == has(oldSelf.group) && (!has(self.group) || self.group == oldSelf.group)").message("group is immutable: it names the group's state and leases in the queue (create a new group)"))]
@@ -666,16 +702,21 @@ mod tests {
         let crd = serde_json::to_value(QueueConsumerGroup::crd()).unwrap();
         assert_eq!(crd["metadata"]["name"], "queueconsumergroups.cosmosq.io");
         assert_eq!(crd["spec"]["names"]["shortNames"][0], "qcg");
-        let columns: Vec<&str> = crd["spec"]["versions"][0]["additionalPrinterColumns"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["name"].as_str().unwrap())
-            .collect();
+        let columns = |priority: i64| -> Vec<String> {
+            crd["spec"]["versions"][0]["additionalPrinterColumns"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|c| c["priority"].as_i64().unwrap_or(0) == priority)
+                .map(|c| c["name"].as_str().unwrap().to_owned())
+                .collect()
+        };
         assert_eq!(
-            columns,
+            columns(0),
             ["Ready", "Backlog", "Lag", "Replicas", "Desired", "Age"]
         );
+        // `kubectl get -o wide` adds what the group consumes and how.
+        assert_eq!(columns(1), ["Queue", "Delivery", "Scaling"]);
         assert_eq!(
             crd["spec"]["versions"][0]["subresources"]["status"],
             serde_json::json!({})

@@ -308,9 +308,9 @@ fn sidecar_container(
         liveness_probe: Some(probe("/healthz", 10)),
         resources: Some(resources),
         security_context: Some(SecurityContext {
+            // The image's numeric USER (65532) satisfies runAsNonRoot; no UID is set here, so
+            // OpenShift's restricted SCC can assign one from the namespace's range.
             run_as_non_root: Some(true),
-            run_as_user: Some(65532),
-            run_as_group: Some(65532),
             read_only_root_filesystem: Some(true),
             allow_privilege_escalation: Some(false),
             capabilities: Some(Capabilities {
