@@ -69,6 +69,15 @@ pub struct Config {
     /// This replica's identity in the Lease and in Events.
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
+    /// Namespaces whose workloadIdentity queues may use the operator's own Entra identity, per
+    /// account: `shop,billing@https://acct.documents.azure.com:443/` (repeat the flag, or
+    /// separate grants with `;` in the environment). None by default.
+    #[arg(
+        long = "identity-grant",
+        env = "COSMOSQ_IDENTITY_GRANTS",
+        value_delimiter = ';'
+    )]
+    pub identity_grants: Vec<crate::grants::IdentityGrant>,
     /// The Azure region the Cosmos DB SDK should prefer.
     #[arg(long, env = "COSMOSQ_REGION", default_value = "eastus")]
     pub region: String,
@@ -97,6 +106,24 @@ mod tests {
         assert_eq!(config.scale_interval, Duration::from_secs(15));
         assert_eq!(config.listen.port(), 8080);
         assert!(config.sidecar_image.starts_with("ghcr.io/cosmosq/sidecar:"));
+    }
+
+    #[test]
+    fn identity_grants_come_as_the_chart_renders_them() {
+        let config = Config::try_parse_from([
+            "cosmosq-operator",
+            "--identity-grant=shop,billing@https://a.documents.azure.com:443/",
+            "--identity-grant=*@https://shared.documents.azure.com/",
+        ])
+        .unwrap();
+        assert_eq!(config.identity_grants.len(), 2);
+        assert_eq!(config.identity_grants[0].namespaces, ["shop", "billing"]);
+        let none = Config::try_parse_from(["cosmosq-operator"]).unwrap();
+        assert!(none.identity_grants.is_empty(), "no namespace by default");
+        let err = Config::try_parse_from(["cosmosq-operator", "--identity-grant=shop"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("namespaces@endpoint"), "{err}");
     }
 
     #[test]

@@ -30,6 +30,12 @@ pub enum CosmosError {
     SecretForbidden(String),
     #[error("spec.credentials.secretKeyRef: Secret {secret} has no key {key:?}")]
     SecretKeyMissing { secret: String, key: String },
+    #[error(
+        "spec.credentials.workloadIdentity: namespace {namespace} is not granted the operator's \
+         identity on {endpoint} (an admin grants it with --identity-grant, the chart's \
+         workloadIdentity.grants; or use a key Secret of this namespace)"
+    )]
+    IdentityNotGranted { namespace: String, endpoint: String },
     #[error("reading Secret {secret}: {source}")]
     Secret { secret: String, source: kube::Error },
     #[error(transparent)]
@@ -44,6 +50,7 @@ impl CosmosError {
             CosmosError::InvalidSpec { .. }
                 | CosmosError::SecretNotFound(_)
                 | CosmosError::SecretKeyMissing { .. }
+                | CosmosError::IdentityNotGranted { .. }
         )
     }
 }
@@ -100,8 +107,12 @@ pub fn group_config(qcg: &QueueConsumerGroup) -> Result<GroupConfig, CosmosError
 /// Where queues live.
 #[derive(Clone)]
 pub enum Backend {
-    /// Each queue's own account, with its credentials (production).
-    Azure { region: String },
+    /// Each queue's own account, with its credentials (production); the operator's own
+    /// identity only where `identity_grants` allow it.
+    Azure {
+        region: String,
+        identity_grants: Vec<crate::grants::IdentityGrant>,
+    },
     /// Every queue on this one client: the embedded emulator (tests, the local run).
     Fixed(CosmosClient),
 }
@@ -130,10 +141,22 @@ impl Cosmos {
     }
 
     async fn connect(&self, cq: &CosmosQueue) -> Result<CosmosClient, CosmosError> {
-        let region = match &self.backend {
+        let (region, grants) = match &self.backend {
             Backend::Fixed(client) => return Ok(client.clone()),
-            Backend::Azure { region } => region.clone(),
+            Backend::Azure {
+                region,
+                identity_grants,
+            } => (region.clone(), identity_grants),
         };
+        let namespace = cq.namespace().unwrap_or_default();
+        if cq.spec.credentials.secret_key_ref.is_none()
+            && !crate::grants::identity_allowed(grants, &namespace, &cq.spec.endpoint)
+        {
+            return Err(CosmosError::IdentityNotGranted {
+                namespace,
+                endpoint: cq.spec.endpoint.clone(),
+            });
+        }
         let mut args = ConnectionArgs {
             endpoint: cq.spec.endpoint.clone(),
             auth: Auth::Identity,

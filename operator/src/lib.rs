@@ -15,6 +15,7 @@ pub mod context;
 pub mod cosmos;
 #[cfg(any(test, feature = "testkit"))]
 pub mod fake;
+pub mod grants;
 pub mod group;
 pub mod http;
 pub mod leader;

@@ -242,7 +242,8 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
             Err(
                 e @ (CosmosError::SecretNotFound(_)
                 | CosmosError::SecretForbidden(_)
-                | CosmosError::SecretKeyMissing { .. }),
+                | CosmosError::SecretKeyMissing { .. }
+                | CosmosError::IdentityNotGranted { .. }),
             ) => {
                 // The credentials are gone or out of reach (a namespace being deleted takes its
                 // Secrets with it, and the operator's Role there with `watchNamespace`):
@@ -527,6 +528,33 @@ mod tests {
         let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
         assert!(message.starts_with("spec.retention:"), "{message}");
         assert!(!container_exists(&cosmos, "shop", "orders").await);
+    }
+
+    #[tokio::test]
+    async fn a_namespace_not_granted_the_operators_identity_cannot_use_it() {
+        // No grant: the operator does not act as itself for this namespace, and says why.
+        let (ctx, mut server) = azure_context();
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Warning"), &json!("InvalidSpec"))
+            );
+            server.status(STATUS, queue(json!({}), true)).await
+        });
+        let input = queue(
+            json!({"credentials": {"workloadIdentity": {}}, "deletionPolicy": "Delete"}),
+            true,
+        );
+        let action = reconcile_queue(arc(&input), ctx).await.unwrap();
+        assert_eq!(action, Action::await_change());
+        let body = verifier.await.unwrap();
+        let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
+        assert!(
+            message.contains("namespace shop is not granted the operator's identity")
+                && message.contains("--identity-grant"),
+            "{message}"
+        );
     }
 
     #[tokio::test]

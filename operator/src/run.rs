@@ -58,6 +58,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunE
     let client = Client::try_default().await?;
     let backend = Backend::Azure {
         region: config.region.clone(),
+        identity_grants: config.identity_grants.clone(),
     };
     run_with(client, backend, config, shutdown).await
 }

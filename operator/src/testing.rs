@@ -175,6 +175,7 @@ pub fn azure_context() -> (crate::context::Context, ApiServerVerifier) {
     let cosmos = crate::cosmos::Cosmos::new(
         crate::cosmos::Backend::Azure {
             region: "eastus".into(),
+            identity_grants: Vec::new(),
         },
         client.clone(),
     );
