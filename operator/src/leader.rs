@@ -94,6 +94,14 @@ pub fn verdict(
     (verdict, seen)
 }
 
+/// Writes of the Lease carry the operator's field manager, as every write does.
+fn post_params() -> PostParams {
+    PostParams {
+        field_manager: Some(crate::apply::FIELD_MANAGER.into()),
+        ..PostParams::default()
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub lease_name: String,
@@ -184,12 +192,12 @@ impl LeaderElection {
                         },
                         spec: Some(self.spec(None, now)),
                     };
-                    self.api.create(&PostParams::default(), &lease).await
+                    self.api.create(&post_params(), &lease).await
                 }
                 Some(mut lease) => {
                     // The resourceVersion read above makes this write conditional.
                     lease.spec = Some(self.spec(lease.spec.as_ref(), now));
-                    self.api.replace(name, &PostParams::default(), &lease).await
+                    self.api.replace(name, &post_params(), &lease).await
                 }
             },
         };
@@ -281,7 +289,7 @@ impl LeaderElection {
             spec.lease_duration_seconds = Some(1);
             spec.renew_time = Some(MicroTime(Timestamp::now()));
         }
-        match self.api.replace(name, &PostParams::default(), &lease).await {
+        match self.api.replace(name, &post_params(), &lease).await {
             Ok(_) => info!(lease = %name, "released the leader lease"),
             Err(e) => {
                 warn!(lease = %name, error = %e, "could not release the leader lease; it expires on its own")

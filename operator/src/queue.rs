@@ -106,7 +106,10 @@ async fn remove_finalizer(
     .expect("a valid JSON patch");
     api.patch(
         &cq.name_any(),
-        &PatchParams::default(),
+        &PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        },
         &Patch::Json::<()>(patch),
     )
     .await?;

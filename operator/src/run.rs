@@ -430,7 +430,14 @@ where
 async fn label_own_pod(pods: &Api<Pod>, name: &str, leader: bool) {
     let patch = json!({"metadata": {"labels": {LEADER_LABEL: leader.to_string()}}});
     if let Err(e) = pods
-        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(
+            name,
+            &PatchParams {
+                field_manager: Some(crate::apply::FIELD_MANAGER.into()),
+                ..PatchParams::default()
+            },
+            &Patch::Merge(&patch),
+        )
         .await
     {
         warn!(pod = %name, error = %e, "could not label this pod");

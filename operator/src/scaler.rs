@@ -272,7 +272,10 @@ impl Scaler {
             deployments
                 .patch_scale(
                     &name,
-                    &PatchParams::default(),
+                    &PatchParams {
+                        field_manager: Some(SCALER_MANAGER.into()),
+                        ..PatchParams::default()
+                    },
                     &Patch::Merge(json!({"spec": {"replicas": decision.replicas}})),
                 )
                 .await?;
