@@ -263,7 +263,7 @@ pub struct QueueConsumerGroupSpec {
     #[schemars(regex(pattern = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"))]
     pub group: Option<String>,
     #[serde(default)]
-    #[x_kube(validation = Rule::new("self == oldSelf").message("deliveryMode is immutable: the two modes keep different state (create a new group)"))]
+    #[x_kube(validation = Rule::new("self.lowerAscii() == oldSelf.lowerAscii()").message("deliveryMode is immutable: the two modes keep different state (create a new group)"))]
     pub delivery_mode: DeliveryMode,
     #[serde(default)]
     pub start_from: StartFrom,
@@ -309,20 +309,28 @@ pub struct QueueRef {
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
-#[serde(rename_all = "camelCase")]
+// Kubernetes API style (CamelCase); the lowercase spellings of earlier versions are still
+// accepted, so stored objects and existing manifests stay valid.
+#[serde(rename_all = "PascalCase")]
+#[schemars(extend("enum" = ["Exclusive", "Stream", "exclusive", "stream"]))]
 pub enum DeliveryMode {
     #[default]
+    #[serde(alias = "exclusive")]
     Exclusive,
+    #[serde(alias = "stream")]
     Stream,
 }
 
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "PascalCase")]
+#[schemars(extend("enum" = ["Now", "Beginning", "now", "beginning"]))]
 pub enum StartFrom {
     #[default]
+    #[serde(alias = "now")]
     Now,
+    #[serde(alias = "beginning")]
     Beginning,
 }
 
@@ -357,10 +365,12 @@ fn default_app_timeout() -> String {
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
-#[serde(rename_all = "lowercase")]
+#[schemars(extend("enum" = ["CloudEvents", "Raw", "cloudevents", "raw"]))]
 pub enum AppFormat {
     #[default]
+    #[serde(rename = "CloudEvents", alias = "cloudevents")]
     Cloudevents,
+    #[serde(rename = "Raw", alias = "raw")]
     Raw,
 }
 
@@ -695,6 +705,22 @@ mod tests {
                 "{field} missing from the reference"
             );
         }
+    }
+
+    #[test]
+    fn enum_values_are_camel_case_and_the_old_spellings_still_read() {
+        for (old, new) in [
+            ("\"exclusive\"", "\"Exclusive\""),
+            ("\"stream\"", "\"Stream\""),
+        ] {
+            let mode: DeliveryMode = serde_json::from_str(old).unwrap();
+            assert_eq!(serde_json::to_string(&mode).unwrap(), new);
+            assert_eq!(serde_json::from_str::<DeliveryMode>(new).unwrap(), mode);
+        }
+        let format: AppFormat = serde_json::from_str("\"cloudevents\"").unwrap();
+        assert_eq!(serde_json::to_string(&format).unwrap(), "\"CloudEvents\"");
+        let start: StartFrom = serde_json::from_str("\"beginning\"").unwrap();
+        assert_eq!(serde_json::to_string(&start).unwrap(), "\"Beginning\"");
     }
 
     #[test]

@@ -4,7 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use cosmosq_crds::{CosmosQueue, Credentials, QueueConsumerGroup, ScalingMode};
+use cosmosq_crds::{
+    AppFormat, CosmosQueue, Credentials, DeliveryMode, QueueConsumerGroup, ScalingMode, StartFrom,
+};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::autoscaling::v2::{
     CrossVersionObjectReference, ExternalMetricSource, HPAScalingRules, HorizontalPodAutoscaler,
@@ -210,29 +212,30 @@ pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar>
         env("COSMOSQ_QUEUE", q.container.clone()),
         env("COSMOSQ_PARTITION_KEY_PATH", q.partition_key_path.clone()),
         env("COSMOSQ_GROUP", group_name(qcg)),
+        // The sidecar's own spellings (its flags' values), whatever the CRD's.
         env(
             "COSMOSQ_DELIVERY_MODE",
-            serde_json::to_value(s.delivery_mode)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default(),
+            match s.delivery_mode {
+                DeliveryMode::Exclusive => "exclusive",
+                DeliveryMode::Stream => "stream",
+            },
         ),
         env(
             "COSMOSQ_START_FROM",
-            serde_json::to_value(s.start_from)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default(),
+            match s.start_from {
+                StartFrom::Now => "now",
+                StartFrom::Beginning => "beginning",
+            },
         ),
         env("COSMOSQ_ORDERED", s.ordered.to_string()),
         env("COSMOSQ_APP_PORT", s.app.port.to_string()),
         env("COSMOSQ_APP_PATH", s.app.path.clone()),
         env(
             "COSMOSQ_APP_FORMAT",
-            serde_json::to_value(s.app.format)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default(),
+            match s.app.format {
+                AppFormat::Cloudevents => "cloudevents",
+                AppFormat::Raw => "raw",
+            },
         ),
         env("COSMOSQ_APP_TIMEOUT", s.app.timeout.clone()),
         env("COSMOSQ_MAX_CONCURRENCY", s.concurrency.to_string()),

@@ -251,6 +251,30 @@ pub fn cases() -> Vec<RuleCase> {
             group_spec(json!({"group": "renamed"})),
             Some("group is immutable"),
         ),
+        // Enum values in the Kubernetes API style; earlier lowercase ones still accepted, and
+        // respelling a value is not a change.
+        case(
+            "camel-case-values",
+            Kind::Group,
+            group_spec(json!({"deliveryMode": "Stream", "startFrom": "Beginning",
+                              "app": {"port": 8080, "format": "Raw"}})),
+            None,
+            true,
+        ),
+        update(
+            "delivery-mode-respelled",
+            Kind::Group,
+            group_spec(json!({"deliveryMode": "exclusive"})),
+            group_spec(json!({"deliveryMode": "Exclusive"})),
+            None,
+        ),
+        update(
+            "delivery-mode-camel",
+            Kind::Group,
+            group_spec(json!({"deliveryMode": "exclusive"})),
+            group_spec(json!({"deliveryMode": "Stream"})),
+            Some("deliveryMode is immutable"),
+        ),
         update(
             "concurrency",
             Kind::Group,
