@@ -276,6 +276,24 @@ mod tests {
         (Arc::new(qcg), Arc::new(ctx), server, rx)
     }
 
+    /// The group's queue is read, its key's digest taken, and `applies` objects applied.
+    async fn queue_read_and_applies(server: &mut ApiServerVerifier, applies: usize) {
+        server
+            .answer(
+                Method::GET,
+                QUEUE,
+                json_response(StatusCode::OK, &queue_json()),
+            )
+            .await;
+        server.key_read("k1").await;
+        for _ in 0..applies {
+            let seen = server.next().await;
+            assert_eq!(seen.method, Method::PATCH);
+            seen.send
+                .send_response(json_response(StatusCode::OK, &seen.body));
+        }
+    }
+
     fn ready(status: &Value) -> (&str, &str) {
         let conditions = status["conditions"].as_array().unwrap();
         assert_eq!(conditions.len(), 1, "only Ready is this reconciler's");
@@ -327,20 +345,7 @@ mod tests {
     ) -> (Value, Value) {
         let (qcg, ctx, mut server, _changed) = setup(json!({}));
         let verifier = tokio::spawn(async move {
-            server
-                .answer(
-                    Method::GET,
-                    QUEUE,
-                    json_response(StatusCode::OK, &queue_json()),
-                )
-                .await;
-            server.key_read("k1").await;
-            for _ in 0..2 {
-                let seen = server.next().await;
-                assert_eq!(seen.method, Method::PATCH);
-                seen.send
-                    .send_response(json_response(StatusCode::OK, &seen.body));
-            }
+            queue_read_and_applies(&mut server, 2).await;
             let seen = server.next().await;
             assert!(
                 seen.path.ends_with("/deployments/billing-workers"),
@@ -427,20 +432,7 @@ mod tests {
     async fn a_valid_group_is_applied_reported_ready_and_handed_to_the_scaler() {
         let (qcg, ctx, mut server, mut changed) = setup(json!({}));
         let verifier = tokio::spawn(async move {
-            server
-                .answer(
-                    Method::GET,
-                    QUEUE,
-                    json_response(StatusCode::OK, &queue_json()),
-                )
-                .await;
-            server.key_read("k1").await;
-            for _ in 0..3 {
-                let seen = server.next().await;
-                assert_eq!(seen.method, Method::PATCH);
-                seen.send
-                    .send_response(json_response(StatusCode::OK, &seen.body));
-            }
+            queue_read_and_applies(&mut server, 3).await;
             // A changed spec (generation 3, none observed yet): an HPA left from HPA mode?
             server
                 .answer(

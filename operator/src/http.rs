@@ -600,6 +600,18 @@ mod tests {
     }
 
     impl Served {
+        /// The HPA's read of the backlog, over a connection that trusts `trusting` and
+        /// presents `identity` (not necessarily the front proxy's).
+        fn backlog_read(
+            &self,
+            trusting: &TestCa,
+            identity: Option<&(String, String)>,
+        ) -> reqwest::RequestBuilder {
+            client(trusting, identity)
+                .get(format!("{}{BACKLOG}", self.url))
+                .header("X-Remote-User", HPA)
+        }
+
         /// A request as the aggregator proxies it for `user`.
         async fn as_user(&self, user: &str, path: &str) -> (StatusCode, Value) {
             let client = client(&self.serving_ca, Some(&self.front_proxy));
@@ -666,12 +678,7 @@ mod tests {
     async fn the_external_metrics_api_answers_only_callers_the_front_proxy_vouches_for() {
         let served = serve(figures(Some(420)), false).await;
         // Straight to the operator, without the front proxy's certificate.
-        let (status, body) = send(
-            client(&served.serving_ca, None)
-                .get(format!("{}{BACKLOG}", served.url))
-                .header("X-Remote-User", HPA),
-        )
-        .await;
+        let (status, body) = send(served.backlog_read(&served.serving_ca, None)).await;
         assert_eq!(status, StatusCode::UNAUTHORIZED);
         assert!(
             body["message"]
@@ -682,20 +689,14 @@ mod tests {
         );
         // A certificate with the right name from another CA fails the handshake.
         let rogue = TestCa::new("rogue").client("front-proxy-client");
-        let refused = client(&served.serving_ca, Some(&rogue))
-            .get(format!("{}{BACKLOG}", served.url))
-            .header("X-Remote-User", HPA)
+        let refused = served
+            .backlog_read(&served.serving_ca, Some(&rogue))
             .send()
             .await;
         assert!(refused.is_err(), "{refused:?}");
         // The front proxy's CA, but a name that is not allowed to vouch.
         let impostor = served.proxy_ca.client("system:node:worker-1");
-        let (status, body) = send(
-            client(&served.serving_ca, Some(&impostor))
-                .get(format!("{}{BACKLOG}", served.url))
-                .header("X-Remote-User", HPA),
-        )
-        .await;
+        let (status, body) = send(served.backlog_read(&served.serving_ca, Some(&impostor))).await;
         assert_eq!(status, StatusCode::UNAUTHORIZED);
         assert!(
             body["message"]
@@ -814,22 +815,12 @@ mod tests {
         let renewed = TestCa::new("renewed-ca");
         write_pair(&served.dir, renewed.server());
         assert!(served.tls.reload().await.unwrap());
-        let (status, _) = send(
-            client(&renewed, Some(&served.front_proxy))
-                .get(format!("{}{BACKLOG}", served.url))
-                .header("X-Remote-User", HPA),
-        )
-        .await;
+        let (status, _) = send(served.backlog_read(&renewed, Some(&served.front_proxy))).await;
         assert_eq!(status, StatusCode::OK);
         // A half-written pair keeps the previous settings.
         std::fs::write(served.dir.join("tls.key"), "garbage").unwrap();
         assert!(served.tls.reload().await.is_err());
-        let (status, _) = send(
-            client(&renewed, Some(&served.front_proxy))
-                .get(format!("{}{BACKLOG}", served.url))
-                .header("X-Remote-User", HPA),
-        )
-        .await;
+        let (status, _) = send(served.backlog_read(&renewed, Some(&served.front_proxy))).await;
         assert_eq!(status, StatusCode::OK);
     }
 

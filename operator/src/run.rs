@@ -218,6 +218,29 @@ where
     }
 }
 
+/// What a watcher needs of a resource.
+pub trait Watched:
+    Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Watched for K where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 /// What of a Deployment its group's reconcile reacts to: its spec (generation) and its
 /// conditions (availability, pods refused).
 fn deployment_signature(d: &Deployment) -> u64 {
@@ -243,13 +266,7 @@ fn changes<K>(
     signature: fn(&K) -> u64,
 ) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
 where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
+    K: Watched,
 {
     let mut seen = std::collections::HashMap::<ObjectRef<K>, u64>::new();
     watcher(api, config)
@@ -283,13 +300,7 @@ fn spec_changes<K>(
     impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
 )
 where
-    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
+    K: Watched + Resource<Scope = k8s_openapi::NamespaceResourceScope>,
 {
     let (store, writer) = reflector::store();
     let changes = watcher(

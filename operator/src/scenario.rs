@@ -65,13 +65,7 @@ where
 /// Waits (by watching) until the objects `api` lists satisfy `condition`, for at most 2 min.
 pub async fn until_listed<K>(api: &Api<K>, what: &str, condition: impl Fn(&[K]) -> bool)
 where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
+    K: crate::run::Watched,
 {
     use futures::TryStreamExt;
     use kube::runtime::{reflector, watcher};
