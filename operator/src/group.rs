@@ -529,19 +529,7 @@ mod tests {
         let (_, ctx, mut server, mut changed) = setup(json!({}));
         let qcg: Arc<QueueConsumerGroup> = Arc::new(serde_json::from_value(spec).unwrap());
         let verifier = tokio::spawn(async move {
-            server
-                .answer(
-                    Method::GET,
-                    QUEUE,
-                    json_response(StatusCode::OK, &queue_json()),
-                )
-                .await;
-            server.key_read("k1").await;
-            for _ in 0..3 {
-                let seen = server.next().await;
-                seen.send
-                    .send_response(json_response(StatusCode::OK, &seen.body));
-            }
+            queue_read_and_applies(&mut server, 3).await;
             server.status(STATUS, group_json(json!({}))).await // straight to status: no Event
         });
         reconcile_group(qcg, ctx).await.unwrap();
