@@ -337,6 +337,45 @@ pub async fn operator_scenario(mut s: Scenario) {
             },
         )
         .await;
+        // The Deployment controller's verdict on the workers reaches the group's conditions.
+        let available = |conditions: &[Condition]| {
+            conditions
+                .iter()
+                .find(|c| c.type_ == "Available")
+                .map(|c| c.status.clone())
+        };
+        // (Pods stay Pending without nodes, so the Deployment's Available holds still.)
+        until(
+            &deployments,
+            "billing-workers",
+            "the Deployment's Available",
+            |d| {
+                d.and_then(|d| d.status.as_ref())
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Available"))
+            },
+        )
+        .await;
+        let of_deployment = deployments
+            .get("billing-workers")
+            .await
+            .unwrap()
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == "Available")
+            .map(|c| c.status);
+        until(
+            &groups,
+            "billing",
+            "the group to mirror its Deployment's Available",
+            |g| {
+                g.and_then(|g| g.status.as_ref())
+                    .is_some_and(|s| available(&s.conditions) == of_deployment)
+            },
+        )
+        .await;
     }
     until(&groups, "billing", "the group's status", |g| {
         g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
