@@ -2,6 +2,7 @@
 //! One test binary on purpose: linking is the slow part here.
 
 mod consume;
+mod contract;
 mod crds;
 mod emulator;
 mod faults;
