@@ -87,12 +87,15 @@ async fn apply_binding(
     }
 }
 
-/// The digest of the account key the queue's Secret holds now (`None` with workload identity,
-/// or while the Secret or key is missing: the queue's status reports that).
+/// The digest of the account key the queue's Secret holds now (`None` with workload identity).
+/// While the Secret or its key is missing (the queue's status reports that), the workers keep
+/// the digest they have: a Secret deleted and made again must not roll them twice, and new pods
+/// could not start without it anyway.
 async fn key_digest(
     client: &Client,
     namespace: &str,
     queue: &CosmosQueue,
+    deployment: &str,
 ) -> Result<Option<String>, ApplyError> {
     let Some(key_ref) = &queue.spec.credentials.secret_key_ref else {
         return Ok(None);
@@ -100,9 +103,20 @@ async fn key_digest(
     let secret = Api::<Secret>::namespaced(client.clone(), namespace)
         .get_opt(&key_ref.name)
         .await?;
-    Ok(secret
+    if let Some(digest) = secret
         .and_then(|s| s.data)
-        .and_then(|d| d.get(&key_ref.key).map(|v| build::key_digest(&v.0))))
+        .and_then(|d| d.get(&key_ref.key).map(|v| build::key_digest(&v.0)))
+    {
+        return Ok(Some(digest));
+    }
+    let live = Api::<Deployment>::namespaced(client.clone(), namespace)
+        .get_opt(deployment)
+        .await?;
+    Ok(live
+        .and_then(|d| d.spec)
+        .and_then(|s| s.template.metadata)
+        .and_then(|m| m.annotations)
+        .and_then(|mut a| a.remove(build::KEY_DIGEST_ANNOTATION)))
 }
 
 /// A delete that found nothing to delete succeeded.
@@ -125,7 +139,7 @@ pub async fn apply_group(
         .namespace()
         .ok_or_else(|| ApplyError::NoNamespace(qcg.name_any()))?;
     let mut deployment = build::deployment(qcg, queue, defaults)?;
-    if let Some(digest) = key_digest(client, &namespace, queue).await? {
+    if let Some(digest) = key_digest(client, &namespace, queue, &deployment.name_any()).await? {
         build::with_key_digest(&mut deployment, digest);
     }
     let service_account = build::service_account(qcg, queue)?;
@@ -316,6 +330,59 @@ mod tests {
         let server = verifier.await.unwrap();
         drop(client);
         server.done().await; // nothing else was written
+    }
+
+    #[tokio::test]
+    async fn a_missing_key_secret_keeps_the_workers_digest() {
+        let (client, mut server) = client();
+        let verifier = tokio::spawn(async move {
+            server
+                .answer(
+                    Method::GET,
+                    "/api/v1/namespaces/shop/secrets/cosmos-key",
+                    crate::testing::not_found(),
+                )
+                .await;
+            // The live Deployment's digest is kept.
+            let live = json!({"apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": "billing-workers", "namespace": "shop"},
+                "spec": {"selector": {}, "template": {"metadata": {"annotations":
+                    {build::KEY_DIGEST_ANNOTATION: "0123456789abcdef"}}}}});
+            server
+                .answer(
+                    Method::GET,
+                    "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                    json_response(StatusCode::OK, &live),
+                )
+                .await;
+            server
+                .expect_apply(
+                    "/api/v1/namespaces/shop/serviceaccounts/billing-workers",
+                    "ServiceAccount",
+                )
+                .await;
+            server
+                .expect_apply("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding")
+                .await;
+            let deployment = server
+                .expect_apply(
+                    "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                    "Deployment",
+                )
+                .await;
+            assert_eq!(
+                deployment["spec"]["template"]["metadata"]["annotations"]
+                    [build::KEY_DIGEST_ANNOTATION],
+                "0123456789abcdef"
+            );
+            server
+        });
+        apply_group(&client, &group(json!({})), &queue(), &defaults())
+            .await
+            .unwrap();
+        let server = verifier.await.unwrap();
+        drop(client);
+        server.done().await;
     }
 
     #[tokio::test]
