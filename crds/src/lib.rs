@@ -502,7 +502,8 @@ pub enum ScalingMode {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct QueueConsumerGroupStatus {
-    /// `Ready`, `Degraded`, `Scaling`.
+    /// `Ready` (applied, pods can be created), `Available` (the Deployment's), `Degraded` (the
+    /// estimate failed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,

@@ -7,6 +7,7 @@ use std::time::Duration;
 use cosmosq_queue::host::Host;
 use cosmosq_queue::{CosmosClient, Delivery, Handler, Outcome, Queue};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::api::{self, ApiState};
@@ -116,20 +117,22 @@ pub async fn run_with_client(
         "the app is ready; taking leases"
     );
 
-    let estimates = {
+    // The background tasks, each stopped by `background` and awaited before the sidecar ends.
+    let tasks = TaskTracker::new();
+    {
         let (group, metrics, stop, host) = (
             group.clone(),
             Arc::clone(&metrics),
             background.clone(),
             host_name.clone(),
         );
-        tokio::spawn(async move { estimate_loop(group, metrics, host, stop).await })
-    };
+        tasks.spawn(async move { estimate_loop(group, metrics, host, stop).await });
+    }
     if config.pod_deletion_cost {
         if let (Some(namespace), Some(pod)) = (&config.pod_namespace, &config.pod_name) {
             match PodPatcher::in_cluster(namespace, pod) {
                 Ok(Some(patcher)) => {
-                    tokio::spawn(deletion_cost::run(
+                    tasks.spawn(deletion_cost::run(
                         patcher,
                         metrics.in_flight.clone(),
                         deletion_cost::IDLE_AFTER,
@@ -146,7 +149,8 @@ pub async fn run_with_client(
     state.ready.store(false, Ordering::Relaxed);
     state.drained.cancel();
     background.cancel();
-    let _ = estimates.await;
+    tasks.close();
+    tasks.wait().await;
     api_stop.cancel();
     let _ = server.await;
     if let Some(probes) = probes {
