@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use cosmosq_crds::{
     AppFormat, CosmosQueue, Credentials, DeliveryMode, QueueConsumerGroup, ScalingMode, StartFrom,
 };
+use cosmosq_queue::env as env_names;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::autoscaling::v2::{
     CrossVersionObjectReference, ExternalMetricSource, HPAScalingRules, HorizontalPodAutoscaler,
@@ -200,65 +201,65 @@ pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar>
     let s = &qcg.spec;
     let q = &queue.spec;
     let mut vars = vec![
-        env("COSMOSQ_ENDPOINT", q.endpoint.clone()),
+        env(env_names::ENDPOINT, q.endpoint.clone()),
         env(
-            "COSMOSQ_AUTH",
+            env_names::AUTH,
             match q.credentials.secret_key_ref {
                 Some(_) => "key",
                 None => "identity",
             },
         ),
-        env("COSMOSQ_DATABASE", q.database.clone()),
-        env("COSMOSQ_QUEUE", q.container.clone()),
-        env("COSMOSQ_PARTITION_KEY_PATH", q.partition_key_path.clone()),
-        env("COSMOSQ_GROUP", group_name(qcg)),
+        env(env_names::DATABASE, q.database.clone()),
+        env(env_names::QUEUE, q.container.clone()),
+        env(env_names::PARTITION_KEY_PATH, q.partition_key_path.clone()),
+        env(env_names::GROUP, group_name(qcg)),
         // The sidecar's own spellings (its flags' values), whatever the CRD's.
         env(
-            "COSMOSQ_DELIVERY_MODE",
+            env_names::DELIVERY_MODE,
             match s.delivery_mode {
                 DeliveryMode::Exclusive => "exclusive",
                 DeliveryMode::Stream => "stream",
             },
         ),
         env(
-            "COSMOSQ_START_FROM",
+            env_names::START_FROM,
             match s.start_from {
                 StartFrom::Now => "now",
                 StartFrom::Beginning => "beginning",
             },
         ),
-        env("COSMOSQ_ORDERED", s.ordered.to_string()),
-        env("COSMOSQ_APP_PORT", s.app.port.to_string()),
-        env("COSMOSQ_APP_PATH", s.app.path.clone()),
+        env(env_names::ORDERED, s.ordered.to_string()),
+        env(env_names::APP_PORT, s.app.port.to_string()),
+        env(env_names::APP_PATH, s.app.path.clone()),
         env(
-            "COSMOSQ_APP_FORMAT",
+            env_names::APP_FORMAT,
             match s.app.format {
                 AppFormat::Cloudevents => "cloudevents",
                 AppFormat::Raw => "raw",
             },
         ),
-        env("COSMOSQ_APP_TIMEOUT", s.app.timeout.clone()),
-        env("COSMOSQ_MAX_CONCURRENCY", s.concurrency.to_string()),
+        env(env_names::APP_TIMEOUT, s.app.timeout.clone()),
+        env(env_names::MAX_CONCURRENCY, s.concurrency.to_string()),
         env(
-            "COSMOSQ_MAX_DELIVERY_ATTEMPTS",
+            env_names::MAX_DELIVERY_ATTEMPTS,
             s.retry.max_delivery_attempts.to_string(),
         ),
         env(
-            "COSMOSQ_RETRY_INITIAL_BACKOFF",
+            env_names::RETRY_INITIAL_BACKOFF,
             s.retry.initial_backoff.clone(),
         ),
-        env("COSMOSQ_RETRY_MAX_BACKOFF", s.retry.max_backoff.clone()),
-        env("COSMOSQ_LOCK_DURATION", s.lock_duration.clone()),
-        env("COSMOSQ_PROBE_LISTEN", format!("0.0.0.0:{PROBE_PORT}")),
-        env_field("POD_NAME", "metadata.name"),
-        env_field("POD_NAMESPACE", "metadata.namespace"),
+        env(env_names::RETRY_MAX_BACKOFF, s.retry.max_backoff.clone()),
+        env(env_names::LOCK_DURATION, s.lock_duration.clone()),
+        env(env_names::PROBE_LISTEN, format!("0.0.0.0:{PROBE_PORT}")),
+        env_field(env_names::POD_NAME, "metadata.name"),
+        env_field(env_names::POD_NAMESPACE, "metadata.namespace"),
     ];
     if let Some(path) = &s.app.health_path {
-        vars.push(env("COSMOSQ_APP_HEALTH_PATH", path.clone()));
+        vars.push(env(env_names::APP_HEALTH_PATH, path.clone()));
     }
     if q.credentials.secret_key_ref.is_some() {
         // The key travels as a mounted file, never as an environment variable.
-        vars.push(env("COSMOSQ_KEY_FILE", format!("{KEY_DIR}/key")));
+        vars.push(env(env_names::KEY_FILE, format!("{KEY_DIR}/key")));
     }
     vars
 }
@@ -406,7 +407,7 @@ pub fn deployment(
             container
                 .env
                 .get_or_insert_with(Vec::new)
-                .push(env("COSMOSQ_GRACE_PERIOD", format!("{drain}s")));
+                .push(env(env_names::GRACE_PERIOD, format!("{drain}s")));
             continue;
         }
         let lifecycle = container.lifecycle.get_or_insert_with(Lifecycle::default);

@@ -35,20 +35,20 @@ pub struct ConnectionArgs {
     /// Account endpoint, e.g. https://myaccount.documents.azure.com:443/
     #[arg(
         long,
-        env = "COSMOSQ_ENDPOINT",
+        env = crate::env::ENDPOINT,
         default_value = "http://127.0.0.1:8081"
     )]
     pub endpoint: String,
-    #[arg(long, env = "COSMOSQ_AUTH", value_enum, default_value_t = Auth::Emulator)]
+    #[arg(long, env = crate::env::AUTH, value_enum, default_value_t = Auth::Emulator)]
     pub auth: Auth,
     /// Account key (prefer --key-file: values in flags show in process listings).
-    #[arg(long, env = "COSMOSQ_KEY", hide_env_values = true)]
+    #[arg(long, env = crate::env::KEY, hide_env_values = true)]
     pub key: Option<String>,
     /// File holding the account key, e.g. a mounted Kubernetes Secret.
-    #[arg(long, env = "COSMOSQ_KEY_FILE")]
+    #[arg(long, env = crate::env::KEY_FILE)]
     pub key_file: Option<PathBuf>,
     /// The region the SDK should prefer (the one nearest to this process).
-    #[arg(long, env = "COSMOSQ_REGION", default_value = "eastus")]
+    #[arg(long, env = crate::env::REGION, default_value = "eastus")]
     pub region: String,
 }
 

@@ -20,6 +20,7 @@ pub mod consumer;
 pub mod deadletter;
 #[cfg(feature = "emulator")]
 pub mod emulator;
+pub mod env;
 pub mod error;
 pub mod estimate;
 mod feed;

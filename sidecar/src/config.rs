@@ -1,5 +1,6 @@
 //! Configuration by flags and environment (the operator sets the environment).
 
+use cosmosq_queue::env;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -26,79 +27,79 @@ fn duration(text: &str) -> Result<Duration, String> {
 pub struct Config {
     #[command(flatten)]
     pub connection: ConnectionArgs,
-    #[arg(long, env = "COSMOSQ_DATABASE")]
+    #[arg(long, env = env::DATABASE)]
     pub database: String,
-    #[arg(long, env = "COSMOSQ_QUEUE")]
+    #[arg(long, env = env::QUEUE)]
     pub queue: String,
-    #[arg(long, env = "COSMOSQ_PARTITION_KEY_PATH", default_value = "/pk")]
+    #[arg(long, env = env::PARTITION_KEY_PATH, default_value = "/pk")]
     pub partition_key_path: String,
     /// The consumer group this pod belongs to.
-    #[arg(long, env = "COSMOSQ_GROUP")]
+    #[arg(long, env = env::GROUP)]
     pub group: String,
-    #[arg(long, env = "COSMOSQ_DELIVERY_MODE", value_enum, default_value_t = DeliveryMode::Exclusive)]
+    #[arg(long, env = env::DELIVERY_MODE, value_enum, default_value_t = DeliveryMode::Exclusive)]
     pub mode: DeliveryMode,
-    #[arg(long, env = "COSMOSQ_START_FROM", value_enum, default_value_t = StartFrom::Now)]
+    #[arg(long, env = env::START_FROM, value_enum, default_value_t = StartFrom::Now)]
     pub start_from: StartFrom,
     /// FIFO per partition key.
-    #[arg(long, env = "COSMOSQ_ORDERED", default_value_t = false)]
+    #[arg(long, env = env::ORDERED, default_value_t = false)]
     pub ordered: bool,
     /// The app's port on localhost.
-    #[arg(long, env = "COSMOSQ_APP_PORT")]
+    #[arg(long, env = env::APP_PORT)]
     pub app_port: u16,
     /// The path messages are POSTed to.
-    #[arg(long, env = "COSMOSQ_APP_PATH", default_value = "/")]
+    #[arg(long, env = env::APP_PATH, default_value = "/")]
     pub app_path: String,
-    #[arg(long, env = "COSMOSQ_APP_FORMAT", value_enum, default_value_t = Format::Cloudevents)]
+    #[arg(long, env = env::APP_FORMAT, value_enum, default_value_t = Format::Cloudevents)]
     pub app_format: Format,
     /// Longest the app may take with one message; the lock is renewed meanwhile.
-    #[arg(long, env = "COSMOSQ_APP_TIMEOUT", default_value = "60s", value_parser = duration)]
+    #[arg(long, env = env::APP_TIMEOUT, default_value = "60s", value_parser = duration)]
     pub app_timeout: Duration,
     /// A path answering 2xx when the app is ready; without it, a TCP connect is the check.
-    #[arg(long, env = "COSMOSQ_APP_HEALTH_PATH")]
+    #[arg(long, env = env::APP_HEALTH_PATH)]
     pub app_health_path: Option<String>,
     /// Deliveries in flight at once.
-    #[arg(long, env = "COSMOSQ_MAX_CONCURRENCY", default_value_t = 16)]
+    #[arg(long, env = env::MAX_CONCURRENCY, default_value_t = 16)]
     pub max_concurrency: usize,
-    #[arg(long, env = "COSMOSQ_MAX_DELIVERY_ATTEMPTS", default_value_t = 10)]
+    #[arg(long, env = env::MAX_DELIVERY_ATTEMPTS, default_value_t = 10)]
     pub max_delivery_attempts: u32,
-    #[arg(long, env = "COSMOSQ_RETRY_INITIAL_BACKOFF", default_value = "1s", value_parser = duration)]
+    #[arg(long, env = env::RETRY_INITIAL_BACKOFF, default_value = "1s", value_parser = duration)]
     pub retry_initial_backoff: Duration,
-    #[arg(long, env = "COSMOSQ_RETRY_MAX_BACKOFF", default_value = "5m", value_parser = duration)]
+    #[arg(long, env = env::RETRY_MAX_BACKOFF, default_value = "5m", value_parser = duration)]
     pub retry_max_backoff: Duration,
-    #[arg(long, env = "COSMOSQ_LOCK_DURATION", default_value = "60s", value_parser = duration)]
+    #[arg(long, env = env::LOCK_DURATION, default_value = "60s", value_parser = duration)]
     pub lock_duration: Duration,
-    #[arg(long, env = "COSMOSQ_LEASE_RENEW", default_value = "17s", value_parser = duration)]
+    #[arg(long, env = env::LEASE_RENEW, default_value = "17s", value_parser = duration)]
     pub lease_renew: Duration,
-    #[arg(long, env = "COSMOSQ_LEASE_ACQUIRE", default_value = "13s", value_parser = duration)]
+    #[arg(long, env = env::LEASE_ACQUIRE, default_value = "13s", value_parser = duration)]
     pub lease_acquire: Duration,
-    #[arg(long, env = "COSMOSQ_LEASE_EXPIRE", default_value = "60s", value_parser = duration)]
+    #[arg(long, env = env::LEASE_EXPIRE, default_value = "60s", value_parser = duration)]
     pub lease_expire: Duration,
-    #[arg(long, env = "COSMOSQ_LEASES_PER_PARTITION", default_value_t = 1)]
+    #[arg(long, env = env::LEASES_PER_PARTITION, default_value_t = 1)]
     pub leases_per_partition: u32,
     /// Longest wait between reads of an idle feed range.
-    #[arg(long, env = "COSMOSQ_MAX_POLL", default_value = "5s", value_parser = duration)]
+    #[arg(long, env = env::MAX_POLL, default_value = "5s", value_parser = duration)]
     pub max_poll: Duration,
     /// How often expired locks and due retries are looked for.
-    #[arg(long, env = "COSMOSQ_SWEEP_INTERVAL", default_value = "5s", value_parser = duration)]
+    #[arg(long, env = env::SWEEP_INTERVAL, default_value = "5s", value_parser = duration)]
     pub sweep_interval: Duration,
     /// The localhost API (enqueue, health, metrics); loopback addresses only.
-    #[arg(long, env = "COSMOSQ_LISTEN", default_value = "127.0.0.1:3500")]
+    #[arg(long, env = env::LISTEN, default_value = "127.0.0.1:3500")]
     pub listen: SocketAddr,
     /// Health, readiness and metrics for the kubelet and Prometheus (read-only; the enqueue API
     /// stays on --listen). Empty to turn off.
-    #[arg(long, env = "COSMOSQ_PROBE_LISTEN", default_value = "0.0.0.0:9464")]
+    #[arg(long, env = env::PROBE_LISTEN, default_value = "0.0.0.0:9464")]
     pub probe_listen: String,
     /// Time to finish in-flight work after SIGTERM (keep it under the pod's grace period).
-    #[arg(long, env = "COSMOSQ_GRACE_PERIOD", default_value = "25s", value_parser = duration)]
+    #[arg(long, env = env::GRACE_PERIOD, default_value = "25s", value_parser = duration)]
     pub grace_period: Duration,
     /// This pod (downward API); names the host in leases and locks.
-    #[arg(long, env = "POD_NAME")]
+    #[arg(long, env = env::POD_NAME)]
     pub pod_name: Option<String>,
-    #[arg(long, env = "POD_NAMESPACE")]
+    #[arg(long, env = env::POD_NAMESPACE)]
     pub pod_namespace: Option<String>,
     /// Mark the pod with a higher `controller.kubernetes.io/pod-deletion-cost` while busy
     /// (only in Kubernetes).
-    #[arg(long, env = "COSMOSQ_POD_DELETION_COST", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, env = env::POD_DELETION_COST, default_value_t = true, action = clap::ArgAction::Set)]
     pub pod_deletion_cost: bool,
 }
 
