@@ -59,6 +59,13 @@ pub struct Context {
     failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
 }
 
+/// How often an object that reconciled cleanly is looked at again (a resync: drift that no
+/// watch event reports, such as a rotated key).
+pub const RESYNC: std::time::Duration = std::time::Duration::from_secs(300);
+/// How soon an object waiting on something outside it (a missing queue, a Cosmos DB error) is
+/// looked at again.
+pub const RECHECK: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The first retry after a failed reconcile, doubled per failure in a row up to
 /// [`RETRY_MAX`] (as controller-runtime's per-item rate limiter does): an object that keeps
 /// failing does not keep the API server or Cosmos DB busy.

@@ -126,7 +126,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             ok: false,
             reason: reasons::QUEUE_NOT_FOUND,
             message: format!("CosmosQueue {queue_name} does not exist in {namespace}"),
-            action: Action::requeue(Duration::from_secs(30)),
+            action: Action::requeue(crate::context::RECHECK),
         },
         // Nothing is written for an invalid spec; it waits for its owner to fix it.
         (Some(_), Err(e)) => Outcome {
@@ -150,7 +150,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
                         ok: true,
                         reason: reasons::APPLIED,
                         message: format!("Deployment {} is up to date", applied.deployment),
-                        action: Action::requeue(Duration::from_secs(300)),
+                        action: Action::requeue(crate::context::RESYNC),
                     },
                 }
             }
@@ -450,7 +450,7 @@ mod tests {
             (server, status)
         });
         let action = reconcile_group(qcg, ctx.clone()).await.unwrap();
-        assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+        assert_eq!(action, Action::requeue(crate::context::RESYNC));
         let (server, body) = verifier.await.unwrap();
         assert_eq!(ready(&body["status"]), ("True", "Applied"));
         assert_eq!(body["status"]["observedGeneration"], 3);
@@ -477,7 +477,7 @@ mod tests {
             server.status(STATUS, group_json(json!({}))).await
         });
         let action = reconcile_group(qcg, ctx).await.unwrap();
-        assert_eq!(action, Action::requeue(Duration::from_secs(30)));
+        assert_eq!(action, Action::requeue(crate::context::RECHECK));
         let body = verifier.await.unwrap();
         assert_eq!(ready(&body["status"]), ("False", "QueueNotFound"));
         assert!(changed.try_recv().is_err(), "nothing to scale yet");

@@ -4,7 +4,6 @@
 //! resource go.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use cosmosq_crds::{CosmosQueue, DeletionPolicy};
 use kube::api::{Patch, PatchParams};
@@ -160,7 +159,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
                 )
                 .await;
             }
-            let action = Action::requeue(Duration::from_secs(300));
+            let action = Action::requeue(crate::context::RESYNC);
             (
                 true,
                 "Provisioned",
@@ -177,7 +176,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             } else {
                 (
                     "ProvisioningFailed",
-                    Action::requeue(Duration::from_secs(30)),
+                    Action::requeue(crate::context::RECHECK),
                 )
             };
             ctx.cosmos.forget(cq).await;
@@ -365,7 +364,7 @@ mod tests {
         )
         .await
         .unwrap();
-        assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+        assert_eq!(action, Action::requeue(crate::context::RESYNC));
         assert!(container_exists(&cosmos, "shop", "orders").await);
         assert!(container_exists(&cosmos, "shop", "orders-leases").await);
         reconcile_queue(

@@ -16,6 +16,13 @@ use crate::metrics::Metrics;
 const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
 /// The app behind localhost, as a [`Handler`].
+/// Hard failures in a row (refused, timed out, 5xx) that open the breaker on the app.
+const BREAKER_FAILURES: u32 = 5;
+/// How long the breaker first stays open before one probe is let through; doubled each time
+/// the probe fails, up to `BREAKER_MAX_OPEN`.
+const BREAKER_FIRST_OPEN: Duration = Duration::from_secs(1);
+const BREAKER_MAX_OPEN: Duration = Duration::from_secs(30);
+
 pub struct AppClient {
     http: reqwest::Client,
     url: String,
@@ -46,9 +53,9 @@ impl AppClient {
             format,
             timeout,
             breaker: Mutex::new(Breaker::new(
-                5,
-                Duration::from_secs(1),
-                Duration::from_secs(30),
+                BREAKER_FAILURES,
+                BREAKER_FIRST_OPEN,
+                BREAKER_MAX_OPEN,
             )),
             isolation: Mutex::default(),
             gate: tokio::sync::RwLock::new(()),
