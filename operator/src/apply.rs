@@ -12,14 +12,15 @@ use kube::{Api, Client, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::build::{self, BuildError, Defaults};
+use crate::build::{self, Defaults};
+use crate::spec::{self, SpecError};
 
 pub const FIELD_MANAGER: &str = "cosmosq-operator";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
     #[error(transparent)]
-    Build(#[from] BuildError),
+    Spec(#[from] SpecError),
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error("{0} has no namespace")]
@@ -127,8 +128,9 @@ fn gone(result: Result<(), kube::Error>) -> Result<(), kube::Error> {
     }
 }
 
-/// Builds and applies the group's ServiceAccount, RoleBinding, Deployment and (HPA mode)
-/// HorizontalPodAutoscaler. Building is pure and happens first: an invalid spec writes nothing.
+/// Validates, builds and applies the group's ServiceAccount, RoleBinding, Deployment and (HPA
+/// mode) HorizontalPodAutoscaler. Validating and building are pure and happen first: an invalid
+/// spec writes nothing.
 pub async fn apply_group(
     client: &Client,
     qcg: &QueueConsumerGroup,
@@ -138,7 +140,8 @@ pub async fn apply_group(
     let namespace = qcg
         .namespace()
         .ok_or_else(|| ApplyError::NoNamespace(qcg.name_any()))?;
-    let mut deployment = build::deployment(qcg, queue, defaults)?;
+    let settings = spec::group(qcg)?;
+    let mut deployment = build::deployment(qcg, &settings, queue, defaults)?;
     if let Some(digest) = key_digest(client, &namespace, queue, &deployment.name_any()).await? {
         build::with_key_digest(&mut deployment, digest);
     }
@@ -150,7 +153,7 @@ pub async fn apply_group(
         .and_then(|p| p.service_account_name.clone())
         .unwrap_or_else(|| build::workers_name(qcg));
     let binding = build::role_binding(qcg, &pod_account, defaults)?;
-    let hpa = build::hpa(qcg)?;
+    let hpa = build::hpa(qcg, &settings)?;
 
     apply::<ServiceAccount>(client, &namespace, &service_account).await?;
     apply_binding(client, &namespace, &binding).await?;

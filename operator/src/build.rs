@@ -27,6 +27,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
+use crate::spec::{group_name, invalid, GroupSettings, SpecError};
+
 pub const SIDECAR_CONTAINER: &str = "cosmosq-sidecar";
 pub const PROBE_PORT: i32 = 9464;
 const KEY_VOLUME: &str = "cosmosq-account-key";
@@ -40,17 +42,10 @@ const APP_STOP_MARGIN_SECONDS: i64 = 15;
 /// The external metric HPA mode scales on (served by the operator).
 pub const BACKLOG_METRIC: &str = "cosmosq_backlog";
 
-#[derive(Debug, thiserror::Error, PartialEq)]
-pub enum BuildError {
-    /// A field of the spec the schema could not check; the message names it.
-    #[error("{field}: {reason}")]
-    Invalid { field: &'static str, reason: String },
-}
-
 /// Parses a free-form part of the spec as the Kubernetes type it must be, refusing fields that
 /// type does not have: a typo (`imagePullPolicy: Always` under `resources`, `volumeMount`) would
 /// otherwise be dropped without a word, as `fieldValidation=Strict` would refuse it.
-fn strict<T>(field: &'static str, value: &serde_json::Value) -> Result<T, BuildError>
+fn strict<T>(field: &'static str, value: &serde_json::Value) -> Result<T, SpecError>
 where
     T: serde::de::DeserializeOwned + serde::Serialize,
 {
@@ -103,13 +98,6 @@ fn unknown_fields(
     }
 }
 
-fn invalid(field: &'static str, reason: impl Into<String>) -> BuildError {
-    BuildError::Invalid {
-        field,
-        reason: reason.into(),
-    }
-}
-
 /// Settings of this operator installation.
 #[derive(Clone, Debug)]
 pub struct Defaults {
@@ -130,11 +118,6 @@ impl Defaults {
             worker_cluster_role: WORKER_CLUSTER_ROLE.into(),
         }
     }
-}
-
-/// The consumer group's name in the queue.
-pub fn group_name(qcg: &QueueConsumerGroup) -> String {
-    qcg.spec.group.clone().unwrap_or_else(|| qcg.name_any())
 }
 
 /// Name of the Deployment, ServiceAccount, Role, RoleBinding and HPA of a group.
@@ -159,12 +142,12 @@ fn labels(qcg: &QueueConsumerGroup) -> BTreeMap<String, String> {
     labels
 }
 
-fn owner(qcg: &QueueConsumerGroup) -> Result<OwnerReference, BuildError> {
+fn owner(qcg: &QueueConsumerGroup) -> Result<OwnerReference, SpecError> {
     qcg.controller_owner_ref(&())
         .ok_or_else(|| invalid("metadata", "the group has no uid yet"))
 }
 
-fn metadata(qcg: &QueueConsumerGroup) -> Result<ObjectMeta, BuildError> {
+fn metadata(qcg: &QueueConsumerGroup) -> Result<ObjectMeta, SpecError> {
     Ok(ObjectMeta {
         name: Some(workers_name(qcg)),
         namespace: qcg.namespace(),
@@ -268,7 +251,7 @@ fn sidecar_container(
     qcg: &QueueConsumerGroup,
     queue: &CosmosQueue,
     defaults: &Defaults,
-) -> Result<Container, BuildError> {
+) -> Result<Container, SpecError> {
     let resources = match &qcg.spec.sidecar.resources {
         Some(value) => strict::<ResourceRequirements>("spec.sidecar.resources", value)?,
         None => ResourceRequirements {
@@ -343,15 +326,10 @@ fn sidecar_container(
 /// the scaler (or the HPA) owns them through the scale subresource.
 pub fn deployment(
     qcg: &QueueConsumerGroup,
+    settings: &GroupSettings,
     queue: &CosmosQueue,
     defaults: &Defaults,
-) -> Result<Deployment, BuildError> {
-    if group_name(qcg) == "lease" {
-        return Err(invalid(
-            "spec.group",
-            "\"lease\" is reserved (it names the lease documents); set spec.group",
-        ));
-    }
+) -> Result<Deployment, SpecError> {
     let mut template: PodTemplateSpec = strict("spec.template", &qcg.spec.template)?;
     let mut pod = template
         .spec
@@ -400,8 +378,7 @@ pub fn deployment(
     // margin to settle it; each app container's preStop waits for that drain, so the app
     // serves until its last delivery is settled; the pod's grace covers both and the app's
     // own shutdown.
-    let drain =
-        i64::from(seconds("spec.app.timeout", &qcg.spec.app.timeout)?) + DRAIN_MARGIN_SECONDS;
+    let drain = settings.app_timeout.as_secs() as i64 + DRAIN_MARGIN_SECONDS;
     for container in pod.containers.iter_mut() {
         if container.name == SIDECAR_CONTAINER {
             container
@@ -553,7 +530,7 @@ pub fn with_key_digest(deployment: &mut Deployment, digest: String) {
 pub fn service_account(
     qcg: &QueueConsumerGroup,
     queue: &CosmosQueue,
-) -> Result<ServiceAccount, BuildError> {
+) -> Result<ServiceAccount, SpecError> {
     let mut meta = metadata(qcg)?;
     if let Some(client_id) = queue
         .spec
@@ -580,7 +557,7 @@ pub fn role_binding(
     qcg: &QueueConsumerGroup,
     service_account: &str,
     defaults: &Defaults,
-) -> Result<RoleBinding, BuildError> {
+) -> Result<RoleBinding, SpecError> {
     Ok(RoleBinding {
         metadata: metadata(qcg)?,
         role_ref: RoleRef {
@@ -597,14 +574,11 @@ pub fn role_binding(
     })
 }
 
-fn seconds(field: &'static str, text: &str) -> Result<i32, BuildError> {
-    let d =
-        humantime::parse_duration(text).map_err(|e| invalid(field, format!("{text:?}: {e}")))?;
-    i32::try_from(d.as_secs()).map_err(|_| invalid(field, "too long"))
-}
-
 /// HPA mode: scale the Deployment on the operator's external metric `cosmosq_backlog`.
-pub fn hpa(qcg: &QueueConsumerGroup) -> Result<Option<HorizontalPodAutoscaler>, BuildError> {
+pub fn hpa(
+    qcg: &QueueConsumerGroup,
+    settings: &GroupSettings,
+) -> Result<Option<HorizontalPodAutoscaler>, SpecError> {
     let scaling = &qcg.spec.scaling;
     if scaling.mode != ScalingMode::Hpa {
         return Ok(None);
@@ -646,10 +620,7 @@ pub fn hpa(qcg: &QueueConsumerGroup) -> Result<Option<HorizontalPodAutoscaler>, 
             }]),
             behavior: Some(HorizontalPodAutoscalerBehavior {
                 scale_down: Some(HPAScalingRules {
-                    stabilization_window_seconds: Some(seconds(
-                        "spec.scaling.scaleDownStabilization",
-                        &scaling.scale_down_stabilization,
-                    )?),
+                    stabilization_window_seconds: Some(settings.scale_down_stabilization_seconds),
                     ..HPAScalingRules::default()
                 }),
                 ..HorizontalPodAutoscalerBehavior::default()
@@ -694,6 +665,19 @@ mod tests {
         .unwrap()
     }
 
+    /// Validated, then built: the reconciler's path.
+    fn build(
+        g: &QueueConsumerGroup,
+        q: &CosmosQueue,
+        defaults: &Defaults,
+    ) -> Result<Deployment, SpecError> {
+        deployment(g, &crate::spec::group(g)?, q, defaults)
+    }
+
+    fn build_hpa(g: &QueueConsumerGroup) -> Result<Option<HorizontalPodAutoscaler>, SpecError> {
+        hpa(g, &crate::spec::group(g)?)
+    }
+
     fn defaults() -> Defaults {
         Defaults::new("ghcr.io/cosmosq/sidecar:0.1.0")
     }
@@ -734,7 +718,7 @@ mod tests {
 
     #[test]
     fn the_deployment_runs_the_app_with_the_sidecar_configured_from_both_specs() {
-        let d = deployment(
+        let d = build(
             &group(json!({"deliveryMode": "stream", "ordered": true})),
             &key_queue(),
             &defaults(),
@@ -846,7 +830,7 @@ mod tests {
     fn workload_identity_labels_the_pods_and_annotates_the_service_account() {
         let q = queue(json!({"workloadIdentity": {"clientId": "11111111-2222"}}));
         let g = group(json!({}));
-        let d = deployment(&g, &q, &defaults()).unwrap();
+        let d = build(&g, &q, &defaults()).unwrap();
         assert_eq!(env_map(&d)["COSMOSQ_AUTH"], "identity");
         assert!(!env_map(&d).contains_key("COSMOSQ_KEY_FILE"));
         let labels = d.spec.unwrap().template.metadata.unwrap().labels.unwrap();
@@ -881,8 +865,8 @@ mod tests {
             (json!({"group": "lease"}), "spec.group"),
         ];
         for (extra, field) in cases {
-            match deployment(&group(extra.clone()), &key_queue(), &defaults()) {
-                Err(BuildError::Invalid { field: f, .. }) => assert_eq!(f, field, "{extra}"),
+            match build(&group(extra.clone()), &key_queue(), &defaults()) {
+                Err(SpecError { field: f, .. }) => assert_eq!(f, field, "{extra}"),
                 other => panic!("{extra}: expected an error naming {field}, got {other:?}"),
             }
         }
@@ -906,8 +890,8 @@ mod tests {
                 "spec.sidecar.resources.limit",
             ),
         ] {
-            match deployment(&group(extra.clone()), &key_queue(), &defaults()) {
-                Err(BuildError::Invalid { reason, .. }) => {
+            match build(&group(extra.clone()), &key_queue(), &defaults()) {
+                Err(SpecError { reason, .. }) => {
                     assert!(reason.contains(named), "{reason}");
                     assert!(reason.contains("unknown field"), "{reason}");
                 }
@@ -923,12 +907,12 @@ mod tests {
                                      "volumeMounts": [{"name": "v", "mountPath": "/v"}]}],
                      "volumes": [{"name": "v", "emptyDir": {}}]}}}),
         );
-        deployment(&g, &key_queue(), &defaults()).unwrap();
+        build(&g, &key_queue(), &defaults()).unwrap();
     }
 
     #[test]
     fn a_rotated_key_changes_the_worker_template() {
-        let mut d = deployment(&group(json!({})), &key_queue(), &defaults()).unwrap();
+        let mut d = build(&group(json!({})), &key_queue(), &defaults()).unwrap();
         with_key_digest(&mut d, key_digest(b"primary"));
         let annotation = |d: &Deployment| {
             d.spec
@@ -959,7 +943,7 @@ mod tests {
                 {"name": "app", "image": "example/app"},
                 {"name": "helper", "image": "example/helper",
                  "lifecycle": {"preStop": {"exec": {"command": ["/bin/flush"]}}}}]}}}));
-        let pod = deployment(&g, &key_queue(), &defaults())
+        let pod = build(&g, &key_queue(), &defaults())
             .unwrap()
             .spec
             .unwrap()
@@ -1009,7 +993,7 @@ mod tests {
             ),
             ("ClusterRole", WORKER_CLUSTER_ROLE)
         );
-        let d = deployment(&g, &key_queue(), &defaults()).unwrap();
+        let d = build(&g, &key_queue(), &defaults()).unwrap();
         let pod = d.spec.unwrap().template.spec.unwrap();
         assert_eq!(pod.automount_service_account_token, Some(false));
         let mounts = |name: &str| -> Vec<String> {
@@ -1044,7 +1028,7 @@ mod tests {
             json!({"template": {"spec": {"automountServiceAccountToken": true,
             "containers": [{"name": "app", "image": "example/app"}]}}}),
         );
-        let pod = deployment(&g, &key_queue(), &defaults())
+        let pod = build(&g, &key_queue(), &defaults())
             .unwrap()
             .spec
             .unwrap()
@@ -1062,14 +1046,14 @@ mod tests {
     #[test]
     fn hpa_mode_scales_on_the_backlog_metric() {
         assert!(
-            hpa(&group(json!({}))).unwrap().is_none(),
+            build_hpa(&group(json!({}))).unwrap().is_none(),
             "Direct mode owns no HPA"
         );
         let g = group(
             json!({"scaling": {"mode": "HPA", "minReplicas": 0, "maxReplicas": 20,
             "targetBacklogPerReplica": 250, "scaleDownStabilization": "2m"}}),
         );
-        let hpa = hpa(&g).unwrap().unwrap();
+        let hpa = build_hpa(&g).unwrap().unwrap();
         let spec = hpa.spec.unwrap();
         assert_eq!(spec.scale_target_ref.name, "billing-workers");
         assert_eq!((spec.min_replicas, spec.max_replicas), (Some(1), 20));
@@ -1138,13 +1122,11 @@ mod tests {
                 .iter()
                 .find(|q| q.metadata.name.as_ref() == Some(&qcg.spec.queue_ref.name))
                 .expect("the group's queue is an example too");
-            deployment(&qcg, queue, &defaults()).unwrap();
-            hpa(&qcg).unwrap();
-            crate::cosmos::group_config(&qcg).unwrap();
-            crate::scaler::policy(&qcg).unwrap();
+            build(&qcg, queue, &defaults()).unwrap();
+            build_hpa(&qcg).unwrap();
         }
         for queue in &queues {
-            crate::cosmos::queue_config(&queue.spec).unwrap();
+            crate::spec::queue(&queue.spec).unwrap();
         }
     }
 }

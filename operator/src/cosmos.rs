@@ -3,25 +3,19 @@
 //! cached on disk, never logged), or the operator's own Entra identity.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
-use cosmosq_crds::{
-    CosmosQueue, CosmosQueueSpec, DeliveryMode, QueueConsumerGroup, StartFrom, ThroughputMode,
-};
-use cosmosq_queue::backoff::RetryPolicy;
-use cosmosq_queue::config::{self, GroupConfig, QueueConfig, Throughput};
+use cosmosq_crds::CosmosQueue;
 use cosmosq_queue::{Auth, ConnectionArgs, CosmosClient, Queue, QueueError};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, ResourceExt};
 use tokio::sync::Mutex;
 
-use crate::build::group_name;
+use crate::spec::{self, SpecError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CosmosError {
-    /// A field of the spec the schema could not check; the message names it.
-    #[error("{field}: {reason}")]
-    InvalidSpec { field: &'static str, reason: String },
+    #[error(transparent)]
+    Spec(#[from] SpecError),
     #[error("spec.credentials.secretKeyRef: Secret {0} not found")]
     SecretNotFound(String),
     /// The operator may not read it: in a namespace being deleted, the Role that let it (with
@@ -47,61 +41,12 @@ impl CosmosError {
     pub fn is_spec_error(&self) -> bool {
         matches!(
             self,
-            CosmosError::InvalidSpec { .. }
+            CosmosError::Spec(_)
                 | CosmosError::SecretNotFound(_)
                 | CosmosError::SecretKeyMissing { .. }
                 | CosmosError::IdentityNotGranted { .. }
         )
     }
-}
-
-fn invalid(field: &'static str, reason: impl std::fmt::Display) -> CosmosError {
-    CosmosError::InvalidSpec {
-        field,
-        reason: reason.to_string(),
-    }
-}
-
-fn duration(field: &'static str, value: &str) -> Result<Duration, CosmosError> {
-    humantime::parse_duration(value).map_err(|e| invalid(field, e))
-}
-
-/// The engine's queue settings from a CosmosQueue.
-pub fn queue_config(spec: &CosmosQueueSpec) -> Result<QueueConfig, CosmosError> {
-    let mut config = QueueConfig::new(spec.database.clone(), spec.container.clone());
-    config.partition_key_path = spec.partition_key_path.clone();
-    config.retention = Some(duration("spec.retention", &spec.retention)?);
-    config.throughput = spec.throughput.as_ref().map(|t| match t.mode {
-        ThroughputMode::Manual => Throughput::Manual(t.request_units.max(0) as u32),
-        ThroughputMode::Autoscale => Throughput::Autoscale(t.request_units.max(0) as u32),
-    });
-    config.validate().map_err(|e| invalid("spec", e))?;
-    Ok(config)
-}
-
-/// The engine's group settings from a QueueConsumerGroup (the same the sidecars get).
-pub fn group_config(qcg: &QueueConsumerGroup) -> Result<GroupConfig, CosmosError> {
-    let s = &qcg.spec;
-    let retry = RetryPolicy {
-        max_delivery_attempts: s.retry.max_delivery_attempts.max(0) as u32,
-        initial_backoff: duration("spec.retry.initialBackoff", &s.retry.initial_backoff)?,
-        max_backoff: duration("spec.retry.maxBackoff", &s.retry.max_backoff)?,
-        ..RetryPolicy::default()
-    };
-    let config = GroupConfig::new(group_name(qcg))
-        .with_mode(match s.delivery_mode {
-            DeliveryMode::Exclusive => config::DeliveryMode::Exclusive,
-            DeliveryMode::Stream => config::DeliveryMode::Stream,
-        })
-        .with_start_from(match s.start_from {
-            StartFrom::Now => config::StartFrom::Now,
-            StartFrom::Beginning => config::StartFrom::Beginning,
-        })
-        .with_lock_duration(duration("spec.lockDuration", &s.lock_duration)?)
-        .with_ordering(s.ordered)
-        .with_retry(retry);
-    config.validate().map_err(|e| invalid("spec", e))?;
-    Ok(config)
 }
 
 /// Where queues live.
@@ -221,7 +166,7 @@ impl Cosmos {
                 return Ok(queue.clone());
             }
         }
-        let config = queue_config(&cq.spec)?;
+        let config = spec::queue(&cq.spec)?;
         let client = self.connect(cq).await?;
         let queue = Queue::open(&client, config).await?;
         self.queues
@@ -236,7 +181,7 @@ impl Cosmos {
         &self,
         cq: &CosmosQueue,
     ) -> Result<(Queue, cosmosq_queue::provision::Provisioned), CosmosError> {
-        let config = queue_config(&cq.spec)?;
+        let config = spec::queue(&cq.spec)?;
         let client = self.connect(cq).await?;
         let (queue, provisioned) = cosmosq_queue::provision::provision(&client, &config).await?;
         self.queues
@@ -248,7 +193,7 @@ impl Cosmos {
 
     /// Deletes the queue's containers (deletion policy `Delete`).
     pub async fn deprovision(&self, cq: &CosmosQueue) -> Result<(), CosmosError> {
-        let config = queue_config(&cq.spec)?;
+        let config = spec::queue(&cq.spec)?;
         let client = self.connect(cq).await?;
         self.forget(cq).await;
         Ok(cosmosq_queue::provision::deprovision(&client, &config).await?)
@@ -264,58 +209,12 @@ impl Cosmos {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    fn spec(extra: serde_json::Value) -> CosmosQueueSpec {
-        let mut base = json!({
-            "endpoint": "https://acct.documents.azure.com:443/",
-            "credentials": {"secretKeyRef": {"name": "k"}},
-            "database": "shop", "container": "orders"
-        });
-        base.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        serde_json::from_value(base).unwrap()
-    }
 
     #[test]
-    fn queue_settings_follow_the_spec() {
-        let config = queue_config(&spec(json!({
-            "retention": "2d", "partitionKeyPath": "/tenant",
-            "throughput": {"mode": "Autoscale", "requestUnits": 4000}
-        })))
-        .unwrap();
-        assert_eq!(config.retention, Some(Duration::from_secs(2 * 86_400)));
-        assert_eq!(config.partition_key_path, "/tenant");
-        assert_eq!(config.throughput, Some(Throughput::Autoscale(4000)));
-        assert_eq!(config.lease_container_name(), "orders-leases");
-    }
-
-    #[test]
-    fn an_unparsable_retention_names_the_field() {
-        let err = queue_config(&spec(json!({"retention": "5x"}))).unwrap_err();
-        assert!(err.to_string().starts_with("spec.retention:"), "{err}");
-        assert!(err.is_spec_error());
-    }
-
-    #[test]
-    fn group_settings_follow_the_spec() {
-        let qcg: QueueConsumerGroup = serde_json::from_value(json!({
-            "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
-            "metadata": {"name": "billing", "namespace": "shop"},
-            "spec": {"queueRef": {"name": "orders"}, "template": {}, "app": {"port": 8080},
-                     "deliveryMode": "stream", "startFrom": "beginning", "ordered": true,
-                     "lockDuration": "90s",
-                     "retry": {"maxDeliveryAttempts": 3, "initialBackoff": "2s", "maxBackoff": "1m"}}
-        }))
-        .unwrap();
-        let config = group_config(&qcg).unwrap();
-        assert_eq!(config.name, "billing");
-        assert_eq!(config.mode, config::DeliveryMode::Stream);
-        assert_eq!(config.start_from, config::StartFrom::Beginning);
-        assert!(config.ordered);
-        assert_eq!(config.lock_duration, Duration::from_secs(90));
-        assert_eq!(config.retry.max_delivery_attempts, 3);
-        assert_eq!(config.retry.max_backoff, Duration::from_secs(60));
+    fn spec_errors_wait_for_a_change() {
+        let spec = CosmosError::from(spec::invalid("spec.retention", "\"5x\": unknown unit"));
+        assert!(spec.is_spec_error());
+        assert!(spec.to_string().starts_with("spec.retention:"), "{spec}");
+        assert!(!CosmosError::SecretForbidden("shop/k".into()).is_spec_error());
     }
 }

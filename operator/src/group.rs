@@ -5,38 +5,22 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
+use cosmosq_crds::{CosmosQueue, QueueConsumerGroup, QueueConsumerGroupStatus};
 use k8s_openapi::api::apps::v1::DeploymentStatus;
-use kube::api::{Patch, PatchParams};
+use kube::api::PatchParams;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
-use serde_json::json;
 use tracing::{info, warn};
 
 use crate::apply::{apply_group, ApplyError, FIELD_MANAGER};
 use crate::context::{Context, ReconcileFailure};
-use crate::cosmos::group_config;
-use crate::status;
+use crate::status::{self, reasons};
 
 pub const KIND: &str = "QueueConsumerGroup";
 /// How soon a group whose objects or pods were refused is looked at again.
 const RETRY_REFUSED: Duration = Duration::from_secs(60);
-
-/// Reasons of the `Ready` condition.
-pub mod reasons {
-    pub const APPLIED: &str = "Applied";
-    pub const QUEUE_NOT_FOUND: &str = "QueueNotFound";
-    pub const INVALID_SPEC: &str = "InvalidSpec";
-    /// The API server (its validation or an admission webhook/policy) refused an object.
-    pub const APPLY_REJECTED: &str = "ApplyRejected";
-    /// The Deployment cannot create the worker pods (quota, admission).
-    pub const REPLICA_FAILURE: &str = "ReplicaFailure";
-}
-
-/// The group's condition mirroring its Deployment's `Available`: the workers are running.
-pub const AVAILABLE: &str = "Available";
 
 /// What the Deployment says of the workers (pure).
 #[derive(Debug, PartialEq)]
@@ -121,21 +105,14 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
     let queues: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
     let queue_name = &qcg.spec.queue_ref.name;
     let mut available = None;
-    let outcome = match (queues.get_opt(queue_name).await?, group_config(qcg)) {
-        (None, _) => Outcome {
+    let outcome = match queues.get_opt(queue_name).await? {
+        None => Outcome {
             ok: false,
             reason: reasons::QUEUE_NOT_FOUND,
             message: format!("CosmosQueue {queue_name} does not exist in {namespace}"),
             action: Action::requeue(crate::context::RECHECK),
         },
-        // Nothing is written for an invalid spec; it waits for its owner to fix it.
-        (Some(_), Err(e)) => Outcome {
-            ok: false,
-            reason: reasons::INVALID_SPEC,
-            message: e.to_string(),
-            action: Action::await_change(),
-        },
-        (Some(queue), Ok(_)) => match apply_group(&ctx.client, qcg, &queue, &ctx.defaults).await {
+        Some(queue) => match apply_group(&ctx.client, qcg, &queue, &ctx.defaults).await {
             Ok(applied) => {
                 let state = workers(applied.workers.as_ref());
                 available = state.available;
@@ -164,7 +141,8 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
                     action: Action::requeue(RETRY_REFUSED),
                 }
             }
-            Err(ApplyError::Build(e)) => Outcome {
+            // Nothing is written for an invalid spec; it waits for its owner to fix it.
+            Err(ApplyError::Spec(e)) => Outcome {
                 ok: false,
                 reason: reasons::INVALID_SPEC,
                 message: e.to_string(),
@@ -221,7 +199,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
     if let Some((ok, reason, message)) = available {
         conditions.push(status::condition(
             &previous.conditions,
-            AVAILABLE,
+            status::AVAILABLE,
             ok,
             &reason,
             message,
@@ -229,16 +207,17 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             status::now(),
         ));
     }
-    let patch = json!({
-        "apiVersion": "cosmosq.io/v1alpha1", "kind": KIND,
-        "status": {"conditions": conditions, "observedGeneration": generation}
-    });
+    let status = QueueConsumerGroupStatus {
+        conditions,
+        observed_generation: generation,
+        ..QueueConsumerGroupStatus::default()
+    };
     let groups: Api<QueueConsumerGroup> = Api::namespaced(ctx.client.clone(), &namespace);
     groups
         .patch_status(
             &qcg.name_any(),
             &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(patch),
+            &status::patch::<QueueConsumerGroup, _>(&status),
         )
         .await?;
     if spec_changed && outcome.ok {
@@ -254,7 +233,7 @@ mod tests {
     use super::*;
     use crate::testing::{group_json, json_response, not_found, queue_json, ApiServerVerifier};
     use http::{Method, StatusCode};
-    use serde_json::Value;
+    use serde_json::{json, Value};
     use tokio::sync::mpsc;
 
     const QUEUE: &str = "/apis/cosmosq.io/v1alpha1/namespaces/shop/cosmosqueues/orders";

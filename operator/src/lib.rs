@@ -3,9 +3,14 @@
 //! scaling from remaining-work estimates, directly or through an HPA fed by the external
 //! metrics API this operator serves).
 //!
-//! Pure parts (`build`, `scaling`, `leader::verdict`, `cosmos::{queue,group}_config`) decide;
-//! `apply`, `queue`, `group`, `scaler`, `leader` and `http` do the I/O; `run` wires them.
+//! Pure parts decide: `spec` (each resource's spec parsed once into typed settings), `build`
+//! (the owned objects), `scaling`, `scaler::{group_status, group_figures, queue_totals}`,
+//! `leader::verdict`. `apply`, `queue`, `group`, `scaler`, `leader` and `http` do the I/O;
+//! `run` wires them.
 #![forbid(unsafe_code)]
+// The controllers' futures (kube-runtime streams, hyper, `#[instrument]` spans) nest deeper
+// than the default limit when their `Send` bound is checked.
+#![recursion_limit = "256"]
 
 pub mod apply;
 pub mod auth;
@@ -29,6 +34,7 @@ pub mod scaler;
 pub use cosmosq_queue::scaling;
 #[cfg(any(test, feature = "testkit"))]
 pub mod scenario;
+pub mod spec;
 pub mod status;
 #[cfg(test)]
 mod testing;

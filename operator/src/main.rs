@@ -1,5 +1,8 @@
 //! `cosmosq-operator`: reconciles CosmosQueues and QueueConsumerGroups and scales their workers.
 #![forbid(unsafe_code)]
+// The controllers' futures (kube-runtime streams, hyper, `#[instrument]` spans) nest deeper
+// than the default limit when their `Send` bound is checked.
+#![recursion_limit = "256"]
 
 use clap::Parser;
 use cosmosq_operator::{config::Config, run};

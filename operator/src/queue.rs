@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use cosmosq_crds::{CosmosQueue, DeletionPolicy};
+use cosmosq_crds::{CosmosQueue, CosmosQueueStatus, DeletionPolicy};
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
@@ -17,7 +17,7 @@ use tracing::{info, warn};
 use crate::apply::FIELD_MANAGER;
 use crate::context::{Context, ReconcileFailure};
 use crate::cosmos::CosmosError;
-use crate::status;
+use crate::status::{self, reasons};
 
 pub const KIND: &str = "CosmosQueue";
 /// Held while the deletion policy has not been carried out.
@@ -153,7 +153,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
                 ctx.event(
                     cq,
                     EventType::Normal,
-                    "Provisioned",
+                    reasons::PROVISIONED,
                     "Provision",
                     message.clone(),
                 )
@@ -162,7 +162,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             let action = Action::requeue(crate::context::RESYNC);
             (
                 true,
-                "Provisioned",
+                reasons::PROVISIONED,
                 message,
                 Some(partitions as i32),
                 action,
@@ -172,10 +172,10 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             // Spec errors wait for a change; Cosmos errors (throttling, outage, a wrong
             // endpoint) are retried. Neither message can hold the key: it is never formatted.
             let (reason, action) = if e.is_spec_error() {
-                ("InvalidSpec", Action::await_change())
+                (reasons::INVALID_SPEC, Action::await_change())
             } else {
                 (
-                    "ProvisioningFailed",
+                    reasons::PROVISIONING_FAILED,
                     Action::requeue(crate::context::RECHECK),
                 )
             };
@@ -210,20 +210,22 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             now.clone(),
         )
     };
-    let conditions = [
-        condition(status::READY, ok),
-        condition(status::PROVISIONED, ok),
-        condition(status::DEGRADED, !ok),
-    ];
-    let mut status = json!({"conditions": conditions, "observedGeneration": generation});
-    if let Some(partitions) = partitions {
-        status["partitions"] = json!(partitions);
-    }
+    // Only the fields this reconciler owns; the scaling loop writes the totals.
+    let status = CosmosQueueStatus {
+        conditions: vec![
+            condition(status::READY, ok),
+            condition(status::PROVISIONED, ok),
+            condition(status::DEGRADED, !ok),
+        ],
+        partitions,
+        observed_generation: generation,
+        ..CosmosQueueStatus::default()
+    };
     let api: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
     api.patch_status(
         &cq.name_any(),
         &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(json!({"apiVersion": "cosmosq.io/v1alpha1", "kind": KIND, "status": status})),
+        &status::patch::<CosmosQueue, _>(&status),
     )
     .await?;
     Ok(action)
@@ -236,7 +238,7 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
             ctx.cosmos.forget(cq).await;
             let note = format!("deletionPolicy Retain: kept the containers of {what}");
             info!(queue = %cq.name_any(), "{note}");
-            ctx.event(cq, EventType::Normal, "Retained", "Delete", note)
+            ctx.event(cq, EventType::Normal, reasons::RETAINED, "Delete", note)
                 .await;
         }
         DeletionPolicy::Delete => match ctx.cosmos.deprovision(cq).await {
@@ -256,15 +258,21 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
                      delete them in Azure"
                 );
                 warn!(queue = %cq.name_any(), "{note}");
-                ctx.event(cq, EventType::Warning, "DeleteSkipped", "Delete", note)
-                    .await;
+                ctx.event(
+                    cq,
+                    EventType::Warning,
+                    reasons::DELETE_SKIPPED,
+                    "Delete",
+                    note,
+                )
+                .await;
                 return Ok(Action::await_change());
             }
             Err(e) => {
                 ctx.event(
                     cq,
                     EventType::Warning,
-                    "DeleteFailed",
+                    reasons::DELETE_FAILED,
                     "Delete",
                     e.to_string(),
                 )
@@ -276,7 +284,7 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
     if cq.spec.deletion_policy == DeletionPolicy::Delete {
         let note = format!("deletionPolicy Delete: deleted the containers of {what}");
         info!(queue = %cq.name_any(), "{note}");
-        ctx.event(cq, EventType::Normal, "Deleted", "Delete", note)
+        ctx.event(cq, EventType::Normal, reasons::DELETED, "Delete", note)
             .await;
     }
     Ok(Action::await_change())

@@ -1,7 +1,12 @@
-//! The scaling loop: every interval (and at once when a group's spec changes) it estimates
-//! each group's remaining work, decides its replicas with the pure `scaling::decide`, applies
-//! them through the Deployment's scale subresource (Direct mode), and writes what it saw to
-//! the group's status, metrics and the figures the metrics APIs serve (HPA mode).
+//! The scaling loop: every interval (and at once when a group's spec changes) each group goes
+//! through one round, a pipeline of steps that each talk to one system at most:
+//!
+//! 1. read the group's workers (Kubernetes) and validate its spec (`spec::group`, pure);
+//! 2. estimate its remaining work (Cosmos, [`Scaler::estimate`]);
+//! 3. decide its replicas (`scaling::decide` through the group's `Autoscaler`, pure);
+//! 4. build what the round says: figures and status ([`group_figures`], [`group_status`],
+//!    pure and table-tested);
+//! 5. apply: the Deployment's scale subresource (Direct mode), Events, metrics, the status.
 //!
 //! A failed estimate keeps the replicas as they are and sets `Degraded`: never scale down on an
 //! error.
@@ -10,26 +15,31 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cosmosq_crds::{CosmosQueue, QueueConsumerGroup, RangeStatus, ScalingMode};
+use cosmosq_crds::{
+    CosmosQueue, CosmosQueueStatus, QueueConsumerGroup, QueueConsumerGroupStatus, RangeStatus,
+    ScalingMode,
+};
 use cosmosq_queue::clock::{duration_ms, system_now_ms as now_ms};
+use cosmosq_queue::config::GroupConfig;
 use cosmosq_queue::estimate::GroupEstimate;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Patch, PatchParams};
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, ResourceExt};
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::sync::{mpsc, Mutex};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, instrument, warn};
 
-use crate::build::{group_name, workers_name};
+use crate::build::workers_name;
 use crate::context::{Context, GroupFigures};
-use crate::cosmos::{group_config, CosmosError};
-use crate::scaling::{Autoscaler, Decision, Policy, Reason};
-use crate::status::{self, SCALER_MANAGER};
+use crate::cosmos::CosmosError;
+use crate::scaling::{Autoscaler, Decision, Reason};
+use crate::spec::{self, group_name};
+use crate::status::{self, reasons, SCALER_MANAGER};
 
 /// Ranges listed in a group's status; beyond this the status would grow past what `kubectl`
 /// shows usefully (the metrics carry the totals).
@@ -48,8 +58,9 @@ pub enum ScalerError {
 struct GroupState {
     scaling: Autoscaler,
     last_scale: Option<(Time, String)>,
-    /// The status last written, so an unchanged one is not written again, and when.
-    written: Option<(Value, tokio::time::Instant)>,
+    /// The status last written (as [`comparable`]), so an unchanged one is not written again,
+    /// and when.
+    written: Option<(QueueConsumerGroupStatus, tokio::time::Instant)>,
 }
 
 /// How often a status whose only change is in the figures (backlog, lag, ranges) is written:
@@ -57,11 +68,21 @@ struct GroupState {
 /// Replicas, decisions and conditions are written at once.
 pub const FIGURES_STATUS_INTERVAL: Duration = Duration::from_secs(60);
 
+/// A status as rounds compare it: transition times aside (they are kept, not chosen).
+fn comparable(status: &QueueConsumerGroupStatus) -> QueueConsumerGroupStatus {
+    let mut s = status.clone();
+    for c in &mut s.conditions {
+        c.last_transition_time = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+    }
+    s
+}
+
 /// Whether a new status is worth a write (pure): anything but the figures changed, or the
-/// figures changed and the last write is `FIGURES_STATUS_INTERVAL` old.
+/// figures changed and the last write is `FIGURES_STATUS_INTERVAL` old. Both are
+/// [`comparable`].
 fn status_due(
-    written: Option<&(Value, tokio::time::Instant)>,
-    status: &Value,
+    written: Option<&(QueueConsumerGroupStatus, tokio::time::Instant)>,
+    status: &QueueConsumerGroupStatus,
     now: tokio::time::Instant,
 ) -> bool {
     let Some((before, at)) = written else {
@@ -70,14 +91,11 @@ fn status_due(
     if before == status {
         return false;
     }
-    let without_figures = |s: &Value| {
-        let mut s = s.clone();
-        if let Some(map) = s.as_object_mut() {
-            for figure in ["backlog", "lag", "ranges"] {
-                map.remove(figure);
-            }
-        }
-        s
+    let without_figures = |s: &QueueConsumerGroupStatus| QueueConsumerGroupStatus {
+        backlog: None,
+        lag: None,
+        ranges: Vec::new(),
+        ..s.clone()
     };
     without_figures(before) != without_figures(status)
         || now.duration_since(*at) >= FIGURES_STATUS_INTERVAL
@@ -96,40 +114,163 @@ pub enum Round {
     },
 }
 
+/// The group's workers as the round found them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Workers {
+    /// The Deployment's `spec.replicas`: what the last scale asked for.
+    current: u32,
+    /// Its `status.replicas`: pods that exist.
+    running: i32,
+}
+
+impl Workers {
+    fn of(deployment: &Deployment) -> Self {
+        Self {
+            current: deployment
+                .spec
+                .as_ref()
+                .and_then(|s| s.replicas)
+                .unwrap_or(1)
+                .max(0) as u32,
+            running: deployment
+                .status
+                .as_ref()
+                .and_then(|s| s.replicas)
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// What a round knows when it builds the status (the inputs of [`group_status`]).
+#[derive(Debug)]
+pub struct RoundView<'a> {
+    /// The status before this round (conditions keep their transition times).
+    pub previous: Option<&'a QueueConsumerGroupStatus>,
+    pub generation: Option<i64>,
+    /// Pods that exist, and the replicas the round leaves the Deployment at.
+    pub running: i32,
+    pub desired: u32,
+    /// The estimate, or why it failed (the message says what was kept).
+    pub estimate: Result<&'a GroupEstimate, String>,
+    pub last_scale: Option<&'a (Time, String)>,
+    pub now: Time,
+}
+
+/// Whether the group's status says `Degraded=True`.
+fn is_degraded(status: Option<&QueueConsumerGroupStatus>) -> bool {
+    status.is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == status::DEGRADED && c.status == "True")
+    })
+}
+
+/// The `Degraded` message of a failed estimate.
+fn estimate_failed(current: u32, error: &CosmosError) -> String {
+    format!("estimate failed; keeping {current} replicas: {error}")
+}
+
+/// The scaling loop's part of a group's status (pure). The reconciler owns the rest (`Ready`,
+/// `Available`, `observedGeneration`) through its own field manager.
+pub fn group_status(view: &RoundView<'_>) -> QueueConsumerGroupStatus {
+    let previous: &[Condition] = view.previous.map_or(&[], |s| &s.conditions);
+    let degraded = |failed: bool, reason: &str, message: String| {
+        status::condition(
+            previous,
+            status::DEGRADED,
+            failed,
+            reason,
+            message,
+            view.generation,
+            view.now.clone(),
+        )
+    };
+    let mut status = QueueConsumerGroupStatus {
+        replicas: Some(view.running),
+        desired_replicas: Some(i32::try_from(view.desired).unwrap_or(i32::MAX)),
+        last_scale_time: view.last_scale.map(|(at, _)| at.clone()),
+        last_scale_reason: view.last_scale.map(|(_, reason)| reason.clone()),
+        ..QueueConsumerGroupStatus::default()
+    };
+    match &view.estimate {
+        Ok(e) => {
+            status.conditions = vec![degraded(
+                false,
+                reasons::ESTIMATE_HEALTHY,
+                format!("remaining work is estimated over {} ranges", e.ranges.len()),
+            )];
+            status.backlog = Some(saturating(e.backlog()));
+            status.lag = Some(saturating(e.lag()));
+            status.ranges = ranges(e);
+        }
+        // Unknown, not zero: the figures are left out.
+        Err(message) => {
+            status.conditions = vec![degraded(true, reasons::ESTIMATE_FAILED, message.clone())];
+        }
+    }
+    status
+}
+
+fn saturating(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// The figures the metrics APIs serve for a group (pure).
+pub fn group_figures(
+    qcg: &QueueConsumerGroup,
+    estimate: Result<&GroupEstimate, &CosmosError>,
+    desired: u32,
+    now: i64,
+) -> GroupFigures {
+    let ok = estimate.ok();
+    GroupFigures {
+        namespace: qcg.namespace().unwrap_or_default(),
+        queue: qcg.spec.queue_ref.name.clone(),
+        group: group_name(qcg),
+        backlog: ok.map(GroupEstimate::backlog),
+        lag: ok.map(GroupEstimate::lag),
+        oldest_message_age_seconds: ok
+            .and_then(GroupEstimate::oldest_unsettled_at)
+            .map(|at| ((now - at) / 1000).max(0)),
+        desired_replicas: desired,
+        error: estimate.err().map(ToString::to_string),
+        measured_at: now,
+    }
+}
+
+/// Each queue's total backlog and oldest age over its groups, as its status (pure). A queue
+/// with a group whose estimate failed is left out: a partial sum would read low, so it keeps
+/// its last total.
+pub fn queue_totals<'a>(
+    figures: impl IntoIterator<Item = &'a GroupFigures>,
+) -> BTreeMap<(String, String), CosmosQueueStatus> {
+    let mut totals: BTreeMap<(String, String), (Option<u64>, Option<i64>)> = BTreeMap::new();
+    for f in figures {
+        let entry = totals
+            .entry((f.namespace.clone(), f.queue.clone()))
+            .or_insert((Some(0), None));
+        entry.0 = entry.0.zip(f.backlog).map(|(a, b)| a + b);
+        entry.1 = entry.1.max(f.oldest_message_age_seconds);
+    }
+    totals
+        .into_iter()
+        .filter_map(|(queue, (backlog, oldest))| {
+            let status = CosmosQueueStatus {
+                backlog: Some(saturating(backlog?)),
+                oldest_message_age_seconds: oldest,
+                ..CosmosQueueStatus::default()
+            };
+            Some((queue, status))
+        })
+        .collect()
+}
+
 pub struct Scaler {
     ctx: Arc<Context>,
     groups: Store<QueueConsumerGroup>,
     queues: Store<CosmosQueue>,
     state: Mutex<HashMap<ObjectRef<QueueConsumerGroup>, Arc<Mutex<GroupState>>>>,
-    queue_written: Mutex<HashMap<ObjectRef<CosmosQueue>, Value>>,
-}
-
-fn millis(field: &'static str, value: &str) -> Result<i64, CosmosError> {
-    humantime::parse_duration(value)
-        .map(|d| d.as_millis().min(i64::MAX as u128) as i64)
-        .map_err(|e| CosmosError::InvalidSpec {
-            field,
-            reason: e.to_string(),
-        })
-}
-
-/// The decision's policy from the group's spec.
-pub fn policy(qcg: &QueueConsumerGroup) -> Result<Policy, CosmosError> {
-    let s = &qcg.spec.scaling;
-    Ok(Policy {
-        min_replicas: s.min_replicas.max(0) as u32,
-        max_replicas: s.max_replicas.max(0) as u32,
-        target_backlog_per_replica: s.target_backlog_per_replica.max(1) as u64,
-        scale_down_stabilization_ms: millis(
-            "spec.scaling.scaleDownStabilization",
-            &s.scale_down_stabilization,
-        )?,
-        scale_to_zero_cooldown_ms: millis(
-            "spec.scaling.scaleToZeroCooldown",
-            &s.scale_to_zero_cooldown,
-        )?,
-        activation_threshold: s.activation_threshold.max(1) as u64,
-    })
+    queue_written: Mutex<HashMap<ObjectRef<CosmosQueue>, CosmosQueueStatus>>,
 }
 
 impl Scaler {
@@ -170,6 +311,7 @@ impl Scaler {
     }
 
     /// One round over every group, then the queues' totals.
+    #[instrument(skip(self), fields(groups = self.groups.state().len()))]
     pub async fn round(&self) {
         let started = Instant::now();
         let groups = self.groups.state();
@@ -185,7 +327,7 @@ impl Scaler {
             .metrics
             .scaling_round
             .observe(started.elapsed().as_secs_f64());
-        debug!(groups = groups.len(), elapsed = ?started.elapsed(), "scaling round");
+        debug!(elapsed = ?started.elapsed(), "scaling round");
     }
 
     async fn scale_logged(&self, qcg: &QueueConsumerGroup, now: i64) {
@@ -194,7 +336,33 @@ impl Scaler {
         }
     }
 
-    /// Estimate → decide → scale → status, for one group.
+    /// The remaining work of a group (Cosmos). A failure drops the queue's connection, so
+    /// the next round reconnects: the key may have been rotated or the account moved.
+    async fn estimate(
+        &self,
+        cq: &CosmosQueue,
+        config: GroupConfig,
+        now: i64,
+    ) -> Result<GroupEstimate, CosmosError> {
+        let estimate = async {
+            let queue = self.ctx.cosmos.queue(cq).await?;
+            let group = queue.group(config)?;
+            Ok(group
+                .estimate_or_create_leases(
+                    now,
+                    duration_ms(cosmosq_queue::host::DEFAULT_LEASE_EXPIRE),
+                )
+                .await?)
+        }
+        .await;
+        if estimate.is_err() {
+            self.ctx.cosmos.forget(cq).await;
+        }
+        estimate
+    }
+
+    /// One group's round: read → validate → estimate → decide → build → apply.
+    #[instrument(skip_all, fields(namespace = ?qcg.namespace(), group = %qcg.name_any()))]
     pub async fn scale_group(
         &self,
         qcg: &QueueConsumerGroup,
@@ -205,41 +373,16 @@ impl Scaler {
         let Some(cq) = self.queues.get(&queue_ref) else {
             return Ok(Round::Skipped("queue not found"));
         };
-        let (Ok(policy), Ok(group_config)) = (policy(qcg), group_config(qcg)) else {
+        let Ok(settings) = spec::group(qcg) else {
             return Ok(Round::Skipped("invalid spec"));
         };
         let deployments: Api<Deployment> = Api::namespaced(self.ctx.client.clone(), &namespace);
         let name = workers_name(qcg);
-        let Some(deployment) = deployments.get_opt(&name).await? else {
+        let Some(workers) = deployments.get_opt(&name).await?.as_ref().map(Workers::of) else {
             return Ok(Round::Skipped("no Deployment yet"));
         };
-        let current = deployment
-            .spec
-            .as_ref()
-            .and_then(|s| s.replicas)
-            .unwrap_or(1)
-            .max(0) as u32;
-        let running = deployment
-            .status
-            .as_ref()
-            .and_then(|s| s.replicas)
-            .unwrap_or(0);
 
-        let estimate: Result<GroupEstimate, CosmosError> = async {
-            let queue = self.ctx.cosmos.queue(&cq).await?;
-            let group = queue.group(group_config)?;
-            Ok(group
-                .estimate_or_create_leases(
-                    now,
-                    duration_ms(cosmosq_queue::host::DEFAULT_LEASE_EXPIRE),
-                )
-                .await?)
-        }
-        .await;
-        if estimate.is_err() {
-            // Reconnect next time: the key may have been rotated or the account moved.
-            self.ctx.cosmos.forget(&cq).await;
-        }
+        let estimate = self.estimate(&cq, settings.config, now).await;
 
         let key = ObjectRef::from_obj(qcg);
         let state = self.state.lock().await.entry(key).or_default().clone();
@@ -247,198 +390,164 @@ impl Scaler {
         if state.last_scale.is_none() {
             // After a restart, the last scale is what the status says (not forgotten).
             let status = qcg.status.as_ref();
-            if let (Some(at), Some(reason)) = (
-                status.and_then(|s| s.last_scale_time.clone()),
-                status.and_then(|s| s.last_scale_reason.clone()),
-            ) {
-                state.last_scale = Some((at, reason));
-            }
+            state.last_scale = status
+                .and_then(|s| s.last_scale_time.clone())
+                .zip(status.and_then(|s| s.last_scale_reason.clone()));
         }
-        let (observation, decision) =
-            state
-                .scaling
-                .round(&policy, now, estimate.as_ref().ok(), current);
-        let backlog = observation.backlog;
-        let description = decision.reason.describe(&decision, backlog);
-        let labels = [
-            namespace.as_str(),
-            qcg.spec.queue_ref.name.as_str(),
-            &group_name(qcg),
-        ];
+        let (observation, decision) = state.scaling.round(
+            &settings.policy,
+            now,
+            estimate.as_ref().ok(),
+            workers.current,
+        );
         let direct = qcg.spec.scaling.mode == ScalingMode::Direct;
-
-        let mut scaled = false;
-        if direct && decision.replicas != current {
-            deployments
-                .patch_scale(
-                    &name,
-                    &PatchParams {
-                        field_manager: Some(SCALER_MANAGER.into()),
-                        ..PatchParams::default()
-                    },
-                    &Patch::Merge(json!({"spec": {"replicas": decision.replicas}})),
-                )
+        let scaled = direct && decision.replicas != workers.current;
+        if scaled {
+            let description = decision.reason.describe(&decision, observation.backlog);
+            self.scale(qcg, &deployments, workers.current, &decision, &description)
                 .await?;
-            scaled = true;
-            let direction = if decision.replicas > current {
-                "up"
-            } else {
-                "down"
-            };
-            self.ctx
-                .metrics
-                .scale_events
-                .with_label_values(&[labels[0], labels[1], labels[2], direction])
-                .inc();
-            info!(group = %qcg.name_any(), %namespace, from = current, to = decision.replicas, "{description}");
-            self.ctx
-                .event(
-                    qcg,
-                    EventType::Normal,
-                    "Scaled",
-                    "Scale",
-                    format!("{description} (from {current})"),
-                )
-                .await;
-            state.last_scale = Some((status::now(), description.clone()));
+            state.last_scale = Some((status::now(), description));
         }
         // In HPA mode the HPA decides; what it set is the desired count.
-        let desired = if direct { decision.replicas } else { current };
+        let desired = if direct {
+            decision.replicas
+        } else {
+            workers.current
+        };
 
-        let previous_conditions = qcg
-            .status
+        let figures = group_figures(qcg, estimate.as_ref(), desired, now);
+        let seen = estimate
             .as_ref()
-            .map(|s| s.conditions.clone())
-            .unwrap_or_default();
-        let was_degraded = previous_conditions
-            .iter()
-            .any(|c| c.type_ == status::DEGRADED && c.status == "True");
-        let degraded = match &estimate {
-            Ok(e) => status::condition(
-                &previous_conditions,
-                status::DEGRADED,
-                false,
-                "EstimateHealthy",
-                format!("remaining work is estimated over {} ranges", e.ranges.len()),
-                qcg.metadata.generation,
-                status::now(),
-            ),
-            Err(e) => {
-                let message = format!("estimate failed; keeping {current} replicas: {e}");
-                warn!(group = %qcg.name_any(), %namespace, "{message}");
-                self.ctx
-                    .metrics
-                    .estimate_errors
-                    .with_label_values(&labels)
-                    .inc();
-                if !was_degraded {
-                    self.ctx
-                        .event(
-                            qcg,
-                            EventType::Warning,
-                            "EstimateFailed",
-                            "Estimate",
-                            message.clone(),
-                        )
-                        .await;
-                }
-                status::condition(
-                    &previous_conditions,
-                    status::DEGRADED,
-                    true,
-                    "EstimateFailed",
-                    message,
-                    qcg.metadata.generation,
-                    status::now(),
-                )
-            }
-        };
-
-        let mut figures = GroupFigures {
-            namespace: namespace.clone(),
-            queue: qcg.spec.queue_ref.name.clone(),
-            group: group_name(qcg),
-            backlog,
-            lag: None,
-            oldest_message_age_seconds: None,
-            desired_replicas: desired,
-            error: estimate.as_ref().err().map(ToString::to_string),
-            measured_at: now,
-        };
-        let mut status = json!({
-            "replicas": running,
-            "desiredReplicas": desired,
-            "conditions": [degraded],
+            .map_err(|e| estimate_failed(workers.current, e));
+        let status = group_status(&RoundView {
+            previous: qcg.status.as_ref(),
+            generation: qcg.metadata.generation,
+            running: workers.running,
+            desired,
+            estimate: seen.clone(),
+            last_scale: state.last_scale.as_ref(),
+            now: status::now(),
         });
-        if let Ok(e) = &estimate {
-            let lag = e.lag();
-            figures.lag = Some(lag);
-            figures.oldest_message_age_seconds =
-                e.oldest_unsettled_at().map(|at| ((now - at) / 1000).max(0));
-            status["backlog"] = json!(e.backlog());
-            status["lag"] = json!(lag);
-            status["ranges"] = json!(ranges(e));
-            self.ctx
-                .metrics
-                .backlog
-                .with_label_values(&labels)
-                .set(e.backlog() as i64);
-            self.ctx
-                .metrics
-                .lag
-                .with_label_values(&labels)
-                .set(lag as i64);
-            self.ctx
-                .metrics
-                .oldest_age
-                .with_label_values(&labels)
-                .set(figures.oldest_message_age_seconds.unwrap_or(0));
+
+        if let Err(message) = seen {
+            warn!("{message}");
+            if !is_degraded(qcg.status.as_ref()) {
+                self.ctx
+                    .event(
+                        qcg,
+                        EventType::Warning,
+                        reasons::ESTIMATE_FAILED,
+                        "Estimate",
+                        message,
+                    )
+                    .await;
+            }
         }
-        self.ctx
-            .metrics
-            .desired_replicas
-            .with_label_values(&labels)
-            .set(i64::from(desired));
-        if let Some((at, reason)) = &state.last_scale {
-            status["lastScaleTime"] = json!(at);
-            status["lastScaleReason"] = json!(reason);
-        }
-        self.ctx
-            .figures
-            .write()
-            .await
-            .insert((namespace.clone(), qcg.name_any()), figures);
+        self.publish((namespace.clone(), qcg.name_any()), figures)
+            .await;
 
         // Written only when it changed: a busy group changes every round, an idle one rarely.
-        let comparable = {
-            let mut s = status.clone();
-            s["conditions"][0]["lastTransitionTime"] = Value::Null;
-            s
-        };
+        let comparable = comparable(&status);
         let now_instant = tokio::time::Instant::now();
         if status_due(state.written.as_ref(), &comparable, now_instant) {
-            let groups: Api<QueueConsumerGroup> =
-                Api::namespaced(self.ctx.client.clone(), &namespace);
-            groups
+            Api::<QueueConsumerGroup>::namespaced(self.ctx.client.clone(), &namespace)
                 .patch_status(
                     &qcg.name_any(),
                     &PatchParams::apply(SCALER_MANAGER).force(),
-                    &Patch::Apply(json!({
-                        "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
-                        "status": status
-                    })),
+                    &status::patch::<QueueConsumerGroup, _>(&status),
                 )
                 .await?;
             state.written = Some((comparable, now_instant));
         }
         if decision.reason == Reason::EstimateFailed {
-            debug!(group = %qcg.name_any(), "replicas kept: the estimate failed");
+            debug!("replicas kept: the estimate failed");
         }
         Ok(Round::Decided {
             decision,
-            current,
+            current: workers.current,
             scaled,
         })
+    }
+
+    /// Direct mode: the decision to the Deployment's scale subresource, with its Event.
+    async fn scale(
+        &self,
+        qcg: &QueueConsumerGroup,
+        deployments: &Api<Deployment>,
+        current: u32,
+        decision: &Decision,
+        description: &str,
+    ) -> Result<(), ScalerError> {
+        deployments
+            .patch_scale(
+                &workers_name(qcg),
+                &PatchParams {
+                    field_manager: Some(SCALER_MANAGER.into()),
+                    ..PatchParams::default()
+                },
+                &Patch::Merge(json!({"spec": {"replicas": decision.replicas}})),
+            )
+            .await?;
+        let direction = if decision.replicas > current {
+            "up"
+        } else {
+            "down"
+        };
+        let namespace = qcg.namespace().unwrap_or_default();
+        self.ctx
+            .metrics
+            .scale_events
+            .with_label_values(&[
+                namespace.as_str(),
+                qcg.spec.queue_ref.name.as_str(),
+                &group_name(qcg),
+                direction,
+            ])
+            .inc();
+        info!(from = current, to = decision.replicas, "{description}");
+        self.ctx
+            .event(
+                qcg,
+                EventType::Normal,
+                reasons::SCALED,
+                "Scale",
+                format!("{description} (from {current})"),
+            )
+            .await;
+        Ok(())
+    }
+
+    /// A group's figures to the metrics and to what the metrics APIs serve, under the group
+    /// resource's (namespace, name).
+    async fn publish(&self, resource: (String, String), figures: GroupFigures) {
+        let labels = [
+            figures.namespace.as_str(),
+            figures.queue.as_str(),
+            figures.group.as_str(),
+        ];
+        let metrics = &self.ctx.metrics;
+        match figures.backlog {
+            Some(backlog) => {
+                metrics
+                    .backlog
+                    .with_label_values(&labels)
+                    .set(saturating(backlog));
+                metrics
+                    .lag
+                    .with_label_values(&labels)
+                    .set(saturating(figures.lag.unwrap_or(0)));
+                metrics
+                    .oldest_age
+                    .with_label_values(&labels)
+                    .set(figures.oldest_message_age_seconds.unwrap_or(0));
+            }
+            None => metrics.estimate_errors.with_label_values(&labels).inc(),
+        }
+        metrics
+            .desired_replicas
+            .with_label_values(&labels)
+            .set(i64::from(figures.desired_replicas));
+        self.ctx.figures.write().await.insert(resource, figures);
     }
 
     /// Drops what the loop kept for groups that no longer exist.
@@ -468,35 +577,18 @@ impl Scaler {
     /// Each queue's backlog and oldest age, summed over its groups, into its status. A queue
     /// with a group whose estimate failed keeps its last total: a partial sum would read low.
     async fn write_queue_totals(&self) -> Result<(), ScalerError> {
-        let mut totals: BTreeMap<(String, String), (Option<u64>, Option<i64>)> = BTreeMap::new();
-        for f in self.ctx.figures.read().await.values() {
-            let entry = totals
-                .entry((f.namespace.clone(), f.queue.clone()))
-                .or_insert((Some(0), None));
-            entry.0 = entry.0.zip(f.backlog).map(|(a, b)| a + b);
-            entry.1 = entry.1.max(f.oldest_message_age_seconds);
-        }
+        let totals = queue_totals(self.ctx.figures.read().await.values());
         let mut written = self.queue_written.lock().await;
-        for ((namespace, name), (backlog, oldest)) in totals {
+        for ((namespace, name), status) in totals {
             let key = ObjectRef::new(&name).within(&namespace);
-            let Some(backlog) = backlog else { continue };
-            if self.queues.get(&key).is_none() {
-                continue;
-            }
-            let mut status = json!({"backlog": backlog});
-            if let Some(oldest) = oldest {
-                status["oldestMessageAgeSeconds"] = json!(oldest);
-            }
-            if written.get(&key) == Some(&status) {
+            if self.queues.get(&key).is_none() || written.get(&key) == Some(&status) {
                 continue;
             }
             let api: Api<CosmosQueue> = Api::namespaced(self.ctx.client.clone(), &namespace);
             api.patch_status(
                 &name,
                 &PatchParams::apply(SCALER_MANAGER).force(),
-                &Patch::Apply(json!({
-                    "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue", "status": status
-                })),
+                &status::patch::<CosmosQueue, _>(&status),
             )
             .await?;
             written.insert(key, status);
@@ -523,10 +615,19 @@ fn ranges(estimate: &GroupEstimate) -> Vec<RangeStatus> {
 mod tests {
     use super::*;
 
+    fn status(backlog: i64, desired: i32) -> QueueConsumerGroupStatus {
+        QueueConsumerGroupStatus {
+            replicas: Some(2),
+            desired_replicas: Some(desired),
+            backlog: Some(backlog),
+            lag: Some(backlog),
+            ..QueueConsumerGroupStatus::default()
+        }
+    }
+
     #[test]
     fn figures_alone_are_written_at_a_bounded_rate() {
         let t0 = tokio::time::Instant::now();
-        let status = |backlog: u64, desired: u32| json!({"replicas": 2, "desiredReplicas": desired, "backlog": backlog, "lag": backlog});
         let written = (status(100, 2), t0);
         let at = |s: u64| t0 + Duration::from_secs(s);
         for (new, now, due) in [
@@ -538,7 +639,7 @@ mod tests {
             assert_eq!(
                 status_due(Some(&written), &new, at(now)),
                 due,
-                "{new} at {now}"
+                "{new:?} at {now}"
             );
         }
         assert!(
@@ -546,6 +647,158 @@ mod tests {
             "the first status is written"
         );
     }
+
+    fn estimate(ranges: &[(u64, Option<u64>, Option<&str>)]) -> GroupEstimate {
+        GroupEstimate {
+            group: "billing".into(),
+            ranges: ranges
+                .iter()
+                .enumerate()
+                .map(
+                    |(i, (backlog, lag, owner))| cosmosq_queue::estimate::RangeEstimate {
+                        min_epk: format!("{i:02}"),
+                        max_epk: format!("{:02}", i + 1),
+                        owner: owner.map(Into::into),
+                        lag: *lag,
+                        backlog: *backlog,
+                        oldest_unsettled_at: None,
+                        checkpointed: true,
+                        lsn: None,
+                    },
+                )
+                .collect(),
+        }
+    }
+
+    fn at(second: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(second).unwrap())
+    }
+
+    #[test]
+    fn the_status_says_what_the_round_saw() {
+        let healthy = estimate(&[(30, Some(40), Some("pod-a")), (5, None, None)]);
+        let scaled = (at(500), "backlog 35: scaling up to 2".to_owned());
+        let degraded_before = QueueConsumerGroupStatus {
+            conditions: vec![status::condition(
+                &[],
+                status::DEGRADED,
+                true,
+                reasons::ESTIMATE_FAILED,
+                "x".into(),
+                Some(1),
+                at(100),
+            )],
+            ..QueueConsumerGroupStatus::default()
+        };
+        struct Case<'a> {
+            name: &'a str,
+            view: RoundView<'a>,
+            degraded: (&'a str, &'a str, Time),
+            figures: (Option<i64>, Option<i64>, usize),
+        }
+        let view = |previous, estimate| RoundView {
+            previous,
+            generation: Some(3),
+            running: 1,
+            desired: 2,
+            estimate,
+            last_scale: Some(&scaled),
+            now: at(1_000),
+        };
+        for case in [
+            Case {
+                name: "healthy",
+                view: view(None, Ok(&healthy)),
+                degraded: ("False", reasons::ESTIMATE_HEALTHY, at(1_000)),
+                figures: (Some(35), Some(40), 2),
+            },
+            Case {
+                name: "failed: figures unknown, not zero",
+                view: view(None, Err("estimate failed; keeping 1 replicas: 503".into())),
+                degraded: ("True", reasons::ESTIMATE_FAILED, at(1_000)),
+                figures: (None, None, 0),
+            },
+            Case {
+                name: "still failing: the transition time is kept",
+                view: view(Some(&degraded_before), Err("again".into())),
+                degraded: ("True", reasons::ESTIMATE_FAILED, at(100)),
+                figures: (None, None, 0),
+            },
+            Case {
+                name: "recovered: a new transition",
+                view: view(Some(&degraded_before), Ok(&healthy)),
+                degraded: ("False", reasons::ESTIMATE_HEALTHY, at(1_000)),
+                figures: (Some(35), Some(40), 2),
+            },
+        ] {
+            let s = group_status(&case.view);
+            let [c] = s.conditions.as_slice() else {
+                panic!(
+                    "{}: one condition, the scaler's: {:?}",
+                    case.name, s.conditions
+                )
+            };
+            assert_eq!(
+                (c.type_.as_str(), c.status.as_str(), c.reason.as_str()),
+                (status::DEGRADED, case.degraded.0, case.degraded.1),
+                "{}",
+                case.name
+            );
+            assert_eq!(c.last_transition_time, case.degraded.2, "{}", case.name);
+            assert_eq!(c.observed_generation, Some(3), "{}", case.name);
+            assert_eq!(
+                (s.backlog, s.lag, s.ranges.len()),
+                case.figures,
+                "{}",
+                case.name
+            );
+            assert_eq!((s.replicas, s.desired_replicas), (Some(1), Some(2)));
+            assert_eq!(s.last_scale_reason.as_deref(), Some(scaled.1.as_str()));
+            assert_eq!(s.observed_generation, None, "the reconciler's field");
+        }
+        let listed = group_status(&view(None, Ok(&healthy))).ranges;
+        assert_eq!(
+            listed[0],
+            RangeStatus {
+                range: "00-01".into(),
+                owner: Some("pod-a".into()),
+                lag: Some(40),
+                backlog: 30
+            }
+        );
+    }
+
+    #[test]
+    fn a_queue_total_is_written_only_when_every_group_was_estimated() {
+        let figures = |queue: &str, backlog: Option<u64>, oldest: Option<i64>| GroupFigures {
+            namespace: "shop".into(),
+            queue: queue.into(),
+            group: "g".into(),
+            backlog,
+            lag: backlog,
+            oldest_message_age_seconds: oldest,
+            desired_replicas: 1,
+            error: None,
+            measured_at: 0,
+        };
+        let all = [
+            figures("orders", Some(10), Some(30)),
+            figures("orders", Some(5), Some(90)),
+            figures("returns", Some(1), None),
+            figures("returns", None, None),
+            figures("empty", Some(0), None),
+        ];
+        let totals = queue_totals(&all);
+        let total = |q: &str| {
+            totals
+                .get(&("shop".to_owned(), q.to_owned()))
+                .map(|s| (s.backlog, s.oldest_message_age_seconds))
+        };
+        assert_eq!(total("orders"), Some((Some(15), Some(90))));
+        assert_eq!(total("returns"), None, "a partial sum would read low");
+        assert_eq!(total("empty"), Some((Some(0), None)));
+    }
+
     use crate::testing::{
         emulator_context, group_json, json_response, queue_json, ApiServerVerifier,
     };
@@ -554,6 +807,7 @@ mod tests {
     use http::{Method, StatusCode};
     use kube::runtime::reflector::store::Writer;
     use kube::runtime::watcher;
+    use serde_json::Value;
 
     const DEPLOYMENT: &str = "/apis/apps/v1/namespaces/shop/deployments/billing-workers";
     const SCALE: &str = "/apis/apps/v1/namespaces/shop/deployments/billing-workers/scale";

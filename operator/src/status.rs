@@ -1,15 +1,69 @@
-//! Status conditions, shared by both resources.
+//! Status conditions and the names users read: condition types, condition reasons and Event
+//! reasons of both resources, defined here and nowhere else.
 //!
 //! Conditions are a list keyed by type (see the CRDs), and each condition has one writer: the
-//! reconcilers own `Ready`, `Provisioned` and the queue's `Degraded`; the scaling loop owns a
-//! group's `Degraded` (the estimate's health). Each writes with its own server-side-apply field
-//! manager, so neither erases the other's.
+//! reconcilers own `Ready`, `Available`, `Provisioned` and the queue's `Degraded`; the scaling
+//! loop owns a group's `Degraded` (the estimate's health). Each writes with its own
+//! server-side-apply field manager, so neither erases the other's.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::Patch;
+use serde::Serialize;
 
+/// Condition type: the resource's objects are applied (group) or its containers exist (queue).
 pub const READY: &str = "Ready";
+/// Condition type: the group's Deployment's own `Available`, mirrored.
+pub const AVAILABLE: &str = "Available";
+/// Condition type: the estimate failed (group), or provisioning did (queue).
 pub const DEGRADED: &str = "Degraded";
+/// Condition type of a queue: its database and containers exist.
 pub const PROVISIONED: &str = "Provisioned";
+
+/// Reasons of conditions and Events. A condition's reason is also its Event's reason, so a
+/// user who sees one can search for the other.
+pub mod reasons {
+    /// A group's objects are applied and up to date.
+    pub const APPLIED: &str = "Applied";
+    /// A group's queue does not exist (yet).
+    pub const QUEUE_NOT_FOUND: &str = "QueueNotFound";
+    /// A field of the spec cannot be used; the message names it.
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// The API server (its validation or an admission webhook/policy) refused an object.
+    pub const APPLY_REJECTED: &str = "ApplyRejected";
+    /// The Deployment cannot create the worker pods (quota, admission).
+    pub const REPLICA_FAILURE: &str = "ReplicaFailure";
+    /// A queue's database and containers exist (or were just created).
+    pub const PROVISIONED: &str = "Provisioned";
+    /// Creating or reading a queue's containers failed; retried.
+    pub const PROVISIONING_FAILED: &str = "ProvisioningFailed";
+    /// The scaling loop estimated the group's remaining work.
+    pub const ESTIMATE_HEALTHY: &str = "EstimateHealthy";
+    /// The estimate failed: the replicas are kept as they are.
+    pub const ESTIMATE_FAILED: &str = "EstimateFailed";
+    /// Event: the scaling loop changed the workers' replicas.
+    pub const SCALED: &str = "Scaled";
+    /// Event: a deleted `Retain` queue's containers were kept.
+    pub const RETAINED: &str = "Retained";
+    /// Event: a deleted `Delete` queue's containers were deleted.
+    pub const DELETED: &str = "Deleted";
+    /// Event: deleting a `Delete` queue's containers failed; retried.
+    pub const DELETE_FAILED: &str = "DeleteFailed";
+    /// Event: a deleted `Delete` queue was released without deleting its containers.
+    pub const DELETE_SKIPPED: &str = "DeleteSkipped";
+}
+
+/// A server-side apply of `status` alone, as `K`'s own kind and API version.
+pub fn patch<K, S>(status: &S) -> Patch<serde_json::Value>
+where
+    K: kube::Resource<DynamicType = ()>,
+    S: Serialize,
+{
+    Patch::Apply(serde_json::json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "status": status,
+    }))
+}
 
 /// The field manager of the scaling loop's status fields.
 pub const SCALER_MANAGER: &str = "cosmosq-operator-scaler";
@@ -75,7 +129,7 @@ mod tests {
             &[first],
             "Ready",
             false,
-            "InvalidSpec",
+            reasons::INVALID_SPEC,
             "bad".into(),
             Some(3),
             t1.clone(),

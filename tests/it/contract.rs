@@ -31,7 +31,8 @@ fn sidecar_environment(group: serde_json::Value) -> BTreeMap<String, String> {
         "metadata": {"name": "billing", "namespace": "shop", "uid": "g"}, "spec": spec
     }))
     .unwrap();
-    let d = deployment(&group, &queue, &Defaults::new("sidecar:test")).unwrap();
+    let settings = cosmosq_operator::spec::group(&group).unwrap();
+    let d = deployment(&group, &settings, &queue, &Defaults::new("sidecar:test")).unwrap();
     let pod = d.spec.unwrap().template.spec.unwrap();
     let sidecar = pod
         .containers

@@ -1,0 +1,247 @@
+//! The validate step: each resource's spec parsed once into the typed settings every later
+//! step uses (the engine's queue and group settings, the scaling policy, the app's timeout).
+//! The schema and its CEL rules refuse most bad specs at `kubectl apply`; what they cannot
+//! check (a duration's range, a reserved name) is refused here with the field named, and
+//! nothing is written for it.
+
+use std::time::Duration;
+
+use cosmosq_crds::{CosmosQueueSpec, DeliveryMode, QueueConsumerGroup, StartFrom, ThroughputMode};
+use cosmosq_queue::backoff::RetryPolicy;
+use cosmosq_queue::config::{self, GroupConfig, QueueConfig, Throughput};
+use cosmosq_queue::scaling::Policy;
+use kube::ResourceExt;
+
+/// A field of a spec that cannot be used as it is; only its owner can fix it, so what refused
+/// it waits for a change rather than retrying.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct SpecError {
+    /// The field's path in the resource, as `kubectl explain` names it.
+    pub field: &'static str,
+    /// Why it was refused.
+    pub reason: String,
+}
+
+/// A refusal of `field`.
+pub fn invalid(field: &'static str, reason: impl std::fmt::Display) -> SpecError {
+    SpecError {
+        field,
+        reason: reason.to_string(),
+    }
+}
+
+/// The one parser of the CRDs' durations (`30s`, `5m`, `1h30m`).
+fn duration(field: &'static str, text: &str) -> Result<Duration, SpecError> {
+    humantime::parse_duration(text).map_err(|e| invalid(field, format!("{text:?}: {e}")))
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The engine's queue settings from a CosmosQueue.
+pub fn queue(spec: &CosmosQueueSpec) -> Result<QueueConfig, SpecError> {
+    let mut config = QueueConfig::new(spec.database.clone(), spec.container.clone());
+    config.partition_key_path = spec.partition_key_path.clone();
+    config.retention = Some(duration("spec.retention", &spec.retention)?);
+    config.throughput = spec.throughput.as_ref().map(|t| match t.mode {
+        ThroughputMode::Manual => Throughput::Manual(t.request_units.max(0) as u32),
+        ThroughputMode::Autoscale => Throughput::Autoscale(t.request_units.max(0) as u32),
+    });
+    config.validate().map_err(|e| invalid("spec", e))?;
+    Ok(config)
+}
+
+/// Everything the operator uses of a QueueConsumerGroup's spec, parsed and checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupSettings {
+    /// The engine's group settings: the same the sidecars are given.
+    pub config: GroupConfig,
+    /// The scaling decision's policy.
+    pub policy: Policy,
+    /// The longest one delivery to the app may take; the drain is sized from it.
+    pub app_timeout: Duration,
+    /// The scale-down window, in the HPA's whole seconds (HPA mode).
+    pub scale_down_stabilization_seconds: i32,
+}
+
+/// The consumer group's name in the queue: `spec.group`, or the resource's name.
+pub fn group_name(qcg: &QueueConsumerGroup) -> String {
+    qcg.spec.group.clone().unwrap_or_else(|| qcg.name_any())
+}
+
+/// The settings of a QueueConsumerGroup.
+pub fn group(qcg: &QueueConsumerGroup) -> Result<GroupSettings, SpecError> {
+    let s = &qcg.spec;
+    let name = group_name(qcg);
+    if name == cosmosq_queue::lease::LEASE_DOC_TYPE {
+        return Err(invalid(
+            "spec.group",
+            "\"lease\" is reserved (it names the lease documents); set spec.group",
+        ));
+    }
+    let retry = RetryPolicy {
+        max_delivery_attempts: s.retry.max_delivery_attempts.max(0) as u32,
+        initial_backoff: duration("spec.retry.initialBackoff", &s.retry.initial_backoff)?,
+        max_backoff: duration("spec.retry.maxBackoff", &s.retry.max_backoff)?,
+        ..RetryPolicy::default()
+    };
+    let config = GroupConfig::new(name)
+        .with_mode(match s.delivery_mode {
+            DeliveryMode::Exclusive => config::DeliveryMode::Exclusive,
+            DeliveryMode::Stream => config::DeliveryMode::Stream,
+        })
+        .with_start_from(match s.start_from {
+            StartFrom::Now => config::StartFrom::Now,
+            StartFrom::Beginning => config::StartFrom::Beginning,
+        })
+        .with_lock_duration(duration("spec.lockDuration", &s.lock_duration)?)
+        .with_ordering(s.ordered)
+        .with_retry(retry);
+    config.validate().map_err(|e| invalid("spec", e))?;
+
+    let scaling = &s.scaling;
+    let stabilization = duration(
+        "spec.scaling.scaleDownStabilization",
+        &scaling.scale_down_stabilization,
+    )?;
+    let cooldown = duration(
+        "spec.scaling.scaleToZeroCooldown",
+        &scaling.scale_to_zero_cooldown,
+    )?;
+    let policy = Policy {
+        min_replicas: scaling.min_replicas.max(0) as u32,
+        max_replicas: scaling.max_replicas.max(0) as u32,
+        target_backlog_per_replica: scaling.target_backlog_per_replica.max(1) as u64,
+        scale_down_stabilization_ms: millis(stabilization),
+        scale_to_zero_cooldown_ms: millis(cooldown),
+        activation_threshold: scaling.activation_threshold.max(1) as u64,
+    };
+    let app_timeout = duration("spec.app.timeout", &s.app.timeout)?;
+    if i32::try_from(app_timeout.as_secs()).is_err() {
+        return Err(invalid("spec.app.timeout", "too long"));
+    }
+    Ok(GroupSettings {
+        config,
+        policy,
+        app_timeout,
+        scale_down_stabilization_seconds: i32::try_from(stabilization.as_secs())
+            .map_err(|_| invalid("spec.scaling.scaleDownStabilization", "too long"))?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn queue_spec(extra: serde_json::Value) -> CosmosQueueSpec {
+        let mut base = json!({
+            "endpoint": "https://acct.documents.azure.com:443/",
+            "credentials": {"secretKeyRef": {"name": "k"}},
+            "database": "shop", "container": "orders"
+        });
+        base.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        serde_json::from_value(base).unwrap()
+    }
+
+    fn qcg(spec: serde_json::Value) -> QueueConsumerGroup {
+        let mut base =
+            json!({"queueRef": {"name": "orders"}, "template": {}, "app": {"port": 8080}});
+        base.as_object_mut()
+            .unwrap()
+            .extend(spec.as_object().unwrap().clone());
+        serde_json::from_value(json!({
+            "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
+            "metadata": {"name": "billing", "namespace": "shop"},
+            "spec": base
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn queue_settings_follow_the_spec() {
+        let config = queue(&queue_spec(json!({
+            "retention": "2d", "partitionKeyPath": "/tenant",
+            "throughput": {"mode": "Autoscale", "requestUnits": 4000}
+        })))
+        .unwrap();
+        assert_eq!(config.retention, Some(Duration::from_secs(2 * 86_400)));
+        assert_eq!(config.partition_key_path, "/tenant");
+        assert_eq!(config.throughput, Some(Throughput::Autoscale(4000)));
+        assert_eq!(config.lease_container_name(), "orders-leases");
+    }
+
+    #[test]
+    fn group_settings_follow_the_spec() {
+        let settings = group(&qcg(json!({
+            "deliveryMode": "stream", "startFrom": "beginning", "ordered": true,
+            "lockDuration": "90s",
+            "retry": {"maxDeliveryAttempts": 3, "initialBackoff": "2s", "maxBackoff": "1m"},
+            "app": {"port": 8080, "timeout": "2m"},
+            "scaling": {"minReplicas": 1, "maxReplicas": 7, "targetBacklogPerReplica": 50,
+                        "scaleDownStabilization": "90s", "scaleToZeroCooldown": "10m",
+                        "activationThreshold": 4}
+        })))
+        .unwrap();
+        let config = &settings.config;
+        assert_eq!(config.name, "billing");
+        assert_eq!(config.mode, config::DeliveryMode::Stream);
+        assert_eq!(config.start_from, config::StartFrom::Beginning);
+        assert!(config.ordered);
+        assert_eq!(config.lock_duration, Duration::from_secs(90));
+        assert_eq!(config.retry.max_delivery_attempts, 3);
+        assert_eq!(config.retry.max_backoff, Duration::from_secs(60));
+        assert_eq!(
+            settings.policy,
+            Policy {
+                min_replicas: 1,
+                max_replicas: 7,
+                target_backlog_per_replica: 50,
+                scale_down_stabilization_ms: 90_000,
+                scale_to_zero_cooldown_ms: 600_000,
+                activation_threshold: 4,
+            }
+        );
+        assert_eq!(settings.app_timeout, Duration::from_secs(120));
+        assert_eq!(settings.scale_down_stabilization_seconds, 90);
+    }
+
+    /// Each field the schema cannot fully check is refused here by name.
+    #[test]
+    fn refusals_name_the_field() {
+        let err = queue(&queue_spec(json!({"retention": "5x"}))).unwrap_err();
+        assert_eq!(err.field, "spec.retention");
+        for (spec, field) in [
+            (json!({"group": "lease"}), "spec.group"),
+            (json!({"lockDuration": "soon"}), "spec.lockDuration"),
+            (
+                json!({"retry": {"initialBackoff": "1y2"}}),
+                "spec.retry.initialBackoff",
+            ),
+            (
+                json!({"retry": {"maxBackoff": "x"}}),
+                "spec.retry.maxBackoff",
+            ),
+            (
+                json!({"app": {"port": 8080, "timeout": "9000000000000s"}}),
+                "spec.app.timeout",
+            ),
+            (
+                json!({"scaling": {"scaleDownStabilization": "9000000000000s"}}),
+                "spec.scaling.scaleDownStabilization",
+            ),
+            (
+                json!({"scaling": {"scaleToZeroCooldown": "later"}}),
+                "spec.scaling.scaleToZeroCooldown",
+            ),
+        ] {
+            let err = group(&qcg(spec.clone())).unwrap_err();
+            assert_eq!(err.field, field, "{spec}: {err}");
+            assert!(err.to_string().starts_with(field), "{err}");
+        }
+    }
+}
