@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::host::{Host, HostOptions};
 use cosmosq_queue::{
     provision, ClaimOutcome, Delivery, DeliveryMode, GroupConfig, Message, NewMessage, Outcome,

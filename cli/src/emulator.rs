@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use clap::Args;
-use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_emulator::{Emulator, EmulatorOptions};
 
 #[derive(Args, Debug)]
 pub struct EmulatorArgs {

@@ -281,7 +281,7 @@ pub async fn run_peek(args: PeekArgs) -> anyhow::Result<()> {
 #[cfg(all(test, feature = "emulator"))]
 mod tests {
     use super::*;
-    use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+    use cosmosq_emulator::{Emulator, EmulatorOptions};
     use cosmosq_queue::{provision, ClaimOutcome, NewMessage, QueueConfig};
 
     async fn queue_with_work() -> Queue {

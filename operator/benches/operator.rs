@@ -10,9 +10,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
-use cosmosq_operator::fake::FakeApiServer;
-use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::{NewMessage, Queue, QueueConfig};
+use cosmosq_testkit::fake::FakeApiServer;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};

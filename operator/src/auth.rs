@@ -351,7 +351,7 @@ mod tests {
     use http::HeaderValue;
 
     fn front_proxy(cn: &str) -> (String, CertificateDer<'static>) {
-        let ca = crate::pki::TestCa::new("front-proxy-ca");
+        let ca = cosmosq_testkit::pki::TestCa::new("front-proxy-ca");
         let (cert, _) = ca.client(cn);
         (
             ca.pem,

@@ -476,8 +476,8 @@ pub async fn serve_tls(
 mod tests {
     use super::*;
     use crate::auth::{AUTHENTICATION_CONFIG_MAP, AUTHENTICATION_NAMESPACE};
-    use crate::fake::FakeApiServer;
-    use crate::pki::TestCa;
+    use cosmosq_testkit::fake::FakeApiServer;
+    use cosmosq_testkit::pki::TestCa;
     use kube::api::{Api, PostParams};
     use serde_json::Value;
 
@@ -594,7 +594,7 @@ mod tests {
     /// An HTTPS client trusting `ca`, presenting `identity` if given.
     fn client(ca: &TestCa, identity: Option<&(String, String)>) -> reqwest::Client {
         reqwest::Client::builder()
-            .tls_backend_preconfigured(crate::pki::client_config(&ca.pem, identity))
+            .tls_backend_preconfigured(cosmosq_testkit::pki::client_config(&ca.pem, identity))
             .build()
             .unwrap()
     }

@@ -18,22 +18,16 @@ pub mod build;
 pub mod config;
 pub mod context;
 pub mod cosmos;
-#[cfg(any(test, feature = "testkit"))]
-pub mod fake;
 pub mod grants;
 pub mod group;
 pub mod http;
 pub mod leader;
 pub mod metrics;
-#[cfg(any(test, feature = "testkit"))]
-pub mod pki;
 pub mod queue;
 pub mod run;
 pub mod scaler;
 /// The pure scaling decision lives in the engine, shared with `cosmosq demo`.
 pub use cosmosq_queue::scaling;
-#[cfg(any(test, feature = "testkit"))]
-pub mod scenario;
 pub mod spec;
 pub mod status;
 #[cfg(test)]

@@ -191,7 +191,7 @@ pub async fn emulator_context() -> (
     ApiServerVerifier,
     cosmosq_queue::CosmosClient,
 ) {
-    use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+    use cosmosq_emulator::{Emulator, EmulatorOptions};
     let emulator = Emulator::in_process(EmulatorOptions::default()).expect("emulator");
     let cosmos_client = emulator.client().await.expect("emulator client");
     let (client, server) = client();
@@ -204,4 +204,4 @@ pub async fn emulator_context() -> (
     (std::sync::Arc::new(ctx), server, cosmos_client)
 }
 
-pub use crate::scenario::container_exists;
+pub use cosmosq_emulator::container_exists;

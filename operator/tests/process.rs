@@ -2,21 +2,14 @@
 //! through a kubeconfig (here the in-memory one, served over HTTP), becoming leader, serving
 //! its probes and metrics, and on SIGTERM releasing its Lease and exiting 0.
 
+use cosmosq_testkit::free_port;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cosmosq_operator::fake::FakeApiServer;
+use cosmosq_testkit::fake::FakeApiServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const LEASES: &str = "apis/coordination.k8s.io/v1/leases";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A plain HTTP/1.0 GET: status code and body.
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {

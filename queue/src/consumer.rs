@@ -19,8 +19,9 @@ use tracing::{debug, error, warn};
 use crate::backoff::RetryPolicy;
 use crate::error::{QueueError, Result};
 use crate::feed::FeedReader;
-use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome, StateDoc, REASON_PERMANENT_ERROR};
+use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome};
 use crate::message::{Message, MessageKey};
+use crate::state::{StateDoc, REASON_PERMANENT_ERROR};
 
 /// Back-off between attempts to record a message's fate after a Cosmos error the SDK did not
 /// retry away (a long 429 storm, 503s, timeouts, resets).
@@ -416,7 +417,7 @@ impl<H: Handler> Worker<H> {
     ) -> Fate {
         let mut failures = 0;
         let mut held_polls = 0;
-        let token = crate::group::new_lock_token();
+        let token = crate::state::new_lock_token();
         let ordered = self.group.config().ordered;
         loop {
             let claimed = if check_state {
@@ -593,7 +594,7 @@ impl<H: Handler> Worker<H> {
         // finds it again). whose answer was lost may have taken effect: tried again with the same
         // token on the document as it now is, it is recognised as ours instead of burning the
         // attempt it recorded (bounded by a lock duration, after which the sweep finds it).
-        let token = crate::group::new_lock_token();
+        let token = crate::state::new_lock_token();
         let deadline = self.group.queue().clock().now_ms()
             + crate::clock::duration_ms(self.group.config().lock_duration);
         let (mut doc, mut failures) = (Some(doc), 0);
@@ -652,7 +653,7 @@ impl<H: Handler> Worker<H> {
                     .group
                     .dead_letter(
                         &claim,
-                        crate::group::REASON_EXPIRED,
+                        crate::state::REASON_EXPIRED,
                         "the message expired (TTL) before a successful delivery",
                     )
                     .await

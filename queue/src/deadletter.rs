@@ -6,9 +6,10 @@ use serde_json::json;
 use tracing::info;
 
 use crate::error::Result;
-use crate::group::{Group, MessageState, StateDoc, STATE_DOC_TYPE};
+use crate::group::Group;
 use crate::message::{Message, MessageKey};
 use crate::sql;
+use crate::state::{MessageState, StateDoc, STATE_DOC_TYPE};
 
 /// A dead-lettered message as users see it.
 #[derive(Clone, Debug, PartialEq, Serialize)]

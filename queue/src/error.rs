@@ -83,11 +83,13 @@ impl QueueError {
     }
 }
 
-pub(crate) fn status_of(e: &CosmosError) -> u16 {
+/// The HTTP status of an SDK error (the codes below are the ones the engine acts on).
+pub fn status_of(e: &CosmosError) -> u16 {
     u16::from(e.status().status_code())
 }
 
 pub(crate) const CONFLICT: u16 = 409;
-pub(crate) const NOT_FOUND: u16 = 404;
+/// Not found: a document, container or database that does not exist.
+pub const NOT_FOUND: u16 = 404;
 pub(crate) const PRECONDITION_FAILED: u16 = 412;
 pub(crate) const TOO_LARGE: u16 = 413;

@@ -27,9 +27,11 @@ use serde_json::{json, Value};
 use crate::config::StartFrom;
 use crate::error::{QueueError, Result};
 use crate::feed;
-use crate::group::{Group, STATE_DOC_TYPE};
-use crate::lease::{epk_in, Lease, LeaseStore};
+use crate::group::Group;
+use crate::lease::{Lease, LeaseStore};
+use crate::range::epk_in;
 use crate::sql;
+use crate::state::STATE_DOC_TYPE;
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]

@@ -18,8 +18,6 @@ pub mod config;
 pub mod connection;
 pub mod consumer;
 pub mod deadletter;
-#[cfg(feature = "emulator")]
-pub mod emulator;
 pub mod env;
 pub mod error;
 pub mod estimate;
@@ -32,12 +30,11 @@ pub mod message;
 pub mod producer;
 pub mod provision;
 pub mod queue;
+pub mod range;
 pub mod scaling;
 mod sql;
+pub mod state;
 
-/// The SDK's fault injection, for the fault suite ([`emulator::Emulator::client_with_faults`]).
-#[cfg(feature = "fault-injection")]
-pub use azure_data_cosmos::fault_injection;
 pub use azure_data_cosmos::CosmosClient;
 pub use backoff::RetryPolicy;
 pub use charge::{ChargeSnapshot, RequestCharges};
@@ -47,8 +44,9 @@ pub use connection::{Auth, ConnectionArgs};
 pub use consumer::{Consumer, ConsumerOptions, ConsumerStats, Delivery, Handler, Outcome};
 pub use deadletter::DeadLetter;
 pub use error::{QueueError, Result};
-pub use group::{Claim, ClaimOutcome, Group, MessageState, RetryOutcome, StateDoc};
+pub use group::{Claim, ClaimOutcome, Group, RetryOutcome};
 pub use message::{Body, Message, MessageError, MessageKey, NewMessage};
 pub use producer::{EnqueueError, EnqueueOutcome};
 pub use provision::provision;
 pub use queue::Queue;
+pub use state::{MessageState, StateDoc};

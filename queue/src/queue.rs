@@ -128,7 +128,7 @@ impl Queue {
     /// The effective partition key (hex) of messages with `key`: where in the container's key
     /// space, and so in which lease's range, they are.
     pub fn message_epk(&self, key: &MessageKey) -> String {
-        crate::lease::key_epk(key, &self.inner.partition_key)
+        crate::range::key_epk(key, &self.inner.partition_key)
     }
 
     /// When `message` leaves the container by TTL (epoch ms); `None`: never.

@@ -5,12 +5,13 @@
 //! localhost in this process, the sidecar is the real binary in a child process, the app is a
 //! trivial HTTP server in this process.
 
+use cosmosq_testkit::free_port;
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::{provision, ConnectionArgs, NewMessage, QueueConfig};
 use serde_json::json;
 
@@ -18,14 +19,6 @@ const THROUGHPUT_MESSAGES: usize = 5_000;
 const LIGHT_LOAD_MESSAGES: usize = 300;
 
 type Received = Arc<Mutex<HashMap<String, Instant>>>;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// Resident memory of a process in KiB (Linux).
 fn rss_kib(pid: u32) -> Option<u64> {

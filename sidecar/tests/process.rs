@@ -1,19 +1,12 @@
 //! The real `cosmosq-sidecar` binary: how it starts, fails and stops as a process.
 
+use cosmosq_testkit::free_port;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::{provision, ConnectionArgs, QueueConfig};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 #[test]
 fn invalid_configuration_exits_2_naming_the_setting() {

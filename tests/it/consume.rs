@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cosmosq_queue::emulator::EmulatorOptions;
+use cosmosq_emulator::EmulatorOptions;
 use cosmosq_queue::{
     Clock, Consumer, ConsumerOptions, Delivery, DeliveryMode, GroupConfig, NewMessage, Outcome,
     QueueConfig, StartFrom, Throughput,

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::{
     provision, ClaimOutcome, ConnectionArgs, GroupConfig, NewMessage, QueueConfig, StartFrom,
 };

@@ -6,9 +6,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cosmosq_queue::emulator::EmulatorOptions;
-use cosmosq_queue::group::{state_pk, state_ttl_secs, REASON_EXPIRED};
+use cosmosq_emulator::EmulatorOptions;
 use cosmosq_queue::host::{Host, HostOptions};
+use cosmosq_queue::state::{state_pk, state_ttl_secs, REASON_EXPIRED};
 use cosmosq_queue::{
     ClaimOutcome, Clock, Delivery, DeliveryMode, GroupConfig, Message, MessageKey, MessageState,
     NewMessage, Outcome, QueueConfig, QueueError, StartFrom,
@@ -590,9 +590,9 @@ async fn a_message_that_expired_while_it_waited_is_dead_lettered_with_the_reason
 
 /// A rule that answers 503 to every `operation` while enabled (it starts disabled).
 fn outage(
-    operation: cosmosq_queue::fault_injection::FaultOperationType,
-) -> Arc<cosmosq_queue::fault_injection::FaultInjectionRule> {
-    use cosmosq_queue::fault_injection::{
+    operation: cosmosq_emulator::fault_injection::FaultOperationType,
+) -> Arc<cosmosq_emulator::fault_injection::FaultInjectionRule> {
+    use cosmosq_emulator::fault_injection::{
         FaultInjectionConditionBuilder, FaultInjectionErrorType, FaultInjectionResultBuilder,
         FaultInjectionRuleBuilder,
     };
@@ -615,7 +615,7 @@ fn outage(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ordered_keys_next_message_waits_while_a_failed_retry_cannot_be_recorded() {
-    use cosmosq_queue::fault_injection::FaultOperationType as Op;
+    use cosmosq_emulator::fault_injection::FaultOperationType as Op;
     for mode in [DeliveryMode::Exclusive, DeliveryMode::Stream] {
         let fixture = Fixture::new(1).await;
         for id in ["m1", "m2"] {
@@ -907,7 +907,7 @@ async fn a_drain_while_an_ordered_stream_schedule_waits_does_not_hold_its_page_b
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_refused_for_good_ends_in_the_dead_letters_with_the_cause_not_in_a_loop() {
-    use cosmosq_queue::fault_injection::{
+    use cosmosq_emulator::fault_injection::{
         CustomResponseBuilder, FaultInjectionConditionBuilder, FaultInjectionResultBuilder,
         FaultInjectionRuleBuilder, FaultOperationType,
     };
@@ -1173,7 +1173,7 @@ async fn hosts_sweep_disjoint_sets_of_due_messages_by_owned_range() {
         let i: usize = id[1..].parse().unwrap();
         let epk = fixture.queue.message_epk(&format!("k{i}").into());
         assert!(
-            cosmosq_queue::lease::epk_in(&epk, &ranges[0].0, &ranges[0].1),
+            cosmosq_queue::range::epk_in(&epk, &ranges[0].0, &ranges[0].1),
             "{id} belongs to the first range"
         );
     }
@@ -1187,7 +1187,7 @@ async fn hosts_sweep_disjoint_sets_of_due_messages_by_owned_range() {
 /// not exit, before the settle lands (found by this test: it did).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_success_is_recorded_while_draining_through_an_outage() {
-    use cosmosq_queue::fault_injection::FaultOperationType as Op;
+    use cosmosq_emulator::fault_injection::FaultOperationType as Op;
     let fixture = Fixture::new(1).await;
     fixture
         .queue

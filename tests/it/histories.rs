@@ -22,11 +22,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cosmosq_queue::emulator::EmulatorOptions;
-use cosmosq_queue::fault_injection::{
+use cosmosq_emulator::fault_injection::{
     FaultInjectionConditionBuilder, FaultInjectionErrorType, FaultInjectionResultBuilder,
     FaultInjectionRule, FaultInjectionRuleBuilder, FaultOperationType,
 };
+use cosmosq_emulator::EmulatorOptions;
 use cosmosq_queue::host::Host;
 use cosmosq_queue::{
     Clock, ConsumerStats, Delivery, DeliveryMode, GroupConfig, MessageKey, MessageState,

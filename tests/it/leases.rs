@@ -851,7 +851,7 @@ async fn stream_hosts_hand_leases_over_for_balance_without_delivering_anything_t
 /// newest checkpoint.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_from_a_stale_read_of_the_parent_writes_nothing() {
-    use cosmosq_queue::lease::split_children;
+    use cosmosq_queue::range::split_children;
     let fixture = Fixture::new(1).await;
     let store = LeaseStore::new(fixture.queue.clone(), "g");
     let now = 1_000_000;
@@ -875,7 +875,7 @@ async fn a_split_from_a_stale_read_of_the_parent_writes_nothing() {
         .await
         .unwrap();
     let physical = cosmosq_tests::physical_ranges(&fixture.queue).await;
-    let children = split_children(&stale, &physical);
+    let children = split_children(&stale.min_epk, &stale.max_epk, &physical);
     assert_eq!(children.len(), 2);
 
     store.split(&stale, &children, now).await.unwrap();

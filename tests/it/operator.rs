@@ -13,14 +13,16 @@
 //! this process (`COSMOSQ_E2E_OPERATOR_ADDRESS=<an IP of this host the API server can dial>`),
 //! an APIService is registered and the figures are read through the aggregation layer.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
-use cosmosq_operator::pki::{client_config, TestCa};
-use cosmosq_operator::scenario::{operator_scenario, until, Check, Scenario};
-use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_emulator::{Emulator, EmulatorOptions};
+use cosmosq_testkit::fake::FakeApiServer;
+use cosmosq_testkit::pki::{client_config, TestCa};
 use cosmosq_tests::crd_rules::Kind;
+use cosmosq_tests::scenario::{operator_scenario, until, Check, Scenario};
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
@@ -772,4 +774,116 @@ async fn read_through_the_aggregator(
 fn base64_encode(bytes: &[u8]) -> String {
     use base64::Engine;
     base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The same scenario on the in-memory API server, in every test run; it also proves the
+/// chart's RBAC allows every call the operator makes, and grants nothing it never makes.
+#[tokio::test]
+async fn the_operator_provisions_runs_scales_and_cleans_up() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let server = FakeApiServer::new();
+    let client = server.client();
+    let emulator = Emulator::in_process(EmulatorOptions::default()).unwrap();
+    let cosmos = emulator.client().await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
+    let pod = serde_json::from_value(json!({"metadata": {"name": "operator-0"}})).unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+
+    operator_scenario(Scenario {
+        client: client.clone(),
+        operator_client: server.client_as("operator"),
+        cosmos,
+        namespace: "shop".into(),
+        identity: Some("operator-0".into()),
+        controllers: false,
+        operator_args: Vec::new(),
+        while_scaled: None,
+    })
+    .await;
+
+    // The leader labelled its pod while leading and unlabelled it on the way out.
+    let log = server.requests();
+    assert!(
+        log.get("PATCH api/v1/pods").copied().unwrap_or(0) >= 3,
+        "{log:?}"
+    );
+    assert_eq!(
+        pods.get("operator-0").await.unwrap().labels()[cosmosq_operator::run::LEADER_LABEL],
+        "false"
+    );
+    assert!(
+        log.get("PATCH apis/apps/v1/deployments/scale")
+            .copied()
+            .unwrap_or(0)
+            <= 2,
+        "scaled once or twice, not every round: {log:?}"
+    );
+
+    // The chart's RBAC allows every call the operator made, and grants nothing it never
+    // makes (but for the calls of paths this scenario does not take, named here).
+    let granted = chart_rbac();
+    let used = server.verbs_of("operator");
+    let denied: Vec<_> = used.difference(&granted).collect();
+    assert!(
+        denied.is_empty(),
+        "the chart's RBAC does not allow {denied:?}"
+    );
+    let not_taken: BTreeSet<(String, String, String)> = [
+        ("cosmosq.io", "queueconsumergroups/finalizers", "update"), // blockOwnerDeletion
+        ("autoscaling", "horizontalpodautoscalers", "create"),      // HPA mode
+        ("autoscaling", "horizontalpodautoscalers", "patch"),       // HPA mode
+        ("", "secrets", "get"),                                     // key Secrets
+        ("events.k8s.io", "events", "patch"),                       // repeated Events
+        ("coordination.k8s.io", "leases", "update"),                // renewals (2 s)
+        ("rbac.authorization.k8s.io", "rolebindings", "delete"),    // pre-ClusterRole binding
+        ("rbac.authorization.k8s.io", "roles", "delete"),           // pre-ClusterRole Role
+        ("rbac.authorization.k8s.io", "clusterroles", "bind"),      // checked by real RBAC only
+    ]
+    .into_iter()
+    .map(|(g, r, v)| (g.to_owned(), r.to_owned(), v.to_owned()))
+    .collect();
+    let unused: Vec<_> = granted
+        .difference(&used)
+        .filter(|rule| !not_taken.contains(*rule))
+        .collect();
+    assert!(
+        unused.is_empty(),
+        "the chart grants what the operator never uses: {unused:?}"
+    );
+}
+
+/// (API group, resource, verb) of every rule in the chart's RBAC template.
+fn chart_rbac() -> BTreeSet<(String, String, String)> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../charts/cosmosq/templates/rbac.yaml"
+    );
+    // The rules are plain YAML; only names and labels are templated.
+    let text: String = std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.contains("{{"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let mut granted = BTreeSet::new();
+    for document in serde_yaml::Deserializer::from_str(&text) {
+        let doc: serde_json::Value = serde::Deserialize::deserialize(document).unwrap();
+        for rule in doc["rules"].as_array().into_iter().flatten() {
+            for group in rule["apiGroups"].as_array().unwrap() {
+                for resource in rule["resources"].as_array().unwrap() {
+                    for verb in rule["verbs"].as_array().unwrap() {
+                        granted.insert((
+                            group.as_str().unwrap().to_owned(),
+                            resource.as_str().unwrap().to_owned(),
+                            verb.as_str().unwrap().to_owned(),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    granted
 }

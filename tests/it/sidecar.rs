@@ -1,5 +1,6 @@
 //! The sidecar end to end: the emulator behind it, a real HTTP app on localhost in front.
 
+use cosmosq_tests::free_port;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -168,14 +169,6 @@ impl TestApp {
     async fn wait_for(&self, what: &str, check: impl Fn(&TestApp) -> bool) {
         wait_on(&self.changed, what, || check(self)).await;
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn config(group: &str, app_port: u16, api_port: u16, extra: &[&str]) -> Config {

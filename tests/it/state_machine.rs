@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use cosmosq_queue::group::REASON_MAX_ATTEMPTS;
+use cosmosq_queue::state::REASON_MAX_ATTEMPTS;
 use cosmosq_queue::{
     ClaimOutcome, DeliveryMode, GroupConfig, MessageError, MessageState, NewMessage, QueueError,
     RetryOutcome, RetryPolicy,

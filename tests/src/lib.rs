@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod crd_rules;
+pub mod scenario;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Once};
@@ -11,7 +12,7 @@ use cosmosq_queue::{Delivery, Outcome};
 use tokio::sync::Notify;
 
 use azure_data_cosmos::CosmosClient;
-use cosmosq_queue::emulator::{Emulator, EmulatorOptions};
+use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::{provision, Clock, Group, GroupConfig, Queue, QueueConfig};
 
 /// An emulated account with one provisioned queue.
@@ -207,20 +208,7 @@ where
     }
 }
 
-/// Lease-loop host options for tests: fast polling, a sweep every 100 ms, leases that expire
-/// in 1.5 s, so recovery takes well under a second or two instead of the production minute.
-pub fn fast_host(name: &str) -> cosmosq_queue::host::HostOptions {
-    cosmosq_queue::host::HostOptions {
-        min_poll: Duration::from_millis(5),
-        max_poll: Duration::from_millis(50),
-        sweep_interval: Duration::from_millis(100),
-        lease_acquire: Duration::from_millis(100),
-        lease_renew: Duration::from_millis(300),
-        lease_expire: Duration::from_millis(1_500),
-        checkpoint_interval: Duration::from_millis(50),
-        ..cosmosq_queue::host::HostOptions::new(name)
-    }
-}
+pub use cosmosq_testkit::{fast_host, free_port};
 
 /// The messages container's physical ranges as the service has them now (the SDK's cached
 /// topology would hide a split or merge made a moment ago).
@@ -233,6 +221,6 @@ pub async fn physical_ranges(queue: &Queue) -> Vec<(String, String)> {
         .await
         .expect("read feed ranges")
         .iter()
-        .map(cosmosq_queue::lease::range_bounds)
+        .map(cosmosq_queue::range::range_bounds)
         .collect()
 }

@@ -20,9 +20,10 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Config;
-use crate::cosmos::Backend;
-use crate::run::run_with;
+pub use cosmosq_emulator::container_exists;
+use cosmosq_operator::config::Config;
+use cosmosq_operator::cosmos::Backend;
+use cosmosq_operator::run::run_with;
 
 pub struct Scenario {
     /// What the user's side (kubectl) uses.
@@ -65,7 +66,7 @@ where
 /// Waits (by watching) until the objects `api` lists satisfy `condition`, for at most 2 min.
 pub async fn until_listed<K>(api: &Api<K>, what: &str, condition: impl Fn(&[K]) -> bool)
 where
-    K: crate::run::Watched,
+    K: cosmosq_operator::run::Watched,
 {
     use futures::TryStreamExt;
     use kube::runtime::{reflector, watcher};
@@ -97,25 +98,13 @@ fn ready(conditions: &[Condition]) -> bool {
         .any(|c| c.type_ == "Ready" && c.status == "True")
 }
 
-/// Whether a container exists in the emulator.
-pub async fn container_exists(client: &CosmosClient, db: &str, name: &str) -> bool {
-    match client
-        .database_client(db)
-        .container_client(name, None)
-        .await
-    {
-        Ok(container) => container.read(None).await.is_ok(),
-        Err(_) => false,
-    }
-}
-
 /// Starts an operator process (in this one) as the scenario's operator identity.
 fn start_operator(
     s: &Scenario,
     args: &[String],
 ) -> (
     CancellationToken,
-    tokio::task::JoinHandle<Result<(), crate::run::RunError>>,
+    tokio::task::JoinHandle<Result<(), cosmosq_operator::run::RunError>>,
 ) {
     let config = Config::try_parse_from(args).expect("valid settings");
     let shutdown = CancellationToken::new();

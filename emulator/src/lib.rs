@@ -4,6 +4,10 @@
 //! Two things the SDK's emulator does not do are added here: item TTL is applied by a
 //! periodic sweep (it stores `ttl` and `defaultTtl` but never expires anything), and new
 //! containers get the number of physical partitions asked for (it always creates 4).
+//!
+//! It is its own crate so that the engine (`cosmosq-queue`) carries neither the SDK's emulator
+//! nor an HTTP server: the CLI's local run and the tests depend on it, production builds do not.
+#![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,8 +31,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use url::Url;
 
-use crate::connection::EMULATOR_KEY;
-use crate::error::{QueueError, Result};
+use cosmosq_queue::connection::EMULATOR_KEY;
+use cosmosq_queue::{QueueError, Result};
+
+/// The SDK's fault injection, for the fault suite ([`Emulator::client_with_faults`]).
+#[cfg(feature = "fault-injection")]
+pub use azure_data_cosmos::fault_injection;
 
 /// The emulator's one region.
 const REGION_NAME: &str = "East US";
@@ -51,6 +59,18 @@ impl Default for EmulatorOptions {
             throughput: None,
             multi_region_writes: false,
         }
+    }
+}
+
+/// Whether a container exists (tests check provisioning and deletion with it).
+pub async fn container_exists(client: &CosmosClient, db: &str, name: &str) -> bool {
+    match client
+        .database_client(db)
+        .container_client(name, None)
+        .await
+    {
+        Ok(container) => container.read(None).await.is_ok(),
+        Err(_) => false,
     }
 }
 
@@ -295,7 +315,7 @@ impl Emulator {
                     _ = shutdown.cancelled() => return,
                     _ = tick.tick() => {}
                 }
-                let now = crate::clock::system_now_ms() / 1000;
+                let now = cosmosq_queue::clock::system_now_ms() / 1000;
                 match emulator.sweep_ttl(&client, now).await {
                     Ok(0) => {}
                     Ok(n) => debug!(removed = n, "TTL sweep removed expired items"),
@@ -402,7 +422,7 @@ async fn sweep_container(
         };
         match container.delete_item(pk.to_owned(), id, None).await {
             Ok(_) => removed += 1,
-            Err(e) if crate::error::status_of(&e) == crate::error::NOT_FOUND => {}
+            Err(e) if cosmosq_queue::error::status_of(&e) == cosmosq_queue::error::NOT_FOUND => {}
             Err(e) => return Err(QueueError::cosmos("TTL sweep delete")(e)),
         }
     }

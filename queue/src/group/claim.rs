@@ -1,0 +1,443 @@
+//! Claims: taking a message for delivery (exclusive mode), taking over a state document whose
+//! lock expired or whose time has come, and renewing a lock while work goes on.
+
+use tracing::{debug, info, warn};
+
+use super::{Group, Write};
+use crate::backoff::RetryPolicy;
+use crate::clock::duration_ms;
+use crate::config::DeliveryMode;
+use crate::error::Result;
+use crate::message::{Message, MessageKey};
+use crate::state::{new_lock_token, truncate, MessageState, StateDoc, REASON_MAX_ATTEMPTS};
+
+/// A delivery the caller holds: settle it with [`Group::complete`], [`Group::retry`] or
+/// [`Group::dead_letter`]; renew it with [`Group::renew`] while work goes on.
+#[derive(Clone, Debug)]
+pub struct Claim {
+    pub message_id: String,
+    pub message_pk: MessageKey,
+    /// The delivery count, starting at 1.
+    pub attempt: u32,
+    /// Epoch ms until which the claim is exclusive (`None`: a stream-mode first delivery,
+    /// fenced by the range's lease instead).
+    pub locked_until: Option<i64>,
+    pub enqueued_at: i64,
+    /// The state document as this holder last wrote it (absent for a stream first delivery).
+    pub(crate) state: Option<Box<StateDoc>>,
+    pub(crate) expires_at: Option<i64>,
+}
+
+impl Claim {
+    /// Whether a state document records this delivery (its lock's expiry or retry time brings
+    /// the message back if the outcome is never written).
+    pub fn is_recorded(&self) -> bool {
+        self.state.is_some()
+    }
+}
+
+/// What a claim attempt found.
+#[derive(Clone, Debug)]
+pub enum ClaimOutcome {
+    Claimed(Claim),
+    /// The group is done with it.
+    Settled(MessageState),
+    /// Another consumer holds a valid lock.
+    Held {
+        owner: Option<String>,
+        until: Option<i64>,
+    },
+    /// Scheduled or backing off; the sweep delivers it at `due`.
+    NotYetDue {
+        due: i64,
+    },
+    /// Its last holder died on the final allowed attempt: dead-lettered instead of delivered.
+    DeadLettered,
+    /// The message is gone (expired by TTL) before it could be delivered.
+    Gone,
+}
+
+/// What taking over a message's existing state document may do, judged from the document
+/// alone (pure).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TakeOver {
+    /// Locked with this very token: an earlier claim attempt took effect although its answer
+    /// was lost.
+    AlreadyOurs,
+    /// The group is done with it.
+    Settled(MessageState),
+    /// Another holder's lock is valid until `until`.
+    Held {
+        owner: Option<String>,
+        until: Option<i64>,
+    },
+    /// Scheduled or backing off until `due`.
+    NotYetDue { due: i64 },
+    /// The lock of its last allowed delivery expired without an outcome: dead-letter it.
+    DeadLetter,
+    /// Lock it for a new delivery; `recovered` when the lock of a holder that never settled
+    /// is taken over.
+    Lock { recovered: bool },
+}
+
+impl TakeOver {
+    /// The decision for `doc`, by a claim writing `token` at `now`.
+    pub fn judge(doc: &StateDoc, token: &str, now: i64, retry: &RetryPolicy) -> Self {
+        if doc.state == MessageState::Locked && doc.lock_token.as_deref() == Some(token) {
+            return Self::AlreadyOurs;
+        }
+        let due = doc.due.unwrap_or(i64::MIN);
+        match doc.state {
+            state if state.is_settled() => Self::Settled(state),
+            MessageState::Locked if due > now => Self::Held {
+                owner: doc.owner.clone(),
+                until: doc.due,
+            },
+            MessageState::Retry | MessageState::Scheduled if due > now => Self::NotYetDue { due },
+            MessageState::Locked if retry.exhausted(doc.attempts) => Self::DeadLetter,
+            state => Self::Lock {
+                recovered: state == MessageState::Locked,
+            },
+        }
+    }
+}
+
+impl Group {
+    /// Tries to take `message` for delivery by `holder`, as read from the change feed.
+    pub async fn claim(&self, message: &Message, holder: &str) -> Result<ClaimOutcome> {
+        self.claim_with_token(message, holder, &new_lock_token())
+            .await
+    }
+
+    /// [`Self::claim`] with the lock token to write. Retrying a failed claim with the same
+    /// token takes the lock back if the failed attempt did take effect (its answer was lost);
+    /// a fresh token would find the message locked, by itself, until the lock expired.
+    pub async fn claim_with_token(
+        &self,
+        message: &Message,
+        holder: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
+        let now = self.now();
+        let expires_at = self.expires_at(message);
+        if !message.is_visible(now) {
+            let due = message.visible_at.unwrap_or(now);
+            let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Scheduled);
+            doc.due = Some(due);
+            doc.refresh_ttl(now, self.retention_secs());
+            return match self.create(&doc, "schedule").await? {
+                Write::Done(_) => Ok(ClaimOutcome::NotYetDue { due }),
+                _ => self.claim_existing(message, holder, token).await,
+            };
+        }
+        if self.config.mode == DeliveryMode::Stream {
+            return Ok(ClaimOutcome::Claimed(Claim {
+                message_id: message.id.clone(),
+                message_pk: message.partition_key.clone(),
+                attempt: 1,
+                locked_until: None,
+                enqueued_at: message.enqueued_at,
+                state: None,
+                expires_at,
+            }));
+        }
+        let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Retry);
+        doc.lock(holder, now, self.config.lock_duration, token);
+        doc.refresh_ttl(now, self.retention_secs());
+        match self.create(&doc, "claim").await {
+            Ok(Write::Done(doc)) => Ok(ClaimOutcome::Claimed(self.claim_from(*doc))),
+            Ok(_) => self.claim_existing(message, holder, token).await,
+            Err(e) => Ok(ClaimOutcome::Claimed(
+                self.claim_from(self.landed(&doc, e).await?),
+            )),
+        }
+    }
+
+    /// [`Self::claim_with_token`], looking for a state document first in stream mode too: a
+    /// range taken over from an owner that did not release it may hold messages that owner
+    /// was still retrying in place (ordered groups), which must not be delivered past.
+    pub async fn claim_checked(
+        &self,
+        message: &Message,
+        holder: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
+        if self.config.mode == DeliveryMode::Stream && message.is_visible(self.now()) {
+            if let Some(doc) = self.read_state(&message.partition_key, &message.id).await? {
+                return self.take_over_with_token(doc, holder, token).await;
+            }
+        }
+        self.claim_with_token(message, holder, token).await
+    }
+
+    /// Records a message whose claim Cosmos refused for good straight in the dead letters.
+    pub async fn dead_letter_unclaimed(
+        &self,
+        message: &Message,
+        reason: &str,
+        error: &str,
+    ) -> Result<()> {
+        let now = self.now();
+        let mut doc = StateDoc::new(
+            self.name(),
+            message,
+            self.expires_at(message),
+            MessageState::DeadLettered,
+        );
+        doc.settle(MessageState::DeadLettered, now);
+        doc.reason = Some(truncate(reason));
+        doc.last_error = Some(truncate(error));
+        doc.refresh_ttl(now, self.retention_secs());
+        match self.create(&doc, "dead-letter").await? {
+            Write::Done(_) => {
+                warn!(group = self.name(), message_id = %message.id, reason, error, "message dead-lettered");
+                Ok(())
+            }
+            // Already recorded by someone: that record stands.
+            Write::Lost | Write::Missing => Ok(()),
+        }
+    }
+
+    async fn claim_existing(
+        &self,
+        message: &Message,
+        holder: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
+        match self.read_state(&message.partition_key, &message.id).await? {
+            Some(doc) => self.take_over_with_token(doc, holder, token).await,
+            // Created and already gone (TTL) between our create and read: nothing to deliver.
+            None => Ok(ClaimOutcome::Gone),
+        }
+    }
+
+    /// Takes a message whose state document exists (found by the sweep, or by a claim that
+    /// lost the create): succeeds when its lock expired or its retry/schedule time has come.
+    pub async fn take_over(&self, doc: StateDoc, holder: &str) -> Result<ClaimOutcome> {
+        self.take_over_with_token(doc, holder, &new_lock_token())
+            .await
+    }
+
+    /// [`Self::take_over`] writing `token`; a document already locked with it is ours.
+    pub async fn take_over_with_token(
+        &self,
+        doc: StateDoc,
+        holder: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
+        let now = self.now();
+        let recovered = match TakeOver::judge(&doc, token, now, &self.config.retry) {
+            TakeOver::AlreadyOurs => {
+                debug!(group = self.name(), message_id = %doc.id, "an earlier claim attempt took effect although its answer was lost");
+                let mut claim = self.claim_from(doc);
+                // Found after a while (the answer was lost, then retried with back-off): the
+                // lock may be nearly over. Renew it before delivering, or the app would work on
+                // a message that another holder may take at any moment.
+                let left = claim.locked_until.unwrap_or(0) - now;
+                if left < duration_ms(self.config.lock_duration) * 2 / 3 {
+                    self.renew(&mut claim).await?;
+                }
+                return Ok(ClaimOutcome::Claimed(claim));
+            }
+            TakeOver::Settled(state) => return Ok(ClaimOutcome::Settled(state)),
+            TakeOver::Held { owner, until } => return Ok(ClaimOutcome::Held { owner, until }),
+            TakeOver::NotYetDue { due } => return Ok(ClaimOutcome::NotYetDue { due }),
+            TakeOver::DeadLetter => return self.dead_letter_abandoned(doc, now).await,
+            TakeOver::Lock { recovered } => recovered,
+        };
+        let etag = doc.etag.clone().unwrap_or_default();
+        let mut next = doc;
+        next.lock(holder, now, self.config.lock_duration, token);
+        next.refresh_ttl(now, self.retention_secs());
+        let written = match self.replace(&next, &etag, "claim").await {
+            Ok(written) => written,
+            Err(e) => Write::Done(Box::new(self.landed(&next, e).await?)),
+        };
+        match written {
+            Write::Done(doc) => {
+                if recovered {
+                    info!(group = self.name(), message_id = %doc.id, attempt = doc.attempts, holder, "recovered a message whose lock expired");
+                }
+                Ok(ClaimOutcome::Claimed(self.claim_from(*doc)))
+            }
+            Write::Lost => Ok(ClaimOutcome::Held {
+                owner: None,
+                until: None,
+            }),
+            Write::Missing => Ok(ClaimOutcome::Gone),
+        }
+    }
+
+    /// The last allowed delivery's lock expired without an outcome (its holder died with it,
+    /// perhaps because of it): dead-lettered instead of delivered again.
+    async fn dead_letter_abandoned(&self, doc: StateDoc, now: i64) -> Result<ClaimOutcome> {
+        let etag = doc.etag.clone().unwrap_or_default();
+        let mut dead = doc;
+        let previous_owner = dead.owner.clone().unwrap_or_default();
+        dead.settle(MessageState::DeadLettered, now);
+        dead.reason = Some(REASON_MAX_ATTEMPTS.into());
+        dead.last_error = Some(format!(
+            "the lock of delivery {} (held by {previous_owner}) expired without an outcome",
+            dead.attempts
+        ));
+        dead.refresh_ttl(now, self.retention_secs());
+        match self.replace(&dead, &etag, "dead-letter").await? {
+            Write::Done(_) => {
+                warn!(group = self.name(), message_id = %dead.id, attempts = dead.attempts, "dead-lettered: last allowed delivery never settled");
+                Ok(ClaimOutcome::DeadLettered)
+            }
+            Write::Lost => Ok(ClaimOutcome::Held {
+                owner: None,
+                until: None,
+            }),
+            Write::Missing => Ok(ClaimOutcome::Gone),
+        }
+    }
+
+    fn claim_from(&self, doc: StateDoc) -> Claim {
+        Claim {
+            message_id: doc.id.clone(),
+            message_pk: doc.message_pk.clone(),
+            attempt: doc.attempts,
+            locked_until: doc.due,
+            enqueued_at: doc.enqueued_at,
+            expires_at: doc.expires_at,
+            state: Some(Box::new(doc)),
+        }
+    }
+
+    /// Extends the lock of a claim still being worked on.
+    pub async fn renew(&self, claim: &mut Claim) -> Result<()> {
+        let Some(current) = &claim.state else {
+            return Ok(()); // stream first delivery: the lease fences it
+        };
+        let now = self.now();
+        let mut next = StateDoc::clone(current);
+        next.due = Some(now + duration_ms(self.config.lock_duration));
+        next.refresh_ttl(now, self.retention_secs());
+        let etag = current.etag.clone().unwrap_or_default();
+        match self.replace_own(&next, &etag, "renew").await? {
+            Write::Done(doc) => {
+                claim.locked_until = doc.due;
+                claim.state = Some(doc);
+                Ok(())
+            }
+            Write::Lost | Write::Missing => Err(self.lock_lost(claim)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(state: MessageState, due: Option<i64>, attempts: u32, token: Option<&str>) -> StateDoc {
+        let message = crate::message::NewMessage::json(serde_json::json!(1))
+            .with_id("m")
+            .into_message(0)
+            .unwrap();
+        let mut doc = StateDoc::new("g", &message, None, state);
+        doc.due = due;
+        doc.attempts = attempts;
+        doc.owner = token.map(|_| "pod-a".to_owned());
+        doc.lock_token = token.map(Into::into);
+        doc
+    }
+
+    #[test]
+    fn a_take_over_follows_the_document() {
+        use MessageState::*;
+        let retry = RetryPolicy {
+            max_delivery_attempts: 3,
+            ..RetryPolicy::default()
+        };
+        let now = 10_000;
+        let held = TakeOver::Held {
+            owner: Some("pod-a".into()),
+            until: Some(now + 1),
+        };
+        for (name, doc, expected) in [
+            (
+                "our own lost answer",
+                doc(Locked, Some(now + 1), 1, Some("mine")),
+                TakeOver::AlreadyOurs,
+            ),
+            (
+                "ours even when expired",
+                doc(Locked, Some(now - 1), 3, Some("mine")),
+                TakeOver::AlreadyOurs,
+            ),
+            (
+                "a valid lock",
+                doc(Locked, Some(now + 1), 1, Some("theirs")),
+                held,
+            ),
+            (
+                "an expired lock",
+                doc(Locked, Some(now - 1), 1, Some("theirs")),
+                TakeOver::Lock { recovered: true },
+            ),
+            (
+                "expired at exactly now",
+                doc(Locked, Some(now), 2, Some("theirs")),
+                TakeOver::Lock { recovered: true },
+            ),
+            (
+                "the last attempt died",
+                doc(Locked, Some(now - 1), 3, Some("theirs")),
+                TakeOver::DeadLetter,
+            ),
+            (
+                "a retry not yet due",
+                doc(Retry, Some(now + 5), 1, None),
+                TakeOver::NotYetDue { due: now + 5 },
+            ),
+            (
+                "a due retry",
+                doc(Retry, Some(now), 2, None),
+                TakeOver::Lock { recovered: false },
+            ),
+            (
+                "a due retry after the last attempt is still delivered",
+                doc(Retry, Some(now), 3, None),
+                TakeOver::Lock { recovered: false },
+            ),
+            (
+                "a schedule not yet due",
+                doc(Scheduled, Some(now + 5), 0, None),
+                TakeOver::NotYetDue { due: now + 5 },
+            ),
+            (
+                "a due schedule",
+                doc(Scheduled, Some(now - 5), 0, None),
+                TakeOver::Lock { recovered: false },
+            ),
+            (
+                "no due time",
+                doc(Retry, None, 1, None),
+                TakeOver::Lock { recovered: false },
+            ),
+            (
+                "completed",
+                doc(Completed, None, 1, None),
+                TakeOver::Settled(Completed),
+            ),
+            (
+                "dead-lettered",
+                doc(DeadLettered, None, 3, None),
+                TakeOver::Settled(DeadLettered),
+            ),
+            (
+                "purged",
+                doc(Purged, None, 3, None),
+                TakeOver::Settled(Purged),
+            ),
+        ] {
+            assert_eq!(
+                TakeOver::judge(&doc, "mine", now, &retry),
+                expected,
+                "{name}"
+            );
+        }
+    }
+}

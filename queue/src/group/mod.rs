@@ -1,0 +1,289 @@
+//! A consumer group of a queue: the state machine over its state documents (the model is in
+//! [`crate::state`]). Claims are in [`claim`], settling in [`settle`]; this module holds the
+//! group handle and the document I/O both use.
+//!
+//! Every transition after the first write is a replace with `If-Match` on the ETag the
+//! writer last saw, so at most one consumer of the group holds a message while its lock is
+//! valid. In `stream` mode the first delivery writes nothing (the range's lease fences it);
+//! only failures create a state document, and from there the path is the same.
+
+mod claim;
+mod settle;
+
+pub use claim::{Claim, ClaimOutcome, TakeOver};
+pub use settle::RetryOutcome;
+
+use azure_core::http::Etag;
+use azure_data_cosmos::options::{ItemWriteOptions, Precondition};
+use azure_data_cosmos::FeedScope;
+use serde_json::json;
+use std::sync::Arc;
+use tracing::{debug, warn};
+
+use crate::config::GroupConfig;
+use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND, PRECONDITION_FAILED};
+use crate::message::{Message, MessageKey};
+use crate::queue::Queue;
+use crate::range::coalesce_ranges;
+use crate::sql;
+use crate::state::{state_pk, MessageState, StateDoc, STATE_DOC_TYPE};
+
+/// A consumer group of a queue: the state machine over its state documents.
+#[derive(Clone)]
+pub struct Group {
+    queue: Queue,
+    config: Arc<GroupConfig>,
+}
+
+pub(crate) enum Write {
+    Done(Box<StateDoc>),
+    /// Conflict on create, or the ETag no longer matched on replace.
+    Lost,
+    /// The document does not exist (a replace after TTL removed it).
+    Missing,
+}
+
+impl Group {
+    pub(crate) fn new(queue: Queue, config: GroupConfig) -> Self {
+        Self {
+            queue,
+            config: Arc::new(config),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    pub fn config(&self) -> &GroupConfig {
+        &self.config
+    }
+
+    pub fn queue(&self) -> &Queue {
+        &self.queue
+    }
+
+    fn now(&self) -> i64 {
+        self.queue.clock().now_ms()
+    }
+
+    fn expires_at(&self, message: &Message) -> Option<i64> {
+        self.queue.message_expires_at(message)
+    }
+
+    fn retention_secs(&self) -> Option<i64> {
+        self.queue.config().retention_secs()
+    }
+
+    fn lock_lost(&self, claim: &Claim) -> QueueError {
+        QueueError::LockLost {
+            group: self.name().into(),
+            message_id: claim.message_id.clone(),
+        }
+    }
+
+    /// A state document as stored, or [`QueueError::UnknownState`] when this version cannot
+    /// read it (a state a newer version added, a field of another type).
+    pub(crate) fn parse_state(&self, doc: serde_json::Value) -> Result<StateDoc> {
+        let id = doc
+            .get("id")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        serde_json::from_value(doc).map_err(|e| QueueError::UnknownState {
+            group: self.name().to_owned(),
+            id,
+            reason: e.to_string(),
+        })
+    }
+
+    /// State documents whose lock expired or whose retry/schedule time has come, oldest due
+    /// first is not guaranteed; at most `limit`. With `ranges` (the lease ranges a host owns),
+    /// only messages in them, plus documents that carry no EPK yet: hosts sweep disjoint sets
+    /// instead of racing on the same documents. Documents this version cannot read are
+    /// reported and left out: they are another version's to handle, and must not stop the
+    /// sweep of every other message.
+    pub async fn due(
+        &self,
+        limit: usize,
+        ranges: Option<&[(String, String)]>,
+    ) -> Result<Vec<StateDoc>> {
+        let mut params = vec![
+            ("@limit".to_owned(), json!(limit)),
+            ("@type".to_owned(), json!(STATE_DOC_TYPE)),
+            ("@group".to_owned(), json!(self.name())),
+            ("@now".to_owned(), json!(self.now())),
+        ];
+        let mut text = String::from(
+            "SELECT TOP @limit * FROM c WHERE c.type = @type AND c.group = @group \
+             AND (c.state = 'locked' OR c.state = 'retry' OR c.state = 'scheduled') \
+             AND c.due <= @now",
+        );
+        if let Some(ranges) = ranges {
+            let mut any = vec!["NOT IS_DEFINED(c.epk)".to_owned()];
+            for (i, (min, max)) in coalesce_ranges(ranges).into_iter().enumerate() {
+                any.push(format!("(c.epk >= @min{i} AND c.epk < @max{i})"));
+                params.push((format!("@min{i}"), json!(min)));
+                params.push((format!("@max{i}"), json!(max)));
+            }
+            text.push_str(&format!(" AND ({})", any.join(" OR ")));
+        }
+        let params: Vec<(&str, serde_json::Value)> = params
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        let query = sql::query(&text, &params)?;
+        let docs: Vec<serde_json::Value> = sql::collect(
+            self.queue.leases(),
+            query,
+            FeedScope::full_container(),
+            Some(limit),
+            self.queue.charges(),
+            "sweep",
+        )
+        .await?;
+        Ok(docs
+            .into_iter()
+            .filter_map(|doc| match self.parse_state(doc) {
+                Ok(doc) => Some(doc),
+                Err(e) => {
+                    warn!(group = self.name(), error = %e, "left a state document alone");
+                    None
+                }
+            })
+            .collect())
+    }
+
+    /// The group's state of one message, if any.
+    pub async fn read_state(
+        &self,
+        message_pk: &MessageKey,
+        message_id: &str,
+    ) -> Result<Option<StateDoc>> {
+        let pk = state_pk(self.name(), message_pk);
+        match self.queue.leases().read_item(pk, message_id, None).await {
+            Ok(response) => {
+                self.queue
+                    .charges()
+                    .record_diagnostics("read state", &response.diagnostics());
+                let doc: serde_json::Value = response
+                    .into_model()
+                    .map_err(QueueError::cosmos("read state"))?;
+                self.parse_state(doc).map(Some)
+            }
+            Err(e) if status_of(&e) == NOT_FOUND => Ok(None),
+            Err(e) => Err(QueueError::cosmos("read state")(e)),
+        }
+    }
+
+    /// `doc` with its message's EPK, which every write of a state the sweep looks for carries
+    /// (see [`StateDoc::epk`]); settled states leave it out (one property less to pay for).
+    fn with_epk<'d>(&self, doc: &'d StateDoc) -> std::borrow::Cow<'d, StateDoc> {
+        if doc.epk.is_some() || doc.state.is_settled() {
+            return std::borrow::Cow::Borrowed(doc);
+        }
+        let mut doc = doc.clone();
+        doc.epk = Some(self.queue.message_epk(&doc.message_pk));
+        std::borrow::Cow::Owned(doc)
+    }
+
+    async fn create(&self, doc: &StateDoc, op: &'static str) -> Result<Write> {
+        let doc = &*self.with_epk(doc);
+        let result = self
+            .queue
+            .leases()
+            .create_item(doc.pk.clone(), &doc.id, doc, None)
+            .await;
+        self.written(doc, result, op)
+    }
+
+    /// The document as written when `doc`'s write failed without an answer but took effect
+    /// (the service applied it and the response was lost); `e` when it did not, or it
+    /// cannot be told.
+    async fn landed(&self, doc: &StateDoc, e: QueueError) -> Result<StateDoc> {
+        match self.read_state(&doc.message_pk, &doc.id).await {
+            Ok(Some(current))
+                if current.lock_token.is_some()
+                    && current.lock_token == doc.lock_token
+                    && current.state == doc.state
+                    && current.attempts == doc.attempts =>
+            {
+                debug!(group = self.name(), message_id = %doc.id, error = %e, "the write took effect although its answer was lost");
+                Ok(current)
+            }
+            _ => Err(e),
+        }
+    }
+
+    /// Replaces the state document of a claim this holder has: on an ETag mismatch, looks
+    /// whether the document still carries the claim's lock token. Then the change was ours
+    /// (an earlier attempt whose answer was lost, or a renewal): done if it is already what
+    /// `doc` says, else written again on the current ETag. Otherwise the lock is lost.
+    async fn replace_own(&self, doc: &StateDoc, etag: &str, op: &'static str) -> Result<Write> {
+        let lost = match self.replace(doc, etag, op).await? {
+            Write::Lost => Write::Lost,
+            other => return Ok(other),
+        };
+        let Some(current) = self.read_state(&doc.message_pk, &doc.id).await? else {
+            return Ok(Write::Missing);
+        };
+        if current.lock_token.is_none() || current.lock_token != doc.lock_token {
+            return Ok(lost);
+        }
+        if current.state == doc.state && current.attempts == doc.attempts && current.due == doc.due
+        {
+            return Ok(Write::Done(Box::new(current)));
+        }
+        if current.state != MessageState::Locked {
+            return Ok(lost);
+        }
+        let etag = current.etag.clone().unwrap_or_default();
+        self.replace(doc, &etag, op).await
+    }
+
+    pub(crate) async fn replace(
+        &self,
+        doc: &StateDoc,
+        etag: &str,
+        op: &'static str,
+    ) -> Result<Write> {
+        let doc = &*self.with_epk(doc);
+        let options = ItemWriteOptions::default()
+            .with_precondition(Precondition::if_match(Etag::from(etag.to_owned())));
+        let result = self
+            .queue
+            .leases()
+            .replace_item(doc.pk.clone(), &doc.id, doc, Some(options))
+            .await;
+        self.written(doc, result, op)
+    }
+
+    fn written(
+        &self,
+        doc: &StateDoc,
+        result: azure_data_cosmos::Result<azure_data_cosmos::models::ItemResponse>,
+        op: &'static str,
+    ) -> Result<Write> {
+        match result {
+            Ok(response) => {
+                self.queue
+                    .charges()
+                    .record_diagnostics(op, &response.diagnostics());
+                let mut doc = doc.clone();
+                doc.etag = response.headers().etag().map(|e| e.to_string());
+                Ok(Write::Done(Box::new(doc)))
+            }
+            Err(e) => match status_of(&e) {
+                CONFLICT | PRECONDITION_FAILED => {
+                    match e.diagnostics() {
+                        Some(d) => self.queue.charges().record_diagnostics(op, &d),
+                        None => self.queue.charges().record(op, None),
+                    }
+                    Ok(Write::Lost)
+                }
+                NOT_FOUND => Ok(Write::Missing),
+                _ => Err(QueueError::cosmos(op)(e)),
+            },
+        }
+    }
+}
