@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use url::Url;
 
-use cosmosq_queue::connection::EMULATOR_KEY;
+use cosmosq_queue::cosmos::connection::EMULATOR_KEY;
 use cosmosq_queue::{QueueError, Result};
 
 /// The SDK's fault injection, for the fault suite ([`Emulator::client_with_faults`]).

@@ -456,7 +456,7 @@ mod tests {
                 .await;
             assert_eq!(
                 hpa["spec"]["metrics"][0]["external"]["metric"]["name"],
-                "cosmosq_backlog"
+                "cosmosq_backlog_messages"
             );
         });
         let applied = apply_group(

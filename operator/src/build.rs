@@ -8,6 +8,7 @@ use cosmosq_crds::{
     AppFormat, CosmosQueue, Credentials, DeliveryMode, QueueConsumerGroup, ScalingMode, StartFrom,
 };
 use cosmosq_queue::env as env_names;
+use cosmosq_queue::metric_names;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::autoscaling::v2::{
     CrossVersionObjectReference, ExternalMetricSource, HPAScalingRules, HorizontalPodAutoscaler,
@@ -39,8 +40,6 @@ const MIN_TERMINATION_GRACE_SECONDS: i64 = 30;
 const DRAIN_MARGIN_SECONDS: i64 = 10;
 /// Beyond the drain, what the pod's grace allows the app for its own shutdown.
 const APP_STOP_MARGIN_SECONDS: i64 = 15;
-/// The external metric HPA mode scales on (served by the operator).
-pub const BACKLOG_METRIC: &str = "cosmosq_backlog";
 
 /// Parses a free-form part of the spec as the Kubernetes type it must be, refusing fields that
 /// type does not have: a typo (`imagePullPolicy: Always` under `resources`, `volumeMount`) would
@@ -574,7 +573,8 @@ pub fn role_binding(
     })
 }
 
-/// HPA mode: scale the Deployment on the operator's external metric `cosmosq_backlog`.
+/// HPA mode: scale the Deployment on the operator's external metric, the group's backlog
+/// ([`metric_names::BACKLOG`]).
 pub fn hpa(
     qcg: &QueueConsumerGroup,
     settings: &GroupSettings,
@@ -605,7 +605,7 @@ pub fn hpa(
                 type_: "External".into(),
                 external: Some(ExternalMetricSource {
                     metric: MetricIdentifier {
-                        name: BACKLOG_METRIC.into(),
+                        name: metric_names::BACKLOG.into(),
                         selector: Some(selector),
                     },
                     target: MetricTarget {
@@ -1058,7 +1058,7 @@ mod tests {
         assert_eq!(spec.scale_target_ref.name, "billing-workers");
         assert_eq!((spec.min_replicas, spec.max_replicas), (Some(1), 20));
         let external = spec.metrics.unwrap()[0].external.clone().unwrap();
-        assert_eq!(external.metric.name, "cosmosq_backlog");
+        assert_eq!(external.metric.name, "cosmosq_backlog_messages");
         let labels = external.metric.selector.unwrap().match_labels.unwrap();
         assert_eq!(
             (labels["queue"].as_str(), labels["group"].as_str()),

@@ -180,10 +180,11 @@ impl Cosmos {
     pub async fn provision(
         &self,
         cq: &CosmosQueue,
-    ) -> Result<(Queue, cosmosq_queue::provision::Provisioned), CosmosError> {
+    ) -> Result<(Queue, cosmosq_queue::cosmos::provision::Provisioned), CosmosError> {
         let config = spec::queue(&cq.spec)?;
         let client = self.connect(cq).await?;
-        let (queue, provisioned) = cosmosq_queue::provision::provision(&client, &config).await?;
+        let (queue, provisioned) =
+            cosmosq_queue::cosmos::provision::provision(&client, &config).await?;
         self.queues
             .lock()
             .await
@@ -196,7 +197,7 @@ impl Cosmos {
         let config = spec::queue(&cq.spec)?;
         let client = self.connect(cq).await?;
         self.forget(cq).await;
-        Ok(cosmosq_queue::provision::deprovision(&client, &config).await?)
+        Ok(cosmosq_queue::cosmos::provision::deprovision(&client, &config).await?)
     }
 
     /// Drops the open handle, so the next use re-reads the Secret (a rotated key gets a new

@@ -22,14 +22,13 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use cosmosq_queue::metric_names;
+
 use crate::auth::{Attributes, AuthError, Authorizer, RequestHeader};
-use crate::build::BACKLOG_METRIC;
 use crate::context::{Figures, GroupFigures};
 use crate::metrics::Metrics;
 use crate::tls::ServingTls;
 
-/// The lag metric, next to `cosmosq_backlog`.
-pub const LAG_METRIC: &str = "cosmosq_lag";
 const EXTERNAL_METRICS_GROUP: &str = "external.metrics.k8s.io";
 const EXTERNAL_METRICS: &str = "/apis/external.metrics.k8s.io/v1beta1";
 
@@ -238,7 +237,7 @@ async fn discovery(
     Json(json!({
         "kind": "APIResourceList", "apiVersion": "v1",
         "groupVersion": "external.metrics.k8s.io/v1beta1",
-        "resources": [resource(BACKLOG_METRIC), resource(LAG_METRIC)]
+        "resources": [resource(metric_names::BACKLOG), resource(metric_names::LAG)]
     }))
     .into_response()
 }
@@ -306,13 +305,13 @@ async fn external_metric(
     if let Some(response) = shared.not_leading() {
         return response;
     }
-    if metric != BACKLOG_METRIC && metric != LAG_METRIC {
+    let Some(figure) = metric_names::external(&metric) else {
         return status_error(
             StatusCode::NOT_FOUND,
             "NotFound",
             format!("no external metric {metric}"),
         );
-    }
+    };
     let labels = match parse_selector(&query.label_selector) {
         Ok(labels) => labels,
         Err(e) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", e),
@@ -323,7 +322,7 @@ async fn external_metric(
         .values()
         .filter(|f| f.namespace == namespace && matches(f, &labels))
     {
-        let value = if metric == BACKLOG_METRIC {
+        let value = if figure == metric_names::BACKLOG {
             f.backlog
         } else {
             f.lag
@@ -535,7 +534,21 @@ mod tests {
         )
         .await
         .unwrap();
-        server.grant(HPA, "get", EXTERNAL_METRICS_GROUP, BACKLOG_METRIC, "shop");
+        server.grant(
+            HPA,
+            "get",
+            EXTERNAL_METRICS_GROUP,
+            metric_names::BACKLOG,
+            "shop",
+        );
+        // An HPA written against the name the backlog had before.
+        server.grant(
+            HPA,
+            "get",
+            EXTERNAL_METRICS_GROUP,
+            "cosmosq_backlog",
+            "shop",
+        );
         server.issue_token("keda-token", KEDA);
         server.grant(
             KEDA,
@@ -643,7 +656,8 @@ mod tests {
         )
     }
 
-    const BACKLOG: &str = "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_backlog";
+    const BACKLOG: &str =
+        "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_backlog_messages";
 
     #[tokio::test]
     async fn the_hpa_reads_the_backlog_of_the_selected_group_through_the_front_proxy() {
@@ -659,6 +673,19 @@ mod tests {
         assert_eq!(body["items"][0]["value"], "420");
         assert_eq!(body["items"][0]["metricLabels"]["group"], "billing");
         assert_eq!(body["items"][0]["timestamp"], "2023-11-14T22:13:20Z");
+        // The backlog's old name is the same figure.
+        let (status, old) = served
+            .as_user(
+                HPA,
+                "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_backlog?labelSelector=group%3Dbilling",
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{old}");
+        assert_eq!(old["items"][0]["value"], "420");
+        assert_eq!(
+            old["items"][0]["metricName"], "cosmosq_backlog",
+            "answered by the name asked"
+        );
         // Another group selects nothing; a metric that does not exist is not found.
         let (_, body) = served
             .as_user(HPA, &format!("{BACKLOG}?labelSelector=group%3Dshipping"))
@@ -715,20 +742,20 @@ mod tests {
             body["message"]
                 .as_str()
                 .unwrap()
-                .contains("cosmosq_backlog"),
+                .contains("cosmosq_backlog_messages"),
             "{body}"
         );
         let (status, _) = served
             .as_user(
                 HPA,
-                "/apis/external.metrics.k8s.io/v1beta1/namespaces/bank/cosmosq_backlog",
+                "/apis/external.metrics.k8s.io/v1beta1/namespaces/bank/cosmosq_backlog_messages",
             )
             .await;
         assert_eq!(status, StatusCode::FORBIDDEN);
         let (status, _) = served
             .as_user(
                 HPA,
-                "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_lag",
+                "/apis/external.metrics.k8s.io/v1beta1/namespaces/shop/cosmosq_lag_messages",
             )
             .await;
         assert_eq!(status, StatusCode::FORBIDDEN);

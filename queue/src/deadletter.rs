@@ -5,10 +5,10 @@ use serde::Serialize;
 use serde_json::json;
 use tracing::info;
 
+use crate::cosmos::sql;
 use crate::error::Result;
 use crate::group::Group;
 use crate::message::{Message, MessageKey};
-use crate::sql;
 use crate::state::{MessageState, StateDoc, STATE_DOC_TYPE};
 
 /// A dead-lettered message as users see it.

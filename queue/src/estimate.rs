@@ -25,12 +25,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::config::StartFrom;
+use crate::cosmos::feed;
+use crate::cosmos::sql;
 use crate::error::{QueueError, Result};
-use crate::feed;
 use crate::group::Group;
 use crate::lease::{Lease, LeaseStore};
 use crate::range::epk_in;
-use crate::sql;
 use crate::state::STATE_DOC_TYPE;
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -87,6 +87,32 @@ pub const MAX_PENDING: usize = 10_000;
 /// Below this LSN distance the lag is counted item by item instead of estimated.
 const EXACT_COUNT_LIMIT: u64 = 500;
 const EXACT_COUNT_PAGE: u32 = 1000;
+
+/// What a range's LSNs say of its lag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LsnLag {
+    /// About this many messages are unread.
+    Estimated(u64),
+    /// Few enough to count them by reading: LSNs count writes, and a transactional batch is
+    /// one write, so a small estimate (where scale-from-zero and scale-in are decided) is
+    /// made exact.
+    CountExactly,
+    /// An LSN is missing.
+    Unknown,
+}
+
+/// The lag of a range from its session LSN (the feed page's header) and the LSN of its first
+/// unread item: the distance, plus that item itself (pure). A session LSN behind the item (a
+/// replica that lags the one that served the item) counts as the item alone.
+pub fn lsn_lag(session_lsn: Option<u64>, first_unread_lsn: Option<u64>) -> LsnLag {
+    match (session_lsn, first_unread_lsn) {
+        (Some(session), Some(item)) => match session.saturating_sub(item) + 1 {
+            n if n <= EXACT_COUNT_LIMIT => LsnLag::CountExactly,
+            n => LsnLag::Estimated(n),
+        },
+        _ => LsnLag::Unknown,
+    }
+}
 
 /// What the change feed says about one lease: unread count and the first unread message.
 #[derive(Debug, Default)]
@@ -255,15 +281,10 @@ impl Group {
             Some(lsn) => Some(lsn),
             None => self.item_lsn(&first).await?,
         };
-        let lag = match (partition_lsn, item_lsn) {
-            (Some(session), Some(item)) => Some(session.saturating_sub(item) + 1),
-            _ => None,
-        };
-        // LSNs count writes, and a transactional batch is one write: when the estimate is
-        // small (where scale-from-zero and scale-in decisions are made), count exactly.
-        let lag = match lag {
-            Some(n) if n <= EXACT_COUNT_LIMIT => Some(self.count_unread(lease).await?),
-            other => other,
+        let lag = match lsn_lag(partition_lsn, item_lsn) {
+            LsnLag::Estimated(n) => Some(n),
+            LsnLag::CountExactly => Some(self.count_unread(lease).await?),
+            LsnLag::Unknown => None,
         };
         Ok(FeedLag {
             lag,
@@ -321,6 +342,27 @@ impl Group {
             }
             Err(e) if crate::error::status_of(&e) == crate::error::NOT_FOUND => Ok(None),
             Err(e) => Err(QueueError::cosmos("estimate lag")(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lag_is_the_lsn_distance_plus_the_first_unread_item() {
+        let limit = EXACT_COUNT_LIMIT;
+        for (session, first, expected) in [
+            (Some(5_000), Some(1_000), LsnLag::Estimated(4_001)),
+            (Some(limit + 1), Some(1), LsnLag::Estimated(limit + 1)),
+            (Some(limit), Some(1), LsnLag::CountExactly), // the limit itself is counted
+            (Some(1_000), Some(1_000), LsnLag::CountExactly),
+            (Some(900), Some(1_000), LsnLag::CountExactly), // a session behind the item
+            (None, Some(1_000), LsnLag::Unknown),
+            (Some(1_000), None, LsnLag::Unknown),
+        ] {
+            assert_eq!(lsn_lag(session, first), expected, "{session:?} {first:?}");
         }
     }
 }

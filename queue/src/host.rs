@@ -6,7 +6,7 @@
 //! cannot renew a lease stops reading that range (fencing); a graceful stop drains, checkpoints
 //! and releases its leases at once so others take them without waiting for expiry.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,13 +16,16 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::{AbortOnDropHandle, TaskTracker};
-use tracing::{debug, info, warn};
+use tracing::{debug, info, instrument, warn};
 
 use crate::balance::{self, LeaseView};
+use crate::checkpoint::Checkpoint;
 use crate::clock::duration_ms;
-use crate::consumer::{AdaptivePoll, ConsumerStats, Fate, Handler, Permit, Worker};
+use crate::config::DeliveryMode;
+use crate::consumer::{AdaptivePoll, ConsumerStats, Handler};
+use crate::cosmos::feed::FeedReader;
+use crate::delivery::{Deliverer, Fate, Permit};
 use crate::error::{QueueError, Result};
-use crate::feed::FeedReader;
 use crate::group::Group;
 use crate::lease::{Lease, LeaseError, LeaseStore};
 use crate::message::Message;
@@ -143,8 +146,8 @@ impl<H: Handler> Host<H> {
         Arc::clone(&self.stats)
     }
 
-    fn worker(&self) -> Arc<Worker<H>> {
-        Arc::new(Worker {
+    fn deliverer(&self) -> Arc<Deliverer<H>> {
+        Arc::new(Deliverer {
             group: self.group.clone(),
             handler: Arc::clone(&self.handler),
             holder: self.options.name.clone(),
@@ -161,7 +164,7 @@ impl<H: Handler> Host<H> {
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         self.options.validate()?;
         let permits = Arc::new(Semaphore::new(self.options.max_concurrency));
-        let worker = self.worker();
+        let deliverer = self.deliverer();
         let mut owned: HashMap<String, Running> = HashMap::new();
         let mut sweeps = JoinSet::new();
         let tracker = TaskTracker::new();
@@ -175,14 +178,14 @@ impl<H: Handler> Host<H> {
                 biased;
                 _ = shutdown.cancelled() => break,
                 _ = acquire.tick() => {
-                    if let Err(e) = self.balance_round(&mut owned, &permits, &worker, &tracker).await {
+                    if let Err(e) = self.balance_round(&mut owned, &permits, &deliverer, &tracker).await {
                         ConsumerStats::bump(&self.stats.errors);
                         warn!(group = self.group.name(), host = %self.options.name, error = %e, "lease round failed; trying again next interval");
                     }
                 }
                 _ = sweep.tick() => {
                     let ranges: Vec<_> = owned.values().map(|r| r.range.clone()).collect();
-                    self.sweep(&ranges, &permits, &worker, &mut sweeps).await
+                    self.sweep(&ranges, &permits, &deliverer, &mut sweeps).await
                 }
             }
         }
@@ -210,7 +213,7 @@ impl<H: Handler> Host<H> {
         &self,
         owned: &mut HashMap<String, Running>,
         permits: &Arc<Semaphore>,
-        worker: &Arc<Worker<H>>,
+        deliverer: &Arc<Deliverer<H>>,
         tracker: &TaskTracker,
     ) -> Result<()> {
         let ended: Vec<String> = owned
@@ -308,7 +311,7 @@ impl<H: Handler> Host<H> {
                     let processor = RangeProcessor {
                         store: self.store.clone(),
                         group: self.group.clone(),
-                        worker: Arc::clone(worker),
+                        deliverer: Arc::clone(deliverer),
                         permits: Arc::clone(permits),
                         options: self.options.clone(),
                         stats: Arc::clone(&self.stats),
@@ -339,7 +342,7 @@ impl<H: Handler> Host<H> {
         &self,
         ranges: &[(String, String)],
         permits: &Arc<Semaphore>,
-        worker: &Arc<Worker<H>>,
+        deliverer: &Arc<Deliverer<H>>,
         sweeps: &mut JoinSet<()>,
     ) {
         if ranges.is_empty() {
@@ -353,11 +356,11 @@ impl<H: Handler> Host<H> {
         match self.group.due(limit, Some(ranges)).await {
             Ok(docs) => {
                 for doc in docs {
-                    let worker = Arc::clone(worker);
+                    let deliverer = Arc::clone(deliverer);
                     let permits = Arc::clone(permits);
                     sweeps.spawn(async move {
                         let mut permit = Permit::acquire(permits).await;
-                        worker.process_due(doc, &mut permit).await;
+                        deliverer.process_due(doc, &mut permit).await;
                     });
                 }
             }
@@ -373,7 +376,7 @@ impl<H: Handler> Host<H> {
 struct RangeProcessor<H> {
     store: LeaseStore,
     group: Group,
-    worker: Arc<Worker<H>>,
+    deliverer: Arc<Deliverer<H>>,
     permits: Arc<Semaphore>,
     options: HostOptions,
     stats: Arc<ConsumerStats>,
@@ -416,7 +419,7 @@ struct Stops {
 
 /// One message of a range on its way to the handler.
 struct RangeDelivery<H> {
-    worker: Arc<Worker<H>>,
+    deliverer: Arc<Deliverer<H>>,
     permits: Arc<Semaphore>,
     stop: Stops,
     page_started: Arc<AtomicBool>,
@@ -472,7 +475,7 @@ impl<H: Handler> RangeDelivery<H> {
                 biased;
                 _ = self.stop.step_aside.cancelled() => false,
                 _ = self.stop.draining.cancelled() => false,
-                _ = self.worker.settled(&message.partition_key, &previous_id) => true,
+                _ = self.deliverer.settled(&message.partition_key, &previous_id) => true,
             },
         }
     }
@@ -495,7 +498,7 @@ impl<H: Handler> RangeDelivery<H> {
         self.page_started.store(true, Ordering::SeqCst);
         drop(turn_done);
         let mut permit = Permit::held(Arc::clone(&self.permits), permit);
-        self.worker
+        self.deliverer
             .process(message, &self.stop.give_up, &mut permit, self.check_state)
             .await
     }
@@ -529,46 +532,139 @@ fn abandon(stops: &Stops, deliveries: &mut JoinSet<()>) {
     deliveries.detach_all();
 }
 
-/// Another host asked for the range (stream groups): stop reading, let what is under way
-/// settle, then the drain checkpoints and releases it (the release keeps the reservation).
-fn hand_over(lease: &Lease, reading: &mut bool, draining: &[&CancellationToken]) {
-    if *reading {
-        info!(group = %lease.group, lease = %lease.range_label(), to = lease.handover_to.as_deref().unwrap_or_default(), "handing the range over: draining, then checkpoint and release");
-        *reading = false;
-        for token in draining {
-            token.cancel();
-        }
-    }
-}
-
 /// The lease expiry hosts use unless told otherwise (the change feed processor's 60 s); also
 /// what tools that create or judge leases from outside a host assume.
 pub const DEFAULT_LEASE_EXPIRE: Duration = Duration::from_secs(60);
 
-/// A page of the feed whose messages are not all settled yet.
-struct PageSlot {
-    seq: u64,
-    /// The position after this page: where reading resumes once it and all before it settle.
-    token: Option<String>,
-    remaining: usize,
-    /// A message whose fate could not be written: the checkpoint stays before this page, so
-    /// the range's next reader delivers it again.
-    unrecorded: bool,
+/// What one range's processing keeps while its lease is held.
+struct Reading {
+    lease: Lease,
+    reader: FeedReader,
+    /// Deliveries report here: (page, whether the message's fate is recorded).
+    done_tx: mpsc::UnboundedSender<(u64, bool)>,
+    done_rx: mpsc::UnboundedReceiver<(u64, bool)>,
+    deliveries: JoinSet<()>,
+    stops: Stops,
+    checkpoint: Checkpoint,
+    in_flight: usize,
+    poll: AdaptivePoll,
+    /// Still reading the feed (not draining or handing over).
+    reading: bool,
+    /// Ordered groups: each key's last message's fate, which its next message waits for.
+    chains: HashMap<String, oneshot::Receiver<KeyFate>>,
+    /// Messages read so far; the first window after taking a range is checked for state the
+    /// previous owner left (see `RangeDelivery::check_state`).
+    read: usize,
+    /// The last delivery's "got a permit" signal (unordered groups).
+    in_feed_order: Option<oneshot::Receiver<()>>,
 }
+
+impl Reading {
+    /// Nothing in flight and nothing more to read: the range is drained.
+    fn drained(&self) -> bool {
+        self.in_flight == 0 && !self.reading
+    }
+
+    fn checkpoint_due(&self) -> bool {
+        self.checkpoint.position() != &self.lease.continuation
+    }
+
+    /// The host stops: stop reading, let what is under way settle.
+    fn drain(&mut self) {
+        self.reading = false;
+        self.stops.give_up.cancel();
+        self.stops.draining.cancel();
+        debug!(in_flight = self.in_flight, "draining range");
+    }
+
+    fn delivered(&mut self, seq: u64, recorded: bool) {
+        while self.deliveries.try_join_next().is_some() {}
+        self.in_flight -= 1;
+        self.checkpoint.settled(seq, recorded);
+    }
+
+    /// Another host asked for the range (stream groups): stop reading, let what is under way
+    /// settle, then the drain checkpoints and releases it (the release keeps the reservation).
+    fn hand_over(&mut self, current: Lease) {
+        self.lease = current;
+        if self.reading {
+            info!(
+                to = self.lease.handover_to.as_deref().unwrap_or_default(),
+                "handing the range over: draining, then checkpoint and release"
+            );
+            self.reading = false;
+            self.stops.give_up.cancel();
+            self.stops.draining.cancel();
+        }
+    }
+
+    /// When a delivery may start: FIFO per key waits for the key's previous message;
+    /// otherwise permits are taken in feed order, so that when the range stops, what is under
+    /// way is the oldest, and what steps aside comes after it, behind the checkpoint, with
+    /// nothing done after it.
+    fn turn(&mut self, ordered: bool, message: &Message) -> Turn {
+        if ordered {
+            let (tx, rx) = oneshot::channel();
+            Turn::Key {
+                previous: self.chains.insert(message.partition_key.canonical(), rx),
+                next: tx,
+            }
+        } else {
+            let (tx, rx) = oneshot::channel();
+            Turn::Feed {
+                previous: self.in_feed_order.replace(rx),
+                next: Some(tx),
+            }
+        }
+    }
+}
+
+/// What a step of a range's loop leaves it with: go on, or stop with this exit (the lease is
+/// gone: what waits steps aside, what is under way finishes under its own claims).
+type Step = Option<RangeExit>;
 
 impl<H: Handler> RangeProcessor<H> {
     fn now(&self) -> i64 {
         self.group.queue().clock().now_ms()
     }
 
-    async fn run(self, mut lease: Lease, stop: CancellationToken) -> RangeExit {
-        let label = lease.range_label();
-        let group = self.group.name().to_owned();
-        let range = match lease.feed_range() {
+    #[instrument(skip_all, fields(group = %lease.group, lease = %lease.range_label()))]
+    async fn run(self, lease: Lease, stop: CancellationToken) -> RangeExit {
+        let mut r = match self.start(lease) {
             Ok(r) => r,
             Err(e) => return RangeExit::Failed(e),
         };
-        let mut reader = FeedReader::new(
+        let mut renew = tokio::time::interval(self.options.lease_renew);
+        renew.reset(); // acquiring just renewed it
+        let mut flush = tokio::time::interval(self.options.checkpoint_interval);
+        while !r.drained() {
+            let step = tokio::select! {
+                biased;
+                _ = stop.cancelled(), if r.reading => {
+                    r.drain();
+                    None
+                }
+                Some((seq, recorded)) = r.done_rx.recv() => {
+                    r.delivered(seq, recorded);
+                    None
+                }
+                _ = renew.tick() => self.renew(&mut r).await,
+                _ = flush.tick(), if r.checkpoint_due() => self.write_checkpoint(&mut r.lease, r.checkpoint.position()).await,
+                _ = tokio::time::sleep(r.poll.delay()), if r.reading && r.in_flight < self.options.max_in_flight_per_range => {
+                    self.read_page(&mut r).await
+                }
+            };
+            if let Some(exit) = step {
+                abandon(&r.stops, &mut r.deliveries);
+                return exit;
+            }
+        }
+        self.finish(r).await
+    }
+
+    fn start(&self, lease: Lease) -> Result<Reading> {
+        let range = lease.feed_range()?;
+        let reader = FeedReader::new(
             self.group.queue().messages().clone(),
             FeedScope::range(range),
             self.group.config().start_from,
@@ -576,181 +672,152 @@ impl<H: Handler> RangeProcessor<H> {
             self.options.page_size,
             Arc::clone(self.group.queue().charges()),
         );
-        // (page, whether the message's fate is recorded).
-        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u64, bool)>();
-        let mut deliveries = JoinSet::new();
-        let stops = Stops {
-            step_aside: CancellationToken::new(),
-            draining: CancellationToken::new(),
-            give_up: CancellationToken::new(),
-        };
-        let mut window: VecDeque<PageSlot> = VecDeque::new();
-        let mut in_flight = 0usize;
-        let mut next_seq = 0u64;
-        let mut checkpoint = lease.continuation.clone();
-        let mut poll = AdaptivePoll::new(self.options.min_poll, self.options.max_poll);
-        let mut renew = tokio::time::interval(self.options.lease_renew);
-        renew.reset(); // acquiring just renewed it
-        let mut flush = tokio::time::interval(self.options.checkpoint_interval);
-        let mut reading = true;
-        let ordered = self.group.config().ordered;
-        let stream = self.group.config().mode == crate::config::DeliveryMode::Stream;
-        let mut chains: HashMap<String, oneshot::Receiver<KeyFate>> = HashMap::new();
-        // Messages read so far; the first window after taking a range is checked for state the
-        // previous owner left (see `RangeDelivery::check_state`).
-        let mut read = 0usize;
-        // The last delivery's "got a permit" signal (unordered groups).
-        let mut in_feed_order: Option<oneshot::Receiver<()>> = None;
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        Ok(Reading {
+            checkpoint: Checkpoint::new(lease.continuation.clone()),
+            lease,
+            reader,
+            done_tx,
+            done_rx,
+            deliveries: JoinSet::new(),
+            stops: Stops {
+                step_aside: CancellationToken::new(),
+                draining: CancellationToken::new(),
+                give_up: CancellationToken::new(),
+            },
+            in_flight: 0,
+            poll: AdaptivePoll::new(self.options.min_poll, self.options.max_poll),
+            reading: true,
+            chains: HashMap::new(),
+            read: 0,
+            in_feed_order: None,
+        })
+    }
 
-        loop {
-            let idle = in_flight == 0 && !reading;
-            if idle {
-                break;
-            }
-            tokio::select! {
-                biased;
-                _ = stop.cancelled(), if reading => {
-                    reading = false;
-                    stops.give_up.cancel();
-                    stops.draining.cancel();
-                    debug!(%group, lease = %label, in_flight, "draining range");
+    /// Renews the lease. Fencing: when another host owns the range now, or the lease expired
+    /// without a renewal, nothing more is read from it.
+    async fn renew(&self, r: &mut Reading) -> Step {
+        match self.store.renew(&r.lease, self.now()).await {
+            Ok(renewed) => r.lease = renewed,
+            Err(LeaseError::Lost) => match self.current(&r.lease).await {
+                // Changed but still ours: another host asked for it (stream groups).
+                Ok(Some(current)) if current.handover_to.is_some() => r.hand_over(current),
+                Ok(Some(current)) => r.lease = current,
+                _ => {
+                    warn!(owner = %self.options.name, in_flight = r.in_flight, "lease lost; stopped reading the range");
+                    return Some(RangeExit::Lost);
                 }
-                Some((seq, recorded)) = done_rx.recv() => {
-                    while deliveries.try_join_next().is_some() {}
-                    in_flight -= 1;
-                    if let Some(slot) = window.iter_mut().find(|s| s.seq == seq) {
-                        slot.remaining -= 1;
-                        slot.unrecorded |= !recorded;
-                    }
-                    advance(&mut window, &mut checkpoint);
-                }
-                _ = renew.tick() => {
-                    match self.store.renew(&lease, self.now()).await {
-                        Ok(renewed) => lease = renewed,
-                        Err(LeaseError::Lost) => match self.current(&lease).await {
-                            // Changed but still ours: another host asked for it (stream groups).
-                            Ok(Some(current)) => {
-                                lease = current;
-                                if lease.handover_to.is_some() {
-                                    hand_over(&lease, &mut reading, &[&stops.give_up, &stops.draining]);
-                                }
-                            }
-                            _ => {
-                                // Fencing: another host owns the range now; read nothing more.
-                                warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease lost; stopped reading the range");
-                                // Deliveries in flight finish and settle under their own claims.
-                                abandon(&stops, &mut deliveries);
-                                return RangeExit::Lost;
-                            }
-                        },
-                        Err(LeaseError::Other(e)) => {
-                            warn!(%group, lease = %label, error = %e, "lease renewal failed; retrying");
-                            if self.now() - lease.timestamp > duration_ms(self.options.lease_expire) {
-                                warn!(%group, lease = %label, "lease expired without renewal; stopped reading the range");
-                                abandon(&stops, &mut deliveries);
-                                return RangeExit::Lost;
-                            }
-                        }
-                    }
-                }
-                _ = flush.tick(), if checkpoint != lease.continuation => {
-                    if let Some(exit) = self.write_checkpoint(&mut lease, &checkpoint).await {
-                        abandon(&stops, &mut deliveries);
-                        return exit;
-                    }
-                }
-                _ = tokio::time::sleep(poll.delay()), if reading && in_flight < self.options.max_in_flight_per_range => {
-                    match reader.next_page().await {
-                        Ok((docs, token)) => {
-                            if docs.is_empty() {
-                                poll.idle();
-                                tracing::trace!(%group, lease = %label, next_read_ms = poll.delay().as_millis() as u64, "feed idle; backing off");
-                            } else {
-                                poll.observed(docs.len(), self.options.page_size as usize);
-                                // Stream mode has no claims to stop a second reader: check the
-                                // lease is still ours before handing out a page (1 RU a page).
-                                if stream {
-                                    match self.current_confirmed(&lease).await {
-                                        Err(()) => {
-                                            warn!(%group, lease = %label, owner = %self.options.name, in_flight, "lease taken by another host; stopped reading the range");
-                                            abandon(&stops, &mut deliveries);
-                                            return RangeExit::Lost;
-                                        }
-                                        Ok(Some(current)) if current.handover_to.is_some() => {
-                                            // Asked for: this page is left to the next owner.
-                                            lease = current;
-                                            hand_over(&lease, &mut reading, &[&stops.give_up, &stops.draining]);
-                                            continue;
-                                        }
-                                        Ok(_) => {}
-                                    }
-                                }
-                            }
-                            let seq = next_seq;
-                            next_seq += 1;
-                            let mut slot = PageSlot { seq, token, remaining: 0, unrecorded: false };
-                            let page_started = Arc::new(AtomicBool::new(false));
-                            for doc in docs {
-                                let message = match Message::from_document(&doc, self.group.queue().config().partition_key_field()) {
-                                    Ok(m) => m,
-                                    Err(reason) => {
-                                        ConsumerStats::bump(&self.stats.malformed);
-                                        warn!(queue = self.group.queue().name(), id = ?doc.get("id"), %reason, "skipping a malformed document in the messages container");
-                                        continue;
-                                    }
-                                };
-                                slot.remaining += 1;
-                                in_flight += 1;
-                                // FIFO per key: each message waits for its key's previous one.
-                                // Otherwise, permits in feed order: when the range stops, what
-                                // is under way is then the oldest, and those stepping aside come
-                                // after it, behind the checkpoint, with nothing done after them.
-                                let turn = if ordered {
-                                    let (tx, rx) = oneshot::channel();
-                                    Turn::Key { previous: chains.insert(message.partition_key.canonical(), rx), next: tx }
-                                } else {
-                                    let (tx, rx) = oneshot::channel();
-                                    Turn::Feed { previous: in_feed_order.replace(rx), next: Some(tx) }
-                                };
-                                let check_state = stream && ordered && read < self.options.max_in_flight_per_range;
-                                read += 1;
-                                let delivery = RangeDelivery {
-                                    worker: Arc::clone(&self.worker),
-                                    permits: Arc::clone(&self.permits),
-                                    stop: stops.clone(),
-                                    page_started: Arc::clone(&page_started),
-                                    check_state,
-                                };
-                                let done = done_tx.clone();
-                                deliveries.spawn(self.deliveries.track_future(async move {
-                                    let fate = delivery.run(message, turn).await;
-                                    let _ = done.send((seq, fate.is_recorded()));
-                                }));
-                            }
-                            window.push_back(slot);
-                            if chains.len() > MAX_IDLE_CHAINS {
-                                forget_settled_keys(&mut chains);
-                            }
-                            advance(&mut window, &mut checkpoint);
-                        }
-                        Err(e) => {
-                            ConsumerStats::bump(&self.stats.errors);
-                            poll.idle();
-                            warn!(%group, lease = %label, error = %e, "change feed read failed; retrying");
-                        }
-                    }
+            },
+            Err(LeaseError::Other(e)) => {
+                warn!(error = %e, "lease renewal failed; retrying");
+                if self.now() - r.lease.timestamp > duration_ms(self.options.lease_expire) {
+                    warn!("lease expired without renewal; stopped reading the range");
+                    return Some(RangeExit::Lost);
                 }
             }
         }
-        // Drained: record where we are and hand the lease back.
-        if checkpoint != lease.continuation {
-            if let Some(exit) = self.write_checkpoint(&mut lease, &checkpoint).await {
+        None
+    }
+
+    /// Reads the next page and hands its messages out.
+    async fn read_page(&self, r: &mut Reading) -> Step {
+        let (docs, token) = match r.reader.next_page().await {
+            Ok(page) => page,
+            Err(e) => {
+                ConsumerStats::bump(&self.stats.errors);
+                r.poll.idle();
+                warn!(error = %e, "change feed read failed; retrying");
+                return None;
+            }
+        };
+        if docs.is_empty() {
+            r.poll.idle();
+            tracing::trace!(
+                next_read_ms = r.poll.delay().as_millis() as u64,
+                "feed idle; backing off"
+            );
+        } else {
+            r.poll.observed(docs.len(), self.options.page_size as usize);
+            // Stream mode has no claims to stop a second reader: check the lease is still
+            // ours before handing out a page (1 RU a page).
+            if self.group.config().mode == DeliveryMode::Stream {
+                match self.current_confirmed(&r.lease).await {
+                    Err(()) => {
+                        warn!(owner = %self.options.name, in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
+                        return Some(RangeExit::Lost);
+                    }
+                    Ok(Some(current)) if current.handover_to.is_some() => {
+                        // Asked for: this page is left to the next owner.
+                        r.hand_over(current);
+                        return None;
+                    }
+                    Ok(_) => {}
+                }
+            }
+        }
+        let messages = self.messages(docs);
+        let seq = r.checkpoint.read(token, messages.len());
+        self.dispatch(r, seq, messages);
+        if r.chains.len() > MAX_IDLE_CHAINS {
+            forget_settled_keys(&mut r.chains);
+        }
+        None
+    }
+
+    /// A page's messages; malformed documents are counted and skipped with a reason.
+    fn messages(&self, docs: Vec<serde_json::Value>) -> Vec<Message> {
+        let field = self.group.queue().config().partition_key_field();
+        docs.into_iter()
+            .filter_map(|doc| match Message::from_document(&doc, field) {
+                Ok(message) => Some(message),
+                Err(reason) => {
+                    ConsumerStats::bump(&self.stats.malformed);
+                    warn!(queue = self.group.queue().name(), id = ?doc.get("id"), %reason, "skipping a malformed document in the messages container");
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// One delivery task per message of page `seq`, each taking its turn.
+    fn dispatch(&self, r: &mut Reading, seq: u64, messages: Vec<Message>) {
+        let config = self.group.config();
+        let ordered = config.ordered;
+        let stream = config.mode == DeliveryMode::Stream;
+        let page_started = Arc::new(AtomicBool::new(false));
+        for message in messages {
+            r.in_flight += 1;
+            let turn = r.turn(ordered, &message);
+            let check_state = stream && ordered && r.read < self.options.max_in_flight_per_range;
+            r.read += 1;
+            let delivery = RangeDelivery {
+                deliverer: Arc::clone(&self.deliverer),
+                permits: Arc::clone(&self.permits),
+                stop: r.stops.clone(),
+                page_started: Arc::clone(&page_started),
+                check_state,
+            };
+            let done = r.done_tx.clone();
+            r.deliveries.spawn(self.deliveries.track_future(async move {
+                let fate = delivery.run(message, turn).await;
+                let _ = done.send((seq, fate.is_recorded()));
+            }));
+        }
+    }
+
+    /// Drained: record where the range is and hand the lease back.
+    async fn finish(&self, mut r: Reading) -> RangeExit {
+        if r.checkpoint_due() {
+            if let Some(exit) = self
+                .write_checkpoint(&mut r.lease, r.checkpoint.position())
+                .await
+            {
                 return exit;
             }
         }
-        match self.store.release(&lease).await {
+        match self.store.release(&r.lease).await {
             Ok(()) => {
-                info!(%group, lease = %label, owner = %self.options.name, "lease released");
+                info!(owner = %self.options.name, "lease released");
                 RangeExit::Released
             }
             Err(LeaseError::Lost) => RangeExit::Lost,
@@ -813,67 +880,5 @@ impl<H: Handler> RangeProcessor<H> {
                 None
             }
         }
-    }
-}
-
-/// Pops the settled pages at the front of the window; the checkpoint becomes the position
-/// after the last of them — never past a page with an unsettled or unrecorded message.
-fn advance(window: &mut VecDeque<PageSlot>, checkpoint: &mut Option<String>) {
-    while window
-        .front()
-        .is_some_and(|s| s.remaining == 0 && !s.unrecorded)
-    {
-        let slot = window.pop_front().expect("checked");
-        if slot.token.is_some() {
-            *checkpoint = slot.token;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn slot(seq: u64, token: &str, remaining: usize) -> PageSlot {
-        PageSlot {
-            seq,
-            token: Some(token.into()),
-            remaining,
-            unrecorded: false,
-        }
-    }
-
-    #[test]
-    fn checkpoint_never_passes_a_message_whose_fate_was_not_written() {
-        let mut window: VecDeque<PageSlot> = [
-            slot(0, "t0", 0),
-            PageSlot {
-                unrecorded: true,
-                ..slot(1, "t1", 0)
-            },
-            slot(2, "t2", 0),
-        ]
-        .into();
-        let mut checkpoint = Some("start".to_string());
-        advance(&mut window, &mut checkpoint);
-        assert_eq!(checkpoint.as_deref(), Some("t0"));
-        assert_eq!(window.len(), 2, "held at the unrecorded page");
-    }
-
-    #[test]
-    fn checkpoint_never_passes_an_unsettled_page() {
-        let mut window: VecDeque<PageSlot> =
-            [slot(0, "t0", 1), slot(1, "t1", 0), slot(2, "t2", 0)].into();
-        let mut checkpoint = Some("start".to_string());
-        advance(&mut window, &mut checkpoint);
-        assert_eq!(
-            checkpoint.as_deref(),
-            Some("start"),
-            "page 0 still has a message out"
-        );
-        window[0].remaining = 0;
-        advance(&mut window, &mut checkpoint);
-        assert_eq!(checkpoint.as_deref(), Some("t2"));
-        assert!(window.is_empty());
     }
 }

@@ -17,10 +17,10 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use crate::config::StartFrom;
+use crate::cosmos::sql;
 use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND, PRECONDITION_FAILED};
 use crate::queue::Queue;
 use crate::range::{epk_cmp, missing_leases, narrow_continuation, range_bounds, split_children};
-use crate::sql;
 
 pub const LEASE_DOC_TYPE: &str = "lease";
 
@@ -157,7 +157,7 @@ impl LeaseStore {
     /// The feed's current position in a range (a token that reads only what comes after).
     async fn position_now(&self, min: &str, max: &str) -> Result<Option<String>> {
         let range = Lease::new(&self.group, min, max, None, 0).feed_range()?;
-        let mut pages = crate::feed::open(
+        let mut pages = crate::cosmos::feed::open(
             self.queue.messages(),
             FeedScope::range(range),
             StartFrom::Now,

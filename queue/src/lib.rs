@@ -9,44 +9,42 @@
 //! Nothing here knows about HTTP or Kubernetes; the sidecar and the operator build on it.
 #![forbid(unsafe_code)]
 
-pub mod account;
 pub mod backoff;
 pub mod balance;
-pub mod charge;
+mod checkpoint;
 pub mod clock;
 pub mod config;
-pub mod connection;
 pub mod consumer;
+pub mod cosmos;
 pub mod deadletter;
+mod delivery;
 pub mod env;
 pub mod error;
 pub mod estimate;
-mod feed;
 pub mod group;
 pub mod host;
 pub mod lease;
 pub mod measure;
 pub mod message;
+pub mod metric_names;
 pub mod producer;
-pub mod provision;
 pub mod queue;
 pub mod range;
 pub mod scaling;
-mod sql;
 pub mod state;
 
 pub use azure_data_cosmos::CosmosClient;
 pub use backoff::RetryPolicy;
-pub use charge::{ChargeSnapshot, RequestCharges};
 pub use clock::Clock;
 pub use config::{DeliveryMode, GroupConfig, QueueConfig, StartFrom, Throughput};
-pub use connection::{Auth, ConnectionArgs};
 pub use consumer::{Consumer, ConsumerOptions, ConsumerStats, Delivery, Handler, Outcome};
+pub use cosmos::charge::{ChargeSnapshot, RequestCharges};
+pub use cosmos::connection::{Auth, ConnectionArgs};
+pub use cosmos::provision::provision;
 pub use deadletter::DeadLetter;
 pub use error::{QueueError, Result};
 pub use group::{Claim, ClaimOutcome, Group, RetryOutcome};
 pub use message::{Body, Message, MessageError, MessageKey, NewMessage};
 pub use producer::{EnqueueError, EnqueueOutcome};
-pub use provision::provision;
 pub use queue::Queue;
 pub use state::{MessageState, StateDoc};

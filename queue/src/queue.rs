@@ -5,9 +5,9 @@ use std::sync::Arc;
 use azure_data_cosmos::models::PartitionKeyDefinition;
 use azure_data_cosmos::{ContainerClient, CosmosClient};
 
-use crate::charge::RequestCharges;
 use crate::clock::Clock;
 use crate::config::{GroupConfig, QueueConfig};
+use crate::cosmos::charge::RequestCharges;
 use crate::error::{QueueError, Result, NOT_FOUND};
 use crate::group::Group;
 use crate::message::{Message, MessageKey};
@@ -33,14 +33,14 @@ struct Inner {
 }
 
 impl Queue {
-    /// Opens a queue whose containers exist (see [`crate::provision`]).
+    /// Opens a queue whose containers exist (see [`crate::cosmos::provision`]).
     pub async fn open(client: &CosmosClient, config: QueueConfig) -> Result<Self> {
         Self::open_with_clock(client, config, Clock::system()).await
     }
 
     /// The queue's retention is the messages container's default TTL, read here: every
     /// process judges message expiry by the same number, whatever `config.retention` says
-    /// (that is only what [`crate::provision`] creates a container with).
+    /// (that is only what [`crate::cosmos::provision`] creates a container with).
     pub async fn open_with_clock(
         client: &CosmosClient,
         mut config: QueueConfig,
@@ -160,7 +160,7 @@ impl Queue {
     /// Documents that are not messages (written by something else) are counted, not shown.
     pub async fn peek(&self, limit: usize) -> Result<(Vec<Message>, usize)> {
         use futures::StreamExt;
-        let mut pages = crate::feed::open(
+        let mut pages = crate::cosmos::feed::open(
             self.messages(),
             azure_data_cosmos::FeedScope::full_container(),
             crate::config::StartFrom::Beginning,
@@ -197,11 +197,11 @@ impl Queue {
         struct Row {
             group: String,
         }
-        let query = crate::sql::query(
+        let query = crate::cosmos::sql::query(
             "SELECT c.group FROM c WHERE c.type = @type",
             &[("@type", serde_json::json!(crate::lease::LEASE_DOC_TYPE))],
         )?;
-        let rows: Vec<Row> = crate::sql::collect(
+        let rows: Vec<Row> = crate::cosmos::sql::collect(
             self.leases(),
             query,
             azure_data_cosmos::FeedScope::full_container(),

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use cosmosq_queue::estimate::GroupEstimate;
+use cosmosq_queue::metric_names;
 use cosmosq_queue::{ConsumerStats, RequestCharges};
 use prometheus::{
     histogram_opts, opts, CounterVec, Encoder, Histogram, IntCounter, IntCounterVec, IntGauge,
@@ -13,6 +14,8 @@ use prometheus::{
 
 pub struct Metrics {
     registry: Registry,
+    /// The names of the families registered, for [`Metrics::names`].
+    names: Vec<String>,
     pub deliveries: IntCounterVec,
     pub app_latency: Histogram,
     pub end_to_end: Histogram,
@@ -37,40 +40,52 @@ const LATENCY_BUCKETS: &[f64] = &[
 impl Metrics {
     pub fn new(queue: &str, group: &str) -> Self {
         let registry = Registry::new_custom(
-            Some("cosmosq".into()),
+            None,
             Some(HashMap::from([
                 ("queue".to_string(), queue.to_string()),
                 ("group".to_string(), group.to_string()),
+                (
+                    metric_names::SCOPE.to_string(),
+                    metric_names::SCOPE_POD.to_string(),
+                ),
             ])),
         )
         .expect("valid registry");
+        let mut names = Vec::new();
         macro_rules! register {
             ($metric:expr) => {{
                 let m = $metric.expect("valid metric");
+                names.extend(
+                    prometheus::core::Collector::desc(&m)
+                        .iter()
+                        .map(|d| d.fq_name.clone()),
+                );
                 registry
                     .register(Box::new(m.clone()))
                     .expect("metric registered once");
                 m
             }};
         }
-        let metrics = Self {
-            deliveries: register!(IntCounterVec::new(opts!("deliveries_total", "Deliveries to the app by outcome once settled (completed, retried, dead_lettered, lock_lost, failed)."), &["outcome"])),
-            app_latency: register!(Histogram::with_opts(histogram_opts!("app_request_duration_seconds", "Time the app took to answer one delivery.", LATENCY_BUCKETS.to_vec()))),
-            end_to_end: register!(Histogram::with_opts(histogram_opts!("end_to_end_latency_seconds", "Time from enqueue to the app's answer.", LATENCY_BUCKETS.to_vec()))),
-            in_flight: register!(IntGauge::new("in_flight", "Deliveries the app is working on.")),
-            leases_owned: register!(IntGauge::new("leases_owned", "Feed-range leases this sidecar holds.")),
-            lease_events: register!(IntCounterVec::new(opts!("lease_events_total", "Leases acquired and lost."), &["event"])),
-            lag: register!(IntGaugeVec::new(opts!("lag_messages", "Messages not yet read, per feed range this sidecar owns."), &["range"])),
-            backlog: register!(IntGauge::new("backlog_messages", "Messages not yet settled in the ranges this pod owns.")),
-            dead_letters: register!(IntGauge::new("dead_letters", "Messages in the group's dead letters.")),
-            request_units: register!(CounterVec::new(opts!("request_units_total", "Cosmos DB request units spent, by operation."), &["operation"])),
-            throttled: register!(IntCounter::new("throttled_requests_total", "Cosmos DB requests answered 429 (retried by the SDK).")),
-            enqueued: register!(IntCounterVec::new(opts!("enqueued_total", "Messages enqueued through the local API, by result."), &["result"])),
-            app_errors: register!(IntCounterVec::new(opts!("app_errors_total", "Deliveries the app could not take, by kind (timeout, connect, status)."), &["kind"])),
+        let mut metrics = Self {
+            deliveries: register!(IntCounterVec::new(opts!("cosmosq_deliveries_total", "Deliveries to the app by outcome once settled (completed, retried, dead_lettered, lock_lost, failed)."), &["outcome"])),
+            app_latency: register!(Histogram::with_opts(histogram_opts!("cosmosq_app_request_duration_seconds", "Time the app took to answer one delivery.", LATENCY_BUCKETS.to_vec()))),
+            end_to_end: register!(Histogram::with_opts(histogram_opts!("cosmosq_end_to_end_latency_seconds", "Time from enqueue to the app's answer.", LATENCY_BUCKETS.to_vec()))),
+            in_flight: register!(IntGauge::new("cosmosq_in_flight", "Deliveries the app is working on.")),
+            leases_owned: register!(IntGauge::new("cosmosq_leases_owned", "Feed-range leases this sidecar holds.")),
+            lease_events: register!(IntCounterVec::new(opts!("cosmosq_lease_events_total", "Leases acquired and lost."), &["event"])),
+            lag: register!(IntGaugeVec::new(opts!(metric_names::LAG, "Messages not yet read, per feed range this sidecar owns."), &["range"])),
+            backlog: register!(IntGauge::new(metric_names::BACKLOG, "Messages not yet settled in the ranges this pod owns.")),
+            dead_letters: register!(IntGauge::new(metric_names::DEAD_LETTERS, "Messages in the group's dead letters.")),
+            request_units: register!(CounterVec::new(opts!("cosmosq_request_units_total", "Cosmos DB request units spent, by operation."), &["operation"])),
+            throttled: register!(IntCounter::new("cosmosq_throttled_requests_total", "Cosmos DB requests answered 429 (retried by the SDK).")),
+            enqueued: register!(IntCounterVec::new(opts!("cosmosq_enqueued_total", "Messages enqueued through the local API, by result."), &["result"])),
+            app_errors: register!(IntCounterVec::new(opts!("cosmosq_app_errors_total", "Deliveries the app could not take, by kind (timeout, connect, status)."), &["kind"])),
             request_units_seen: Mutex::default(),
             owned_ranges: Mutex::default(),
             registry,
+            names: Vec::new(),
         };
+        metrics.names = names;
         #[cfg(target_os = "linux")]
         {
             let process = prometheus::process_collector::ProcessCollector::for_self();
@@ -134,6 +149,12 @@ impl Metrics {
             }
         }
         self.backlog.set(estimate.backlog() as i64);
+    }
+
+    /// The metric families this sidecar exports (the dashboard's queries are checked against
+    /// them).
+    pub fn names(&self) -> &[String] {
+        &self.names
     }
 
     pub fn render(&self) -> String {

@@ -1,8 +1,9 @@
-//! The operator ↔ sidecar contract: the sidecar container the operator builds is parsed by the
+//! The contracts between processes: the sidecar container the operator builds is parsed by the
 //! sidecar's own `Config`, so a renamed variable or a value one side spells differently fails
-//! here rather than in a cluster.
+//! here rather than in a cluster; and the chart's dashboard queries only metrics the operator
+//! and the sidecar export.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use clap::CommandFactory;
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
@@ -117,4 +118,87 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
             assert_eq!(config.grace_period, std::time::Duration::from_secs(310));
         }
     }
+}
+
+/// The metric names a PromQL text mentions (`cosmosq_…`), with the selector that follows each.
+fn queried(text: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("cosmosq_") {
+        let name: String = rest[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+            .collect();
+        rest = &rest[at + name.len()..];
+        let selector = match rest.strip_prefix('{') {
+            Some(inner) => inner[..inner.find('}').unwrap_or(0)].to_owned(),
+            None => String::new(),
+        };
+        found.push((name, selector));
+    }
+    found
+}
+
+/// Every metric the chart's Grafana dashboard queries is one the operator or the sidecar
+/// registers, and a figure both report is queried with its scope, so no panel sums a group's
+/// total with its pods' shares.
+#[test]
+fn the_dashboard_queries_only_metrics_that_exist() {
+    use cosmosq_queue::metric_names;
+    let dashboard = include_str!("../../charts/cosmosq/dashboards/cosmosq.json");
+    let operator = cosmosq_operator::metrics::Metrics::new();
+    let sidecar = cosmosq_sidecar::metrics::Metrics::new("orders", "billing");
+    let exported: BTreeSet<&str> = operator
+        .names()
+        .iter()
+        .chain(sidecar.names())
+        .map(String::as_str)
+        .collect();
+    for shared in [metric_names::BACKLOG, metric_names::LAG] {
+        assert!(operator.names().iter().any(|n| n == shared), "{shared}");
+        assert!(sidecar.names().iter().any(|n| n == shared), "{shared}");
+    }
+    let queries = queried(dashboard);
+    assert!(queries.len() > 10, "{queries:?}");
+    for (name, selector) in queries {
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix))
+            .unwrap_or(&name);
+        assert!(
+            exported.contains(family),
+            "the dashboard queries {name}, which nothing exports ({exported:?})"
+        );
+        if operator.names().iter().any(|n| n == family)
+            && sidecar.names().iter().any(|n| n == family)
+        {
+            assert!(
+                selector.contains(&format!("{}=", metric_names::SCOPE)),
+                "the dashboard queries {name} without its scope: {{{selector}}}"
+            );
+        }
+    }
+    // What a scrape shows carries the scope: the sidecar's on every series.
+    sidecar.backlog.set(3);
+    assert!(
+        sidecar.render().contains(&format!(
+            "{}=\"{}\"",
+            metric_names::SCOPE,
+            metric_names::SCOPE_POD
+        )),
+        "{}",
+        sidecar.render()
+    );
+    operator
+        .backlog
+        .with_label_values(&["shop", "orders", "billing"])
+        .set(3);
+    assert!(
+        operator.render().contains(&format!(
+            "{}{{group=\"billing\",namespace=\"shop\",queue=\"orders\",scope=\"group\"}} 3",
+            metric_names::BACKLOG
+        )),
+        "{}",
+        operator.render()
+    );
 }

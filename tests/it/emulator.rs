@@ -152,7 +152,7 @@ async fn provisioning_again_indexes_what_an_older_lease_container_lacks() {
     let config = QueueConfig::new("db", "q");
     client.create_database("db", None).await.unwrap();
     let db = client.database_client("db");
-    let mut old = cosmosq_queue::provision::lease_container(&config);
+    let mut old = cosmosq_queue::cosmos::provision::lease_container(&config);
     let policy = old.indexing_policy.as_mut().unwrap();
     policy.included_paths.retain(|p| p.path != "/epk/?");
     db.create_container(old, None).await.unwrap();

@@ -615,8 +615,9 @@ async fn the_figures_are_served_only_to_authorized_callers(
     // Straight to the operator, claiming to be an admin: refused for want of the front
     // proxy's certificate. The message shows the operator read the front proxy's CA, which the
     // chart's RoleBinding in kube-system allows.
-    let backlog =
-        format!("/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/cosmosq_backlog");
+    let backlog = format!(
+        "/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/cosmosq_backlog_messages"
+    );
     let (status, body) = get(https
         .get(listener.url(&backlog))
         .header("X-Remote-User", "kubernetes-admin")
@@ -758,7 +759,7 @@ async fn read_through_the_aggregator(
     })
     .await;
     let path = format!(
-        "/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/cosmosq_backlog?labelSelector=group%3Dbilling"
+        "/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/cosmosq_backlog_messages?labelSelector=group%3Dbilling"
     );
     let list: Value = client
         .request(http::Request::get(&path).body(Vec::new()).unwrap())

@@ -362,19 +362,19 @@ async fn every_kind_of_answer_settles_as_the_contract_says() {
             .unwrap_or_else(|| panic!("no {series} in\n{text}"))
     };
     assert_eq!(
-        get(r#"cosmosq_deliveries_total{group="g",outcome="completed",queue="q"}"#),
+        get(r#"cosmosq_deliveries_total{group="g",outcome="completed",queue="q",scope="pod"}"#),
         12.0
     );
     assert_eq!(
-        get(r#"cosmosq_deliveries_total{group="g",outcome="dead_lettered",queue="q"}"#),
+        get(r#"cosmosq_deliveries_total{group="g",outcome="dead_lettered",queue="q",scope="pod"}"#),
         2.0
     );
     let app_seen = app.seen.lock().unwrap().len() as f64;
     assert_eq!(
-        get(r#"cosmosq_app_request_duration_seconds_count{group="g",queue="q"}"#),
+        get(r#"cosmosq_app_request_duration_seconds_count{group="g",queue="q",scope="pod"}"#),
         app_seen
     );
-    assert!(get(r#"cosmosq_request_units_total{group="g",operation="claim",queue="q"}"#) > 0.0);
+    assert!(get(r#"cosmosq_request_units_total{group="g",operation="claim",queue="q",scope="pod"}"#) > 0.0);
 
     sidecar.stop.cancel();
     sidecar.task.await.unwrap().unwrap();

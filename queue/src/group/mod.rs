@@ -21,11 +21,11 @@ use std::sync::Arc;
 use tracing::{debug, warn};
 
 use crate::config::GroupConfig;
+use crate::cosmos::sql;
 use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND, PRECONDITION_FAILED};
 use crate::message::{Message, MessageKey};
 use crate::queue::Queue;
 use crate::range::coalesce_ranges;
-use crate::sql;
 use crate::state::{state_pk, MessageState, StateDoc, STATE_DOC_TYPE};
 
 /// A consumer group of a queue: the state machine over its state documents.

@@ -10,8 +10,8 @@ use azure_data_cosmos::{ContainerClient, FeedScope};
 use futures::StreamExt;
 use serde_json::Value;
 
-use crate::charge::RequestCharges;
 use crate::config::StartFrom;
+use crate::cosmos::charge::RequestCharges;
 use crate::error::{QueueError, Result};
 
 pub(crate) type Pages = ChangeFeedPageIterator<ChangeFeedItem<Value>>;

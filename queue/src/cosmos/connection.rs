@@ -10,7 +10,7 @@ use azure_data_cosmos::{
 };
 use url::Url;
 
-use crate::account::{self, AccountCredential};
+use crate::cosmos::account::{self, AccountCredential};
 use crate::error::{QueueError, Result};
 
 /// The account key every Cosmos DB emulator accepts (public, documented by Microsoft).

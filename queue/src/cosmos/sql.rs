@@ -4,7 +4,7 @@ use azure_data_cosmos::{ContainerClient, FeedScope, Query};
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
 
-use crate::charge::RequestCharges;
+use crate::cosmos::charge::RequestCharges;
 use crate::error::{QueueError, Result};
 
 /// Runs `query` across the container and returns at most `limit` items (all when `None`),

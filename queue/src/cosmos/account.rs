@@ -158,7 +158,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_key_never_appears_in_the_header_or_debug_output() {
-        let key = crate::connection::EMULATOR_KEY;
+        let key = crate::cosmos::connection::EMULATOR_KEY;
         let credential = AccountCredential::Key(Secret::new(key));
         let header = authorization(&credential, "Thu, 27 Apr 2017 00:51:12 GMT")
             .await
