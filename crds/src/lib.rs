@@ -5,6 +5,7 @@
 //! Validation the API server can do lives in the schema (ranges, patterns, enums, CEL rules for
 //! cross-field checks), so invalid objects are rejected at `kubectl apply`.
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 // kube's `printcolumn(type_ = ...)` repeats keys across columns by design.
 #![allow(clippy::duplicated_attributes)]
 
@@ -12,6 +13,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
+/// The API group of both kinds.
 pub const GROUP: &str = "cosmosq.io";
 /// The API version of both kinds.
 pub const VERSION: &str = "v1alpha1";
@@ -85,7 +87,9 @@ pub struct CosmosQueueSpec {
     #[schemars(regex(pattern = r"^https?://"))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("endpoint is immutable: the queue's messages live in that account (create a new queue to move)"))]
     pub endpoint: String,
+    /// How the operator and the sidecars reach the account.
     pub credentials: Credentials,
+    /// The database that holds the messages and lease containers.
     #[schemars(regex(pattern = r"^[^/\\?#]{1,255}$"))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("database is immutable: the queue's messages live there (create a new queue to move)"))]
     pub database: String,
@@ -135,11 +139,14 @@ pub struct Credentials {
     pub workload_identity: Option<WorkloadIdentity>,
 }
 
+/// A key of a Secret in the queue's namespace.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct SecretKeyRef {
+    /// The Secret's name.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
+    /// The key within the Secret that holds the account key.
     #[serde(default = "default_secret_key")]
     #[schemars(length(min = 1, max = 253))]
     pub key: String,
@@ -149,6 +156,7 @@ fn default_secret_key() -> String {
     "key".into()
 }
 
+/// The workload identity the pods use (the service account must be federated).
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct WorkloadIdentity {
@@ -157,9 +165,11 @@ pub struct WorkloadIdentity {
     pub client_id: Option<String>,
 }
 
+/// Throughput to provision when the container is created (an existing one keeps its own).
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ThroughputSpec {
+    /// `Manual` (fixed RU/s) or `Autoscale` (up to `requestUnits`).
     #[serde(default)]
     pub mode: ThroughputMode,
     /// RU/s (manual), or the autoscale maximum.
@@ -167,6 +177,11 @@ pub struct ThroughputSpec {
     pub request_units: i32,
 }
 
+/// How throughput is provisioned: `Manual` (fixed RU/s) or `Autoscale` (scales between 10%
+/// and 100% of the maximum).
+// The values are described here: doc comments on unit variants would make the
+// schema a `oneOf`.
+#[allow(missing_docs)]
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
@@ -176,6 +191,11 @@ pub enum ThroughputMode {
     Autoscale,
 }
 
+/// What deleting a CosmosQueue does to its containers: `Retain` keeps them (the default),
+/// `Delete` deletes the messages and lease containers.
+// The values are described here: doc comments on unit variants would make the
+// schema a `oneOf`.
+#[allow(missing_docs)]
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
@@ -185,6 +205,7 @@ pub enum DeletionPolicy {
     Delete,
 }
 
+/// What the operator observed of a queue.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct CosmosQueueStatus {
@@ -192,13 +213,16 @@ pub struct CosmosQueueStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
+    /// Physical partitions of the messages container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partitions: Option<i32>,
     /// Messages not yet settled, summed over the queue's groups.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backlog: Option<i64>,
+    /// Age of the oldest message a group of the queue has not settled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_message_age_seconds: Option<i64>,
+    /// The generation the conditions describe.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 }
@@ -262,9 +286,13 @@ pub struct QueueConsumerGroupSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"))]
     pub group: Option<String>,
+    /// `Exclusive` (default): one pod of the group at a time per message, never again after
+    /// success; `Stream`: the lease fences the range and nothing is written per message
+    /// (at-least-once across lease hand-overs).
     #[serde(default)]
     #[x_kube(validation = Rule::new("self.lowerAscii() == oldSelf.lowerAscii()").message("deliveryMode is immutable: the two modes keep different state (create a new group)"))]
     pub delivery_mode: DeliveryMode,
+    /// Where a new group starts: `Now` (messages enqueued from now on) or `Beginning`.
     #[serde(default)]
     pub start_from: StartFrom,
     /// FIFO per partition key.
@@ -274,19 +302,23 @@ pub struct QueueConsumerGroupSpec {
     /// The app's pod template (its containers); the sidecar is added to it.
     #[schemars(schema_with = "preserve_unknown_fields")]
     pub template: serde_json::Value,
+    /// How the sidecar delivers to the app.
     pub app: AppSpec,
     /// Deliveries in flight per pod.
     #[serde(default = "default_concurrency")]
     #[schemars(range(min = 1, max = 10_000))]
     pub concurrency: i32,
+    /// Retries with exponential back-off, then the dead letters.
     #[serde(default)]
     pub retry: RetrySpec,
     /// How long a delivery is exclusive without renewal (renewed while the app works).
     #[serde(default = "default_lock_duration")]
     #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h|d))+$"))]
     pub lock_duration: String,
+    /// The injected sidecar container.
     #[serde(default)]
     pub sidecar: SidecarSpec,
+    /// How the group's workers are scaled.
     #[serde(default)]
     pub scaling: ScalingSpec,
 }
@@ -299,6 +331,7 @@ fn default_lock_duration() -> String {
     "60s".into()
 }
 
+/// A CosmosQueue in the group's namespace.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct QueueRef {
     /// At most 63 characters: it labels the group's metrics (`queue=<name>`).
@@ -306,6 +339,11 @@ pub struct QueueRef {
     pub name: String,
 }
 
+/// How a group's deliveries are kept apart: `Exclusive` (per-message claims) or `Stream`
+/// (the lease fences the range; at-least-once).
+// The values are described here: doc comments on unit variants would make the
+// schema a `oneOf`.
+#[allow(missing_docs)]
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
@@ -321,6 +359,10 @@ pub enum DeliveryMode {
     Stream,
 }
 
+/// Where a new group starts reading: `Now` or `Beginning`.
+// The values are described here: doc comments on unit variants would make the
+// schema a `oneOf`.
+#[allow(missing_docs)]
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
@@ -334,18 +376,22 @@ pub enum StartFrom {
     Beginning,
 }
 
+/// The app's endpoint in the pod, which the sidecar posts each message to.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct AppSpec {
     /// The port the app listens on (localhost in the pod).
     #[schemars(range(min = 1, max = 65535))]
     pub port: i32,
+    /// The path messages are posted to.
     #[serde(default = "default_app_path")]
     #[schemars(regex(pattern = r"^/"))]
     pub path: String,
+    /// How long the app may take for one message before the delivery counts as failed.
     #[serde(default = "default_app_timeout")]
     #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h|d))+$"))]
     pub timeout: String,
+    /// `CloudEvents` (default: a structured CloudEvent, the message in `data`) or `Raw` (the body as is).
     #[serde(default)]
     pub format: AppFormat,
     /// A path answering 2xx when the app is ready; a TCP connect otherwise.
@@ -362,6 +408,11 @@ fn default_app_timeout() -> String {
     "60s".into()
 }
 
+/// What the app receives: `CloudEvents` (a CloudEvents 1.0 structured event, as Dapr
+/// sends) or `Raw` (the message body as it was enqueued).
+// The values are described here: doc comments on unit variants would make the
+// schema a `oneOf`.
+#[allow(missing_docs)]
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
@@ -374,16 +425,20 @@ pub enum AppFormat {
     Raw,
 }
 
+/// Retries of failed deliveries.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[x_kube(validation = Rule::new("duration(self.initialBackoff) <= duration(self.maxBackoff)").message("initialBackoff must not exceed maxBackoff"))]
 #[serde(rename_all = "camelCase")]
 pub struct RetrySpec {
+    /// Deliveries before a message is dead-lettered.
     #[serde(default = "default_max_attempts")]
     #[schemars(range(min = 1, max = 1000))]
     pub max_delivery_attempts: i32,
+    /// Back-off after the first failure; doubled (with jitter) after each further one.
     #[serde(default = "default_initial_backoff")]
     #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"))]
     pub initial_backoff: String,
+    /// The longest back-off.
     #[serde(default = "default_max_backoff")]
     #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"))]
     pub max_backoff: String,
@@ -411,6 +466,7 @@ fn default_max_backoff() -> String {
     "5m".into()
 }
 
+/// The sidecar container the operator injects.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct SidecarSpec {
@@ -423,6 +479,7 @@ pub struct SidecarSpec {
     pub resources: Option<serde_json::Value>,
 }
 
+/// How the group's workers are scaled from its backlog.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("minReplicas must not exceed maxReplicas"))]
 #[x_kube(validation = Rule::new("!has(self.mode) || self.mode != 'HPA' || !has(self.scaleDownStabilization) || duration(self.scaleDownStabilization) <= duration('1h')").message("scaleDownStabilization must be at most 1h in HPA mode (the HorizontalPodAutoscaler's limit)"))]
@@ -431,9 +488,11 @@ pub struct ScalingSpec {
     /// `Direct`: the operator sets replicas; `HPA`: an HPA scales on the operator's metrics.
     #[serde(default)]
     pub mode: ScalingMode,
+    /// Fewest workers; 0 lets an idle group scale to zero (Direct mode).
     #[serde(default)]
     #[schemars(range(min = 0, max = 10_000))]
     pub min_replicas: i32,
+    /// Most workers; the number of leases caps it too.
     #[serde(default = "default_max_replicas")]
     #[schemars(range(min = 1, max = 10_000))]
     pub max_replicas: i32,
@@ -489,6 +548,10 @@ fn default_activation() -> i64 {
     1
 }
 
+/// Who scales the workers: `Direct` (the operator) or `HPA` (an HPA the operator owns).
+// The values are described here: doc comments on unit variants would make the
+// schema a `oneOf`.
+#[allow(missing_docs)]
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
@@ -499,6 +562,7 @@ pub enum ScalingMode {
     Hpa,
 }
 
+/// What the operator observed of a group.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct QueueConsumerGroupStatus {
@@ -507,34 +571,45 @@ pub struct QueueConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
+    /// Worker pods that exist.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<i32>,
+    /// Workers the scaling decision wants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired_replicas: Option<i32>,
+    /// Messages the group has not settled yet; absent while the estimate fails.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backlog: Option<i64>,
+    /// Messages the group has not read yet; absent while the estimate fails.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lag: Option<i64>,
     /// Who processes what: one entry per feed range.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranges: Vec<RangeStatus>,
+    /// When the operator last changed the replicas.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale_time: Option<Time>,
+    /// Why it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale_reason: Option<String>,
+    /// The generation `Ready` describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 }
 
+/// One feed range of the group: who processes it and what is left.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct RangeStatus {
     /// Effective partition key bounds, `min-max`.
     pub range: String,
+    /// The pod holding the range's lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// Messages of the range not yet read; absent until the range has a checkpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lag: Option<i64>,
+    /// Messages of the range not yet settled.
     pub backlog: i64,
 }
 

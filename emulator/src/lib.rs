@@ -8,6 +8,7 @@
 //! It is its own crate so that the engine (`cosmosq-queue`) carries neither the SDK's emulator
 //! nor an HTTP server: the CLI's local run and the tests depend on it, production builds do not.
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -41,6 +42,7 @@ pub use azure_data_cosmos::fault_injection;
 /// The emulator's one region.
 const REGION_NAME: &str = "East US";
 
+/// How an emulated account behaves.
 #[derive(Clone, Debug)]
 pub struct EmulatorOptions {
     /// Physical partitions of every container created through the SDK.
@@ -76,11 +78,13 @@ pub async fn container_exists(client: &CosmosClient, db: &str, name: &str) -> bo
 
 /// An emulator served on 127.0.0.1 (see [`Emulator::serve_localhost`]).
 pub struct Served {
+    /// The account served.
     pub emulator: Arc<Emulator>,
     /// What clients connect to (`COSMOSQ_ENDPOINT`).
     pub endpoint: String,
     /// Cancel to stop serving; `task` then ends.
     pub stop: CancellationToken,
+    /// The HTTP server; it ends when the shutdown token is cancelled.
     pub task: tokio::task::JoinHandle<Result<()>>,
 }
 
@@ -126,10 +130,12 @@ impl Emulator {
         )
     }
 
+    /// The account endpoint clients connect to.
     pub fn endpoint(&self) -> &Url {
         &self.endpoint
     }
 
+    /// The account key: the one every Cosmos DB emulator accepts.
     pub fn key(&self) -> &'static str {
         EMULATOR_KEY
     }

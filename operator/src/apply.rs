@@ -15,14 +15,19 @@ use serde::Serialize;
 use crate::build::{self, Defaults};
 use crate::spec::{self, SpecError};
 
+/// The field manager of everything the reconcilers apply.
 pub const FIELD_MANAGER: &str = "cosmosq-operator";
 
+/// What can stop an apply.
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
+    /// The spec cannot be used; nothing was written.
     #[error(transparent)]
     Spec(#[from] SpecError),
+    /// The API server refused or failed.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// The group has no namespace.
     #[error("{0} has no namespace")]
     NoNamespace(String),
 }
@@ -30,7 +35,9 @@ pub enum ApplyError {
 /// What was applied.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Applied {
+    /// The Deployment's name.
     pub deployment: String,
+    /// Whether an HPA was applied (HPA mode).
     pub hpa: bool,
     /// The Deployment's status as the apply returned it.
     pub workers: Option<k8s_openapi::api::apps::v1::DeploymentStatus>,

@@ -30,12 +30,14 @@ use rustls::pki_types::CertificateDer;
 
 /// Where the cluster publishes how its front proxy authenticates.
 pub const AUTHENTICATION_NAMESPACE: &str = "kube-system";
+/// The ConfigMap in [`AUTHENTICATION_NAMESPACE`] that holds the front proxy's CA and header names.
 pub const AUTHENTICATION_CONFIG_MAP: &str = "extension-apiserver-authentication";
 /// How long a review's answer is reused (the API server's delegated auth uses the same).
 pub const REVIEW_CACHE_TTL: Duration = Duration::from_secs(10);
 /// Above this many cached answers, expired ones are dropped on the next insert.
 const CACHE_PRUNE_AT: usize = 4096;
 
+/// Why a request to the secure listener was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {
     /// 401: who is calling is unknown.
@@ -44,8 +46,10 @@ pub enum AuthError {
     /// 403: the caller is known and may not do this.
     #[error("{0}")]
     Forbidden(String),
+    /// A review could not be asked.
     #[error("asking the API server: {0}")]
     Api(#[from] kube::Error),
+    /// The front proxy's settings are unusable.
     #[error("{AUTHENTICATION_NAMESPACE}/{AUTHENTICATION_CONFIG_MAP}: {0}")]
     Config(String),
 }
@@ -53,25 +57,39 @@ pub enum AuthError {
 /// A caller, as Kubernetes authentication describes it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct UserInfo {
+    /// The user's name.
     pub username: String,
+    /// The user's uid, when given.
     pub uid: Option<String>,
+    /// The user's groups.
     pub groups: Vec<String>,
+    /// Extra attributes (scopes, the bound pod, …).
     pub extra: BTreeMap<String, Vec<String>>,
 }
 
 /// What a caller asks to do, as a SubjectAccessReview names it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Attributes {
+    /// An API resource.
     Resource {
+        /// Its API group (`""` for the core group).
         group: String,
+        /// Its API version.
         version: String,
+        /// Its resource (plural).
         resource: String,
+        /// The namespace.
         namespace: String,
+        /// One object's name, when the request names one.
         name: Option<String>,
+        /// The verb.
         verb: String,
     },
+    /// A path that is not a resource.
     NonResource {
+        /// The path.
         path: String,
+        /// The verb.
         verb: String,
     },
 }
@@ -104,11 +122,17 @@ impl Attributes {
 /// The front proxy's identity and header names, as the cluster publishes them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RequestHeader {
+    /// The CA the front proxy's client certificate must chain to.
     pub client_ca: Vec<CertificateDer<'static>>,
+    /// The certificate names allowed to vouch (any, when empty).
     pub allowed_names: Vec<String>,
+    /// Headers carrying the user's name.
     pub username_headers: Vec<String>,
+    /// Headers carrying the user's uid.
     pub uid_headers: Vec<String>,
+    /// Headers carrying the user's groups.
     pub group_headers: Vec<String>,
+    /// Prefixes of headers carrying extra attributes.
     pub extra_prefixes: Vec<String>,
 }
 
@@ -233,6 +257,7 @@ pub struct Authorizer {
 }
 
 impl Authorizer {
+    /// Reviews through `client` (TokenReview, SubjectAccessReview), answers cached for [`REVIEW_CACHE_TTL`].
     pub fn new(client: Client) -> Self {
         Self {
             client,

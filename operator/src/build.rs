@@ -30,7 +30,9 @@ use kube::{Resource, ResourceExt};
 
 use crate::spec::{group_name, invalid, GroupSettings, SpecError};
 
+/// The injected container's name.
 pub const SIDECAR_CONTAINER: &str = "cosmosq-sidecar";
+/// The sidecar's probe and metrics port.
 pub const PROBE_PORT: i32 = 9464;
 const KEY_VOLUME: &str = "cosmosq-account-key";
 const KEY_DIR: &str = "/var/run/cosmosq";
@@ -100,6 +102,7 @@ fn unknown_fields(
 /// Settings of this operator installation.
 #[derive(Clone, Debug)]
 pub struct Defaults {
+    /// The sidecar image, unless a group names its own.
     pub sidecar_image: String,
     /// The ClusterRole each group's RoleBinding grants its workers (the chart's
     /// `<release>-worker`: patch pods, narrowed by the chart's admission policy to the caller's
@@ -111,6 +114,7 @@ pub struct Defaults {
 pub const WORKER_CLUSTER_ROLE: &str = "cosmosq-worker";
 
 impl Defaults {
+    /// Defaults with `sidecar_image` and the chart's default worker ClusterRole.
     pub fn new(sidecar_image: impl Into<String>) -> Self {
         Self {
             sidecar_image: sidecar_image.into(),

@@ -14,13 +14,11 @@ fn duration(text: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// Reconciles CosmosQueues and QueueConsumerGroups and scales their workers.
+///
+/// Every setting is a flag or its `COSMOSQ_*` variable (`POD_*` from the downward API).
 #[derive(Parser, Clone, Debug)]
-#[command(
-    name = "cosmosq-operator",
-    version,
-    about = "Reconciles CosmosQueues and QueueConsumerGroups and scales their workers",
-    args_override_self = true
-)]
+#[command(name = "cosmosq-operator", version, args_override_self = true)]
 pub struct Config {
     /// The sidecar image injected into worker pods (a group's spec.sidecar.image overrides it).
     #[arg(
@@ -40,8 +38,10 @@ pub struct Config {
     /// --tls-key-file are set. Both files are read again when they change.
     #[arg(long, env = "COSMOSQ_SECURE_LISTEN", default_value = "0.0.0.0:6443")]
     pub secure_listen: SocketAddr,
+    /// The serving certificate (PEM) of the TLS listener.
     #[arg(long, env = "COSMOSQ_TLS_CERT_FILE", requires = "tls_key_file")]
     pub tls_cert_file: Option<PathBuf>,
+    /// Its private key (PEM).
     #[arg(long, env = "COSMOSQ_TLS_KEY_FILE", requires = "tls_cert_file")]
     pub tls_key_file: Option<PathBuf>,
     /// Serve `/keda/namespaces/<ns>/queueconsumergroups/<name>` on the TLS listener, for
@@ -57,6 +57,7 @@ pub struct Config {
     /// Elect a leader among replicas with a coordination Lease; only the leader acts.
     #[arg(long, env = "COSMOSQ_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
     pub leader_election: bool,
+    /// The leader Lease's name.
     #[arg(
         long,
         env = "COSMOSQ_LEADER_ELECTION_LEASE",

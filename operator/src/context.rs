@@ -19,6 +19,7 @@ use crate::metrics::Metrics;
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GroupFigures {
+    /// The group's namespace.
     pub namespace: String,
     /// The CosmosQueue resource.
     pub queue: String,
@@ -27,9 +28,13 @@ pub struct GroupFigures {
     /// `None` while the estimate fails: the metrics APIs then answer with an error, so an HPA
     /// or KEDA keeps the replicas it has instead of reading a zero.
     pub backlog: Option<u64>,
+    /// Messages the group has not read; `None` while the estimate fails.
     pub lag: Option<u64>,
+    /// Age of the oldest unsettled message.
     pub oldest_message_age_seconds: Option<i64>,
+    /// Workers the decision wants.
     pub desired_replicas: u32,
+    /// Why the estimate failed.
     pub error: Option<String>,
     /// When it was measured (epoch ms).
     pub measured_at: i64,
@@ -46,12 +51,19 @@ pub trait ReconcileFailure: std::fmt::Display {
     fn kind(&self) -> &'static str;
 }
 
+/// What every reconcile and round shares.
 pub struct Context {
+    /// The API server.
     pub client: Client,
+    /// This installation's defaults.
     pub defaults: Defaults,
+    /// Connections to the queues' accounts.
     pub cosmos: Cosmos,
+    /// Publishes Events.
     pub recorder: Recorder,
+    /// The operator's metrics.
     pub metrics: Arc<Metrics>,
+    /// The figures the metrics APIs serve.
     pub figures: Figures,
     /// Tells the scaling loop a group changed, so it does not wait for its next round.
     pub changed: Option<mpsc::UnboundedSender<ObjectRef<QueueConsumerGroup>>>,
@@ -70,6 +82,7 @@ pub const RECHECK: std::time::Duration = std::time::Duration::from_secs(30);
 /// [`RETRY_MAX`] (as controller-runtime's per-item rate limiter does): an object that keeps
 /// failing does not keep the API server or Cosmos DB busy.
 pub const RETRY_FIRST: std::time::Duration = std::time::Duration::from_secs(5);
+/// The longest back-off between retries of a failing object.
 pub const RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// How long to wait after the `failures`-th failure in a row (pure).
@@ -87,6 +100,7 @@ fn failure_key<K: kube::Resource>(kind: &str, object: &K) -> String {
 }
 
 impl Context {
+    /// A context over `client`; `changed` tells the scaling loop which groups changed.
     pub fn new(
         client: Client,
         defaults: Defaults,

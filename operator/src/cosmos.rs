@@ -12,26 +12,48 @@ use tokio::sync::Mutex;
 
 use crate::spec::{self, SpecError};
 
+/// What connecting to a queue's account can meet.
 #[derive(Debug, thiserror::Error)]
 pub enum CosmosError {
+    /// The spec cannot be used.
     #[error(transparent)]
     Spec(#[from] SpecError),
+    /// The key's Secret does not exist.
     #[error("spec.credentials.secretKeyRef: Secret {0} not found")]
     SecretNotFound(String),
     /// The operator may not read it: in a namespace being deleted, the Role that let it (with
     /// `watchNamespace`) may already be gone.
     #[error("spec.credentials.secretKeyRef: Secret {0} may not be read by the operator")]
     SecretForbidden(String),
+    /// The Secret has no such key.
     #[error("spec.credentials.secretKeyRef: Secret {secret} has no key {key:?}")]
-    SecretKeyMissing { secret: String, key: String },
+    SecretKeyMissing {
+        /// The Secret (`namespace/name`).
+        secret: String,
+        /// The key looked for.
+        key: String,
+    },
+    /// The namespace may not use the operator's own identity on that account.
     #[error(
         "spec.credentials.workloadIdentity: namespace {namespace} is not granted the operator's \
          identity on {endpoint} (an admin grants it with --identity-grant, the chart's \
          workloadIdentity.grants; or use a key Secret of this namespace)"
     )]
-    IdentityNotGranted { namespace: String, endpoint: String },
+    IdentityNotGranted {
+        /// The queue's namespace.
+        namespace: String,
+        /// The account.
+        endpoint: String,
+    },
+    /// Reading the Secret failed.
     #[error("reading Secret {secret}: {source}")]
-    Secret { secret: String, source: kube::Error },
+    Secret {
+        /// The Secret (`namespace/name`).
+        secret: String,
+        /// The API server's error.
+        source: kube::Error,
+    },
+    /// The engine failed.
     #[error(transparent)]
     Queue(#[from] QueueError),
 }
@@ -55,7 +77,9 @@ pub enum Backend {
     /// Each queue's own account, with its credentials (production); the operator's own
     /// identity only where `identity_grants` allow it.
     Azure {
+        /// The Azure region the operator runs in (reads go there first).
         region: String,
+        /// Who may use the operator's own identity.
         identity_grants: Vec<crate::grants::IdentityGrant>,
     },
     /// Every queue on this one client: the embedded emulator (tests, the local run).
@@ -72,6 +96,7 @@ pub struct Cosmos {
 }
 
 impl Cosmos {
+    /// No queue open yet.
     pub fn new(backend: Backend, client: kube::Client) -> Self {
         Self {
             backend,

@@ -13,7 +13,9 @@ use std::str::FromStr;
 /// the operator's identity on the account at `endpoint`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdentityGrant {
+    /// Namespaces allowed.
     pub namespaces: Vec<String>,
+    /// The account endpoint they may use the identity on.
     pub endpoint: String,
 }
 

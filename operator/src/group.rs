@@ -12,12 +12,13 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
-use tracing::{info, warn};
+use tracing::{info, instrument, warn};
 
 use crate::apply::{apply_group, ApplyError, FIELD_MANAGER};
 use crate::context::{Context, ReconcileFailure};
 use crate::status::{self, reasons};
 
+/// The resource kind, as metrics and logs name it.
 pub const KIND: &str = "QueueConsumerGroup";
 /// How soon a group whose objects or pods were refused is looked at again.
 const RETRY_REFUSED: Duration = Duration::from_secs(60);
@@ -56,12 +57,16 @@ fn workers(status: Option<&DeploymentStatus>) -> Workers {
     }
 }
 
+/// What can fail a group's reconcile (and is retried).
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
+    /// The apply failed.
     #[error(transparent)]
     Apply(#[from] ApplyError),
+    /// Another API call failed.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// The group has no namespace.
     #[error("{0} has no namespace")]
     NoNamespace(String),
 }
@@ -98,6 +103,7 @@ pub async fn reconcile_group(
     result
 }
 
+#[instrument(skip_all, fields(namespace = ?qcg.namespace(), group = %qcg.name_any()))]
 async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, ReconcileError> {
     let namespace = qcg
         .namespace()
@@ -161,7 +167,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
         .map(|c| (c.status == "True", c.reason.clone()));
     let changed = spec_changed || ready_before != Some((outcome.ok, outcome.reason.to_owned()));
     if outcome.ok {
-        info!(group = %qcg.name_any(), %namespace, "{}", outcome.message);
+        info!("{}", outcome.message);
         if changed {
             ctx.event(
                 qcg,
@@ -173,7 +179,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             .await;
         }
     } else {
-        warn!(group = %qcg.name_any(), %namespace, reason = outcome.reason, "{}", outcome.message);
+        warn!(reason = outcome.reason, "{}", outcome.message);
         if changed {
             ctx.event(
                 qcg,

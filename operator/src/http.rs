@@ -32,11 +32,15 @@ use crate::tls::ServingTls;
 const EXTERNAL_METRICS_GROUP: &str = "external.metrics.k8s.io";
 const EXTERNAL_METRICS: &str = "/apis/external.metrics.k8s.io/v1beta1";
 
+/// What can stop the HTTP listeners.
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
+    /// A listener could not bind.
     #[error("listening on {addr}: {source}")]
     Bind {
+        /// Its address.
         addr: SocketAddr,
+        /// Why.
         source: std::io::Error,
     },
 }
@@ -44,7 +48,9 @@ pub enum HttpError {
 /// What the handlers read.
 #[derive(Clone)]
 pub struct Shared {
+    /// The operator's metrics.
     pub metrics: Arc<Metrics>,
+    /// The figures the metrics APIs serve.
     pub figures: Figures,
     /// This replica leads (or leader election is off): only the leader has figures. The
     /// leader labels its pod `cosmosq.io/leader=true`, which the metrics Service selects.
@@ -54,6 +60,7 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// A standby with empty caches until told otherwise.
     pub fn new(metrics: Arc<Metrics>, figures: Figures) -> Self {
         Self {
             metrics,
@@ -79,6 +86,7 @@ impl Shared {
 pub struct Peer {
     /// The client certificate, already verified against the front proxy's CA.
     pub certificate: Option<CertificateDer<'static>>,
+    /// How the front proxy authenticates, as of the handshake.
     pub front_proxy: Result<Arc<RequestHeader>, String>,
 }
 

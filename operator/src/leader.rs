@@ -29,10 +29,13 @@ enum AttemptError {
     TimedOut(Duration),
 }
 
+/// How leading ends.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaderError {
+    /// Renewals failed past the renew deadline.
     #[error("lost the leader lease {0}: could not renew it within the renew deadline")]
     Lost(String),
+    /// The operator is stopping.
     #[error("shutting down")]
     Cancelled,
 }
@@ -45,13 +48,19 @@ pub enum Verdict {
     /// Ours: renew it.
     Renew,
     /// Someone else holds it and it is fresh.
-    Wait { holder: String },
+    /// Someone else holds it and it is fresh.
+    Wait {
+        /// The Lease's `holderIdentity`.
+        holder: String,
+    },
 }
 
 /// The last record this replica saw, and when (by its own clock) it first saw it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Observed {
+    /// The record, or `None` when there was no Lease.
     pub record: Option<LeaseSpec>,
+    /// When this replica first saw it (its own monotonic clock).
     pub at: Instant,
 }
 
@@ -102,9 +111,12 @@ fn post_params() -> PostParams {
     }
 }
 
+/// How leader election runs.
 #[derive(Clone, Debug)]
 pub struct Settings {
+    /// The coordination Lease's name.
     pub lease_name: String,
+    /// This replica's identity in it.
     pub identity: String,
     /// How long a lease is valid after its last renewal (client-go: 15 s).
     pub lease_duration: Duration,
@@ -115,6 +127,7 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// Settings with client-go's timings.
     pub fn new(lease_name: impl Into<String>, identity: impl Into<String>) -> Self {
         Self {
             lease_name: lease_name.into(),
@@ -126,6 +139,7 @@ impl Settings {
     }
 }
 
+/// Leader election on a coordination Lease, as client-go does it.
 pub struct LeaderElection {
     api: Api<Lease>,
     settings: Settings,
@@ -133,6 +147,7 @@ pub struct LeaderElection {
 }
 
 impl LeaderElection {
+    /// Election on the Lease `api` holds.
     pub fn new(api: Api<Lease>, settings: Settings) -> Self {
         Self {
             api,

@@ -8,6 +8,7 @@
 //! `leader::verdict`. `apply`, `queue`, `group`, `scaler`, `leader` and `http` do the I/O;
 //! `run` wires them.
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 // The controllers' futures (kube-runtime streams, hyper, `#[instrument]` spans) nest deeper
 // than the default limit when their `Send` bound is checked.
 #![recursion_limit = "256"]

@@ -9,24 +9,37 @@ use prometheus::{
 
 const GROUP_LABELS: &[&str] = &["namespace", "queue", "group"];
 
+/// The operator's Prometheus metrics (group figures named in [`cosmosq_queue::metric_names`]).
 pub struct Metrics {
     registry: Registry,
     /// The names of the families registered, for [`Metrics::names`].
     names: Vec<String>,
+    /// Reconciles, by kind.
     pub reconciles: IntCounterVec,
+    /// Failed reconciles, by kind and error.
     pub reconcile_errors: IntCounterVec,
+    /// How long reconciles took.
     pub reconcile_duration: HistogramVec,
+    /// A group's unsettled messages.
     pub backlog: IntGaugeVec,
+    /// A group's unread messages.
     pub lag: IntGaugeVec,
+    /// A group's oldest unsettled message's age.
     pub oldest_age: IntGaugeVec,
+    /// A group's desired workers.
     pub desired_replicas: IntGaugeVec,
+    /// Rounds whose estimate failed.
     pub estimate_errors: IntCounterVec,
+    /// Replica changes applied, by direction.
     pub scale_events: IntCounterVec,
+    /// How long a scaling round took.
     pub scaling_round: Histogram,
+    /// 1 while this replica leads.
     pub leader: IntGauge,
 }
 
 impl Metrics {
+    /// Every metric, registered.
     pub fn new() -> Self {
         let registry = Registry::new();
         let mut names = Vec::new();

@@ -12,25 +12,31 @@ use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{finalizer, Event as Finalizer};
 use kube::{Api, ResourceExt};
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{info, instrument, warn};
 
 use crate::apply::FIELD_MANAGER;
 use crate::context::{Context, ReconcileFailure};
 use crate::cosmos::CosmosError;
 use crate::status::{self, reasons};
 
+/// The resource kind, as metrics and logs name it.
 pub const KIND: &str = "CosmosQueue";
 /// Held while the deletion policy has not been carried out.
 pub const FINALIZER: &str = "cosmosq.io/deletion-policy";
 
+/// What can fail a queue's reconcile (and is retried).
 #[derive(Debug, thiserror::Error)]
 pub enum QueueReconcileError {
+    /// An API call failed.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// Deleting the containers failed (deletion policy `Delete`).
     #[error("deleting the queue's containers: {0}")]
     Deprovision(CosmosError),
+    /// The finalizer could not be added or removed.
     #[error("finalizer: {0}")]
     Finalizer(String),
+    /// The queue has no namespace.
     #[error("{0} has no namespace")]
     NoNamespace(String),
 }
@@ -48,6 +54,7 @@ impl ReconcileFailure for QueueReconcileError {
     }
 }
 
+/// One pass over a queue: provision, or carry out its deletion policy.
 pub async fn reconcile_queue(
     cq: Arc<CosmosQueue>,
     ctx: Arc<Context>,
@@ -59,6 +66,7 @@ pub async fn reconcile_queue(
     result
 }
 
+#[instrument(skip_all, fields(namespace = ?cq.namespace(), queue = %cq.name_any()))]
 async fn reconcile(cq: Arc<CosmosQueue>, ctx: &Context) -> Result<Action, QueueReconcileError> {
     let namespace = cq
         .namespace()
@@ -148,7 +156,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
                     cq.spec.container
                 )
             };
-            info!(queue = %cq.name_any(), %namespace, partitions, "{message}");
+            info!(partitions, "{message}");
             if !created.is_empty() {
                 ctx.event(
                     cq,
@@ -181,7 +189,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             };
             ctx.cosmos.forget(cq).await;
             let message = e.to_string();
-            warn!(queue = %cq.name_any(), %namespace, reason, "{message}");
+            warn!(reason, "{message}");
             ctx.metrics
                 .reconcile_errors
                 .with_label_values(&[KIND, reason])
@@ -237,7 +245,7 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
         DeletionPolicy::Retain => {
             ctx.cosmos.forget(cq).await;
             let note = format!("deletionPolicy Retain: kept the containers of {what}");
-            info!(queue = %cq.name_any(), "{note}");
+            info!("{note}");
             ctx.event(cq, EventType::Normal, reasons::RETAINED, "Delete", note)
                 .await;
         }
@@ -257,7 +265,7 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
                     "deletionPolicy Delete: the containers of {what} were NOT deleted ({e}); \
                      delete them in Azure"
                 );
-                warn!(queue = %cq.name_any(), "{note}");
+                warn!("{note}");
                 ctx.event(
                     cq,
                     EventType::Warning,
@@ -283,7 +291,7 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
     }
     if cq.spec.deletion_policy == DeletionPolicy::Delete {
         let note = format!("deletionPolicy Delete: deleted the containers of {what}");
-        info!(queue = %cq.name_any(), "{note}");
+        info!("{note}");
         ctx.event(cq, EventType::Normal, reasons::DELETED, "Delete", note)
             .await;
     }

@@ -39,14 +39,19 @@ pub const LEADER_LABEL: &str = "cosmosq.io/leader";
 /// Objects the operator applies carry this label; only they are watched.
 const MANAGED: &str = "app.kubernetes.io/managed-by=cosmosq-operator";
 
+/// What stops the operator.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
+    /// The API server could not be reached.
     #[error("Kubernetes client: {0}")]
     Client(#[from] kube::Error),
+    /// A listener failed.
     #[error(transparent)]
     Http(#[from] HttpError),
+    /// The serving certificate is unusable.
     #[error(transparent)]
     Tls(#[from] TlsError),
+    /// Leading ended.
     #[error(transparent)]
     Leader(#[from] LeaderError),
 }
@@ -70,6 +75,7 @@ pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
+/// Runs with this client and backend (the emulator's in tests and the local run).
 pub async fn run_with(
     client: Client,
     backend: Backend,

@@ -47,8 +47,10 @@ const MAX_RANGES_IN_STATUS: usize = 256;
 /// Groups estimated at the same time in a round.
 const CONCURRENT_ESTIMATES: usize = 8;
 
+/// What can fail a group's round.
 #[derive(Debug, thiserror::Error)]
 pub enum ScalerError {
+    /// An API call failed.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
 }
@@ -106,10 +108,13 @@ fn status_due(
 pub enum Round {
     /// Nothing to do yet: no queue, an invalid spec, or no Deployment (the reconciler reports).
     Skipped(&'static str),
+    /// The round decided.
     Decided {
+        /// What it decided.
         decision: Decision,
         /// Replicas before; the Deployment was scaled when they differ from the decision.
         current: u32,
+        /// Whether the Deployment was scaled.
         scaled: bool,
     },
 }
@@ -146,13 +151,17 @@ impl Workers {
 pub struct RoundView<'a> {
     /// The status before this round (conditions keep their transition times).
     pub previous: Option<&'a QueueConsumerGroupStatus>,
+    /// The group's generation.
     pub generation: Option<i64>,
     /// Pods that exist, and the replicas the round leaves the Deployment at.
     pub running: i32,
+    /// Replicas the round leaves the Deployment at.
     pub desired: u32,
     /// The estimate, or why it failed (the message says what was kept).
     pub estimate: Result<&'a GroupEstimate, String>,
+    /// The last scale: when, and why.
     pub last_scale: Option<&'a (Time, String)>,
+    /// Now, for transition times.
     pub now: Time,
 }
 
@@ -265,6 +274,7 @@ pub fn queue_totals<'a>(
         .collect()
 }
 
+/// The scaling loop over every group.
 pub struct Scaler {
     ctx: Arc<Context>,
     groups: Store<QueueConsumerGroup>,
@@ -274,6 +284,7 @@ pub struct Scaler {
 }
 
 impl Scaler {
+    /// A loop over the groups and queues the stores hold.
     pub fn new(
         ctx: Arc<Context>,
         groups: Store<QueueConsumerGroup>,

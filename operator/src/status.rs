@@ -68,6 +68,7 @@ where
 /// The field manager of the scaling loop's status fields.
 pub const SCALER_MANAGER: &str = "cosmosq-operator-scaler";
 
+/// The time now, as conditions record it.
 pub fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::now())
 }

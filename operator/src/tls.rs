@@ -25,10 +25,18 @@ use crate::auth::{RequestHeader, AUTHENTICATION_CONFIG_MAP, AUTHENTICATION_NAMES
 /// mounted Secret within about a minute).
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(30);
 
+/// Why the TLS listener cannot serve.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
+    /// The certificate or key is unreadable or invalid.
     #[error("TLS certificate or key {path}: {reason}")]
-    File { path: String, reason: String },
+    File {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The front proxy's CA is unusable.
     #[error("the front proxy's CA: {0}")]
     ClientCa(String),
 }
@@ -42,6 +50,7 @@ fn file_error(path: &Path, reason: impl ToString) -> TlsError {
 
 /// What connections are served with.
 pub struct Snapshot {
+    /// The TLS settings.
     pub config: Arc<ServerConfig>,
     /// How the front proxy authenticates, or why that is unknown (then no client certificate
     /// is asked for and the external metrics API answers 401 saying why).
@@ -56,6 +65,7 @@ struct Inputs {
     front_proxy: Result<RequestHeader, String>,
 }
 
+/// The serving certificate and the front proxy's CA, reloaded when their files or the ConfigMap change.
 pub struct ServingTls {
     cert: PathBuf,
     key: PathBuf,
@@ -80,6 +90,7 @@ impl ServingTls {
         })
     }
 
+    /// What new connections are served with now.
     pub fn current(&self) -> Arc<Snapshot> {
         self.current.read().expect("tls settings").1.clone()
     }

@@ -11,8 +11,10 @@ pub struct RetryPolicy {
     /// Deliveries after which a still-failing message is dead-lettered (Service Bus'
     /// `MaxDeliveryCount`). At least 1.
     pub max_delivery_attempts: u32,
+    /// Back-off after the first failure.
     #[serde(with = "humantime_serde_compat")]
     pub initial_backoff: Duration,
+    /// The longest back-off.
     #[serde(with = "humantime_serde_compat")]
     pub max_backoff: Duration,
     /// Growth per failed attempt; at least 1.
@@ -34,6 +36,7 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// Refuses policies no delivery could follow (no attempt, back-offs out of order).
     pub fn validate(&self) -> Result<(), String> {
         if self.max_delivery_attempts == 0 {
             return Err("retry.maxDeliveryAttempts must be at least 1".into());

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 /// A lease as the balancer sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaseView {
+    /// The lease's id.
     pub id: String,
     /// `None` when free.
     pub owner: Option<String>,
@@ -16,7 +17,9 @@ pub struct LeaseView {
 /// One lease to take, and whether that is a steal from a live owner.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Take {
+    /// The lease to take.
     pub lease_id: String,
+    /// Its owner now, when it is taken from a live host; `None` for a free or expired one.
     pub steal_from: Option<String>,
 }
 

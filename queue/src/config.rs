@@ -11,6 +11,7 @@ use crate::message::RESERVED_FIELDS;
 /// A queue: one messages container plus its lease container.
 #[derive(Clone, Debug, PartialEq)]
 pub struct QueueConfig {
+    /// The database that holds both containers.
     pub database: String,
     /// The messages container; it is also the queue's name.
     pub container: String,
@@ -24,6 +25,7 @@ pub struct QueueConfig {
     pub throughput: Option<Throughput>,
 }
 
+/// Throughput provisioned with a new messages container.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum Throughput {
@@ -34,6 +36,7 @@ pub enum Throughput {
 }
 
 impl QueueConfig {
+    /// A queue on `container` in `database`, with the default key path and no retention set.
     pub fn new(database: impl Into<String>, container: impl Into<String>) -> Self {
         Self {
             database: database.into(),
@@ -45,6 +48,7 @@ impl QueueConfig {
         }
     }
 
+    /// The lease container's name: `<container>-leases`.
     pub fn lease_container_name(&self) -> String {
         self.lease_container
             .clone()
@@ -56,10 +60,12 @@ impl QueueConfig {
         self.partition_key_path.trim_start_matches('/')
     }
 
+    /// The retention in whole seconds (the container's default TTL).
     pub fn retention_secs(&self) -> Option<i64> {
         self.retention.map(|r| r.as_secs() as i64)
     }
 
+    /// Refuses settings Cosmos DB would refuse (names, key path, retention).
     pub fn validate(&self) -> Result<()> {
         validate_resource_name("database", &self.database)?;
         validate_resource_name("container", &self.container)?;
@@ -134,11 +140,15 @@ pub enum StartFrom {
 /// A consumer group of a queue.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GroupConfig {
+    /// The group's name in the queue: it names its state documents and leases.
     pub name: String,
+    /// How deliveries are kept apart.
     pub mode: DeliveryMode,
+    /// Where a new group starts reading.
     pub start_from: StartFrom,
     /// How long a claim is exclusive without renewal.
     pub lock_duration: Duration,
+    /// Retries and dead letters.
     pub retry: RetryPolicy,
     /// FIFO per partition key: a key's next message waits until the previous one is settled
     /// (failures are retried in place, holding the key). Default: unordered.
@@ -146,6 +156,7 @@ pub struct GroupConfig {
 }
 
 impl GroupConfig {
+    /// A group with the defaults: exclusive, from now, 60 s locks, unordered.
     pub fn new(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),
@@ -157,31 +168,37 @@ impl GroupConfig {
         }
     }
 
+    /// With another delivery mode.
     pub fn with_mode(mut self, mode: DeliveryMode) -> Self {
         self.mode = mode;
         self
     }
 
+    /// Starting elsewhere.
     pub fn with_start_from(mut self, start_from: StartFrom) -> Self {
         self.start_from = start_from;
         self
     }
 
+    /// With another lock duration.
     pub fn with_lock_duration(mut self, lock: Duration) -> Self {
         self.lock_duration = lock;
         self
     }
 
+    /// FIFO per partition key, or not.
     pub fn with_ordering(mut self, ordered: bool) -> Self {
         self.ordered = ordered;
         self
     }
 
+    /// With another retry policy.
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
         self
     }
 
+    /// Refuses names Cosmos DB keys cannot hold and policies no delivery could follow.
     pub fn validate(&self) -> Result<()> {
         let ok_chars = self
             .name

@@ -28,25 +28,33 @@ use crate::message::Message;
 /// One delivery handed to a [`Handler`].
 #[derive(Clone, Debug)]
 pub struct Delivery {
+    /// The message.
     pub message: Message,
     /// 1 on the first delivery.
     pub delivery_count: u32,
+    /// The consumer group delivering it.
     pub group: String,
+    /// The queue (messages container) it came from.
     pub queue: String,
 }
 
 /// What the handler decided.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outcome {
+    /// Done: the group never delivers it again.
     Complete,
     /// Deliver again later: after `delay` if given (an app's `Retry-After`), else back-off.
     Retry {
+        /// Why it failed (kept as the last error).
         error: String,
+        /// When to deliver it again, instead of the back-off.
         delay: Option<Duration>,
     },
     /// Give up now.
     DeadLetter {
+        /// Why (recorded with the dead letter).
         reason: String,
+        /// The last error (recorded with the dead letter).
         error: String,
     },
     /// The app never saw the message (it refused the connection: not listening yet, or
@@ -54,13 +62,16 @@ pub enum Outcome {
     /// when `None`) under the same claim; after a whole lock duration of this it counts as a
     /// failed attempt, so an app that never comes back still ends in retries and dead letters.
     Undelivered {
+        /// Why the app could not be reached.
         error: String,
+        /// When to try again, instead of the back-off.
         delay: Option<Duration>,
     },
 }
 
 /// Processes deliveries. Implemented for `Fn(Delivery) -> impl Future<Output = Outcome>`.
 pub trait Handler: Send + Sync + 'static {
+    /// Handles one delivery; the outcome settles it.
     fn handle(&self, delivery: Delivery) -> impl Future<Output = Outcome> + Send;
 }
 
@@ -74,15 +85,17 @@ where
     }
 }
 
+/// How a lease-less [`Consumer`] runs.
 #[derive(Clone, Debug)]
 pub struct ConsumerOptions {
     /// This consumer's identity in locks (pod name, host name).
-    pub holder: String,
+    pub owner: String,
     /// Deliveries in flight at most (back-pressure on reading).
     pub max_concurrency: usize,
     /// Poll interval bounds: read again at once while pages carry work, back off to `max_poll`
     /// while the feed is empty.
     pub min_poll: Duration,
+    /// The longest wait between reads of an empty feed.
     pub max_poll: Duration,
     /// How often to look for expired locks and due retries.
     pub sweep_interval: Duration,
@@ -91,9 +104,10 @@ pub struct ConsumerOptions {
 }
 
 impl ConsumerOptions {
-    pub fn new(holder: impl Into<String>) -> Self {
+    /// Options with the defaults, as `owner`.
+    pub fn new(owner: impl Into<String>) -> Self {
         Self {
-            holder: holder.into(),
+            owner: owner.into(),
             max_concurrency: 16,
             min_poll: Duration::from_millis(50),
             max_poll: Duration::from_secs(5),
@@ -106,19 +120,27 @@ impl ConsumerOptions {
 /// Counters a running consumer keeps; shared so callers can watch it live.
 #[derive(Debug, Default)]
 pub struct ConsumerStats {
+    /// Deliveries handed to the handler.
     pub delivered: AtomicU64,
+    /// Messages completed.
     pub completed: AtomicU64,
+    /// Failed deliveries scheduled for a retry.
     pub retried: AtomicU64,
+    /// Messages dead-lettered.
     pub dead_lettered: AtomicU64,
+    /// Outcomes not recorded because the lock had passed to another owner.
     pub lock_lost: AtomicU64,
+    /// Documents of the messages container that are not messages (skipped).
     pub malformed: AtomicU64,
     /// State documents left alone because this version cannot read them.
     pub unknown_state: AtomicU64,
+    /// Cosmos DB errors the loops retried.
     pub errors: AtomicU64,
     /// Leases this host holds now (a gauge).
     pub leases_owned: AtomicU64,
     /// Leases taken (free, expired or stolen) and lost (stolen from us, or not renewed).
     pub leases_acquired: AtomicU64,
+    /// Leases lost: stolen, or not renewed in time.
     pub leases_lost: AtomicU64,
 }
 
@@ -127,6 +149,7 @@ impl ConsumerStats {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A counter's value now.
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
     }
@@ -141,6 +164,7 @@ pub struct AdaptivePoll {
 }
 
 impl AdaptivePoll {
+    /// Starting at `min`.
     pub fn new(min: Duration, max: Duration) -> Self {
         Self {
             min,
@@ -175,6 +199,7 @@ impl AdaptivePoll {
     }
 }
 
+/// Reads the whole container's feed with no lease or checkpoint (see the module's doc).
 pub struct Consumer<H> {
     group: Group,
     handler: Arc<H>,
@@ -183,6 +208,7 @@ pub struct Consumer<H> {
 }
 
 impl<H: Handler> Consumer<H> {
+    /// A consumer of `group` handing messages to `handler`.
     pub fn new(group: Group, handler: H, options: ConsumerOptions) -> Self {
         Self {
             group,
@@ -192,6 +218,7 @@ impl<H: Handler> Consumer<H> {
         }
     }
 
+    /// Its counters, live.
     pub fn stats(&self) -> Arc<ConsumerStats> {
         Arc::clone(&self.stats)
     }
@@ -279,7 +306,7 @@ impl<H: Handler> Consumer<H> {
         Deliverer {
             group: self.group.clone(),
             handler: Arc::clone(&self.handler),
-            holder: self.options.holder.clone(),
+            owner: self.options.owner.clone(),
             stats: Arc::clone(&self.stats),
         }
     }

@@ -15,15 +15,25 @@ use crate::state::{MessageState, StateDoc, STATE_DOC_TYPE};
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DeadLetter {
+    /// The message's id.
     pub message_id: String,
+    /// Its partition key (with its id, what replay and purge need).
     pub partition_key: MessageKey,
+    /// The group it was dead-lettered in.
     pub group: String,
+    /// Why: `MaxDeliveryAttemptsExceeded`, `DroppedByApp`, `MessageExpired`, `PermanentError`, ….
     pub reason: Option<String>,
+    /// The last delivery's error.
     pub last_error: Option<String>,
+    /// Deliveries made.
     pub attempts: u32,
+    /// When it was enqueued (epoch ms).
     pub enqueued_at: i64,
+    /// When it was first delivered (epoch ms).
     pub first_attempt_at: Option<i64>,
+    /// When it was last delivered (epoch ms).
     pub last_attempt_at: Option<i64>,
+    /// When it was dead-lettered (epoch ms).
     pub dead_lettered_at: Option<i64>,
 }
 

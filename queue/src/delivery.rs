@@ -135,7 +135,7 @@ fn look_again_after(n: u32) -> Duration {
 pub(crate) struct Deliverer<H> {
     pub(crate) group: Group,
     pub(crate) handler: Arc<H>,
-    pub(crate) holder: String,
+    pub(crate) owner: String,
     pub(crate) stats: Arc<ConsumerStats>,
 }
 
@@ -158,11 +158,11 @@ impl<H: Handler> Deliverer<H> {
         loop {
             let claimed = if check_state {
                 self.group
-                    .claim_checked(&message, &self.holder, &token)
+                    .claim_checked(&message, &self.owner, &token)
                     .await
             } else {
                 self.group
-                    .claim_with_token(&message, &self.holder, &token)
+                    .claim_with_token(&message, &self.owner, &token)
                     .await
             };
             match claimed {
@@ -345,7 +345,7 @@ impl<H: Handler> Deliverer<H> {
             };
             match self
                 .group
-                .take_over_with_token(current, &self.holder, &token)
+                .take_over_with_token(current, &self.owner, &token)
                 .await
             {
                 Ok(ClaimOutcome::Claimed(claim)) => break claim,
@@ -533,7 +533,7 @@ impl<H: Handler> Deliverer<H> {
         let mut failures = 0;
         loop {
             let deadline = claim.locked_until.filter(|_| claim.is_recorded());
-            match self.group.retry_in_place(claim, &self.holder, error).await {
+            match self.group.retry_in_place(claim, &self.owner, error).await {
                 Ok(()) => return None,
                 Err(e @ QueueError::LockLost { .. }) => {
                     self.failed("retry", &claim.message_id, e);

@@ -33,35 +33,46 @@ use crate::lease::{Lease, LeaseStore};
 use crate::range::epk_in;
 use crate::state::STATE_DOC_TYPE;
 
+/// What is left in one feed range for a group.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RangeEstimate {
+    /// The range's lower bound (inclusive, hex EPK).
     pub min_epk: String,
+    /// The range's upper bound (exclusive, hex EPK).
     pub max_epk: String,
+    /// Who holds the range's lease.
     pub owner: Option<String>,
     /// Messages not yet read by the group; `None` while unknown (no checkpoint, start from now).
     pub lag: Option<u64>,
+    /// Messages not yet settled: the unread lag plus those read and still due.
     pub backlog: u64,
     /// Enqueue time (epoch ms) of the oldest message not yet settled.
     pub oldest_unsettled_at: Option<i64>,
+    /// Whether the lease has a checkpoint (without one, the lag may be unknown).
     pub checkpointed: bool,
     /// The range's latest LSN when it was read: it counts writes to the messages container
     /// (messages are append-only), so its growth over time is the arrival rate.
     pub lsn: Option<u64>,
 }
 
+/// What is left for a group, range by range.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GroupEstimate {
+    /// The group.
     pub group: String,
+    /// Its ranges (its leases).
     pub ranges: Vec<RangeEstimate>,
 }
 
 impl GroupEstimate {
+    /// Messages not yet read, over the ranges whose lag is known.
     pub fn lag(&self) -> u64 {
         self.ranges.iter().filter_map(|r| r.lag).sum()
     }
 
+    /// Messages not yet settled, over every range.
     pub fn backlog(&self) -> u64 {
         self.ranges.iter().map(|r| r.backlog).sum()
     }
@@ -71,6 +82,7 @@ impl GroupEstimate {
         self.ranges.iter().map(|r| r.lsn).sum()
     }
 
+    /// The enqueue time of the oldest message not yet settled.
     pub fn oldest_unsettled_at(&self) -> Option<i64> {
         self.ranges
             .iter()

@@ -30,23 +30,29 @@ use crate::group::Group;
 use crate::lease::{Lease, LeaseError, LeaseStore};
 use crate::message::Message;
 
+/// How a [`Host`] runs: its identity, concurrency, polling and lease timings.
 #[derive(Clone, Debug)]
 pub struct HostOptions {
-    /// This host's identity in leases and locks (the pod name).
-    pub name: String,
+    /// This host's identity: the owner its leases and locks name (the pod name).
+    pub owner: String,
     /// Deliveries in flight on this host at most.
     pub max_concurrency: usize,
     /// Messages read but not yet settled per range at most; reading a range pauses at this
     /// many, and its checkpoint never passes the oldest of them.
     pub max_in_flight_per_range: usize,
+    /// Items per change-feed page.
     pub page_size: u32,
+    /// The shortest wait between reads of a range.
     pub min_poll: Duration,
+    /// The longest wait between reads of an empty range.
     pub max_poll: Duration,
     /// Look for expired locks and due retries this often.
     pub sweep_interval: Duration,
     /// Change feed processor defaults: renew 17 s, acquire 13 s, expire 60 s.
     pub lease_renew: Duration,
+    /// How often free and expired leases are looked for.
     pub lease_acquire: Duration,
+    /// How long an unrenewed lease stays its owner's.
     pub lease_expire: Duration,
     /// Write a moved checkpoint at most this often.
     pub checkpoint_interval: Duration,
@@ -56,9 +62,10 @@ pub struct HostOptions {
 }
 
 impl HostOptions {
-    pub fn new(name: impl Into<String>) -> Self {
+    /// Options with the change feed processor's defaults, as `owner`.
+    pub fn new(owner: impl Into<String>) -> Self {
         Self {
-            name: name.into(),
+            owner: owner.into(),
             max_concurrency: 64,
             max_in_flight_per_range: 256,
             page_size: 100,
@@ -73,6 +80,7 @@ impl HostOptions {
         }
     }
 
+    /// Refuses timings under which leases could not be kept (renewal slower than expiry, …).
     pub fn validate(&self) -> Result<()> {
         if self.lease_renew >= self.lease_expire {
             return Err(QueueError::Config(
@@ -130,6 +138,7 @@ impl<H: Handler> Host<H> {
         self.group.config().mode == crate::config::DeliveryMode::Stream
     }
 
+    /// A host of `group` handing messages to `handler`.
     pub fn new(group: Group, handler: H, options: HostOptions) -> Self {
         let store = LeaseStore::new(group.queue().clone(), group.name())
             .with_start_from(group.config().start_from);
@@ -142,6 +151,7 @@ impl<H: Handler> Host<H> {
         }
     }
 
+    /// Its counters, live.
     pub fn stats(&self) -> Arc<ConsumerStats> {
         Arc::clone(&self.stats)
     }
@@ -150,7 +160,7 @@ impl<H: Handler> Host<H> {
         Arc::new(Deliverer {
             group: self.group.clone(),
             handler: Arc::clone(&self.handler),
-            holder: self.options.name.clone(),
+            owner: self.options.owner.clone(),
             stats: Arc::clone(&self.stats),
         })
     }
@@ -180,7 +190,7 @@ impl<H: Handler> Host<H> {
                 _ = acquire.tick() => {
                     if let Err(e) = self.balance_round(&mut owned, &permits, &deliverer, &tracker).await {
                         ConsumerStats::bump(&self.stats.errors);
-                        warn!(group = self.group.name(), host = %self.options.name, error = %e, "lease round failed; trying again next interval");
+                        warn!(group = self.group.name(), host = %self.options.owner, error = %e, "lease round failed; trying again next interval");
                     }
                 }
                 _ = sweep.tick() => {
@@ -189,7 +199,7 @@ impl<H: Handler> Host<H> {
                 }
             }
         }
-        info!(group = self.group.name(), host = %self.options.name, leases = owned.len(), "stopping: draining and releasing leases");
+        info!(group = self.group.name(), host = %self.options.owner, leases = owned.len(), "stopping: draining and releasing leases");
         for running in owned.values() {
             running.stop.cancel();
         }
@@ -199,7 +209,7 @@ impl<H: Handler> Host<H> {
         while sweeps.join_next().await.is_some() {}
         tracker.close();
         if !tracker.is_empty() {
-            info!(group = self.group.name(), host = %self.options.name, deliveries = tracker.len(), "waiting for deliveries of lost ranges to settle");
+            info!(group = self.group.name(), host = %self.options.owner, deliveries = tracker.len(), "waiting for deliveries of lost ranges to settle");
         }
         tracker.wait().await;
         self.stats
@@ -261,11 +271,11 @@ impl<H: Handler> Host<H> {
                 // A lease in our name that this process does not run is left over from a
                 // previous life of this host (a restarted pod): take it back at once.
                 expired: (l.is_expired(now, expire)
-                    || l.owner.as_deref() == Some(self.options.name.as_str()))
+                    || l.owner.as_deref() == Some(self.options.owner.as_str()))
                     && !owned.contains_key(&l.id),
             })
             .collect();
-        for take in balance::plan(&views, &self.options.name) {
+        for take in balance::plan(&views, &self.options.owner) {
             if owned.contains_key(&take.lease_id)
                 || reconciled.split_pending.contains(&take.lease_id)
             {
@@ -274,7 +284,7 @@ impl<H: Handler> Host<H> {
             let Some(lease) = reconciled.leases.iter().find(|l| l.id == take.lease_id) else {
                 continue;
             };
-            let me = self.options.name.as_str();
+            let me = self.options.owner.as_str();
             if lease.reserved_for_other(me, now, expire) {
                 continue; // being handed over to the host that asked for it
             }
@@ -297,14 +307,14 @@ impl<H: Handler> Host<H> {
                 }
                 warn!(group = self.group.name(), lease = %lease.range_label(), owner = %victim, "the owner did not hand the lease over in time; taking it");
             }
-            match self.store.acquire(lease, &self.options.name, now).await {
+            match self.store.acquire(lease, &self.options.owner, now).await {
                 Ok(lease) => {
                     match &take.steal_from {
                         Some(victim) => {
-                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %self.options.name, from = %victim, "lease stolen for balance")
+                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %self.options.owner, from = %victim, "lease stolen for balance")
                         }
                         None => {
-                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %self.options.name, "lease acquired")
+                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %self.options.owner, "lease acquired")
                         }
                     }
                     let stop = CancellationToken::new();
@@ -704,7 +714,7 @@ impl<H: Handler> RangeProcessor<H> {
                 Ok(Some(current)) if current.handover_to.is_some() => r.hand_over(current),
                 Ok(Some(current)) => r.lease = current,
                 _ => {
-                    warn!(owner = %self.options.name, in_flight = r.in_flight, "lease lost; stopped reading the range");
+                    warn!(owner = %self.options.owner, in_flight = r.in_flight, "lease lost; stopped reading the range");
                     return Some(RangeExit::Lost);
                 }
             },
@@ -743,7 +753,7 @@ impl<H: Handler> RangeProcessor<H> {
             if self.group.config().mode == DeliveryMode::Stream {
                 match self.current_confirmed(&r.lease).await {
                     Err(()) => {
-                        warn!(owner = %self.options.name, in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
+                        warn!(owner = %self.options.owner, in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
                         return Some(RangeExit::Lost);
                     }
                     Ok(Some(current)) if current.handover_to.is_some() => {
@@ -817,7 +827,7 @@ impl<H: Handler> RangeProcessor<H> {
         }
         match self.store.release(&r.lease).await {
             Ok(()) => {
-                info!(owner = %self.options.name, "lease released");
+                info!(owner = %self.options.owner, "lease released");
                 RangeExit::Released
             }
             Err(LeaseError::Lost) => RangeExit::Lost,
@@ -829,7 +839,7 @@ impl<H: Handler> RangeProcessor<H> {
     /// decides); `Err(())` when another host owns it or it is gone.
     async fn current(&self, lease: &Lease) -> Result<Option<Lease>, ()> {
         match self.store.read(&lease.id).await {
-            Ok(Some(current)) if current.owner.as_deref() == Some(self.options.name.as_str()) => {
+            Ok(Some(current)) if current.owner.as_deref() == Some(self.options.owner.as_str()) => {
                 Ok(Some(current))
             }
             Ok(_) => Err(()),

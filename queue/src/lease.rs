@@ -22,8 +22,10 @@ use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND, PRECONDIT
 use crate::queue::Queue;
 use crate::range::{epk_cmp, missing_leases, narrow_continuation, range_bounds, split_children};
 
+/// The `type` of lease documents in the lease container.
 pub const LEASE_DOC_TYPE: &str = "lease";
 
+/// A change-feed lease: one feed range of one group.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Lease {
@@ -31,12 +33,16 @@ pub struct Lease {
     pub id: String,
     /// `lease|<group>`: a group's leases share one logical partition, so listing them is cheap.
     pub pk: String,
+    /// Always [`LEASE_DOC_TYPE`].
     #[serde(rename = "type")]
     pub doc_type: String,
+    /// The group whose lease it is.
     pub group: String,
     /// The feed range, as effective partition key bounds in hex (`""` .. `"FF"`).
     pub min_epk: String,
+    /// The range's upper bound (exclusive).
     pub max_epk: String,
+    /// The host holding it; `None` when free.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
     /// Where reading resumes (the SDK's change-feed continuation token).
@@ -44,6 +50,7 @@ pub struct Lease {
     pub continuation: Option<String>,
     /// Last acquire, renew or checkpoint by the owner, epoch ms: the owner's heartbeat.
     pub timestamp: i64,
+    /// When the last checkpoint was written (epoch ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpointed_at: Option<i64>,
     /// A host that asked for this lease (stream groups hand leases over instead of having them
@@ -51,13 +58,16 @@ pub struct Lease {
     /// Kept on release: the freed lease is reserved for the asker until `handover_at` expires.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handover_to: Option<String>,
+    /// When the hand-over was asked for (epoch ms); the reservation ends a lease expiry later.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handover_at: Option<i64>,
+    /// The document's ETag as last read: every change is `If-Match` on it.
     #[serde(rename = "_etag", default, skip_serializing)]
     pub etag: Option<String>,
 }
 
 impl Lease {
+    /// A free lease of `group` on `[min_epk, max_epk)`, starting at `continuation`.
     pub fn new(
         group: &str,
         min_epk: &str,
@@ -99,6 +109,7 @@ impl Lease {
             .map_err(|e| QueueError::Config(format!("lease {}: {e}", self.id)))
     }
 
+    /// Whether its owner missed renewing it for `expire_ms`.
     pub fn is_expired(&self, now: i64, expire_ms: i64) -> bool {
         self.owner.is_none() || self.timestamp + expire_ms < now
     }
@@ -117,6 +128,7 @@ fn short(hex: &str) -> &str {
     }
 }
 
+/// The partition key of a group's leases.
 pub fn lease_pk(group: &str) -> String {
     format!("lease|{group}")
 }
@@ -124,7 +136,9 @@ pub fn lease_pk(group: &str) -> String {
 /// What [`LeaseStore::reconcile`] found.
 #[derive(Clone, Debug)]
 pub struct Reconciled {
+    /// The group's leases, including those just created.
     pub leases: Vec<Lease>,
+    /// Leases whose range split; a host splits them once it owns them.
     pub split_pending: Vec<String>,
 }
 
@@ -137,6 +151,7 @@ pub struct LeaseStore {
 }
 
 impl LeaseStore {
+    /// The leases of `group` in `queue`'s lease container.
     pub fn new(queue: Queue, group: impl Into<String>) -> Self {
         Self {
             queue,
@@ -178,6 +193,7 @@ impl LeaseStore {
             .map(|t| t.as_str().to_owned()))
     }
 
+    /// The group.
     pub fn group(&self) -> &str {
         &self.group
     }
@@ -443,12 +459,14 @@ impl LeaseStore {
         self.replace(&next, "request lease").await
     }
 
+    /// Renews an owned lease (its heartbeat); [`LeaseError::Lost`] when it is no longer ours.
     pub async fn renew(&self, lease: &Lease, now: i64) -> Result<Lease, LeaseError> {
         let mut next = lease.clone();
         next.timestamp = now;
         self.replace(&next, "renew lease").await
     }
 
+    /// Writes a checkpoint on an owned lease.
     pub async fn checkpoint(
         &self,
         lease: &Lease,
@@ -477,6 +495,7 @@ pub enum LeaseError {
     /// Someone else changed the lease: it was stolen, split or released; stop using it.
     #[error("lease lost")]
     Lost,
+    /// Any other failure; retried.
     #[error(transparent)]
     Other(QueueError),
 }

@@ -8,6 +8,7 @@
 //!
 //! Nothing here knows about HTTP or Kubernetes; the sidecar and the operator build on it.
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod backoff;
 pub mod balance;
@@ -27,6 +28,7 @@ pub mod lease;
 pub mod measure;
 pub mod message;
 pub mod metric_names;
+pub mod process;
 pub mod producer;
 pub mod queue;
 pub mod range;

@@ -33,26 +33,44 @@ pub const RESERVED_FIELDS: &[&str] = &[
     "ttl",
 ];
 
+/// Why a message cannot be enqueued; the text says what to change.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum MessageError {
+    /// An id Cosmos DB cannot store.
     #[error("message id {0:?} must be 1-255 characters without '/', '\\', '?' or '#'")]
     InvalidId(String),
+    /// A key Cosmos DB cannot store.
     #[error("partition key must be a string of at most {MAX_PARTITION_KEY_BYTES} bytes, a number, true, false or null")]
     InvalidPartitionKey,
+    /// Over the 2 MB item limit.
     #[error("message document is {size} bytes, over the {MAX_DOCUMENT_BYTES}-byte limit (Cosmos DB items are at most 2 MB); it was not enqueued")]
-    TooLarge { size: usize },
+    TooLarge {
+        /// The document's size in bytes.
+        size: usize,
+    },
+    /// A metadata entry with an empty key.
     #[error("metadata keys must be non-empty")]
     EmptyMetadataKey,
+    /// A time-to-live under a second.
     #[error("ttl must be at least 1 second")]
     InvalidTtl,
+    /// Both a JSON and a base64 body.
     #[error("give either body or bodyBase64, not both")]
     AmbiguousBody,
+    /// A base64 body that does not decode.
     #[error("bodyBase64 is not valid base64: {0}")]
     InvalidBase64(String),
+    /// A schedule that is not an RFC 3339 time.
     #[error("scheduledAt {0:?} is not an RFC 3339 time")]
     InvalidScheduledAt(String),
+    /// A duration that does not parse.
     #[error("{field} {value:?} is not a duration such as \"30s\" or \"1h\"")]
-    InvalidDuration { field: &'static str, value: String },
+    InvalidDuration {
+        /// The field (`delay`, `ttl`).
+        field: &'static str,
+        /// What was given.
+        value: String,
+    },
 }
 
 /// A message's partition key as Cosmos stores it: a string, a number, a boolean or null.
@@ -81,6 +99,7 @@ impl MessageKey {
         }
     }
 
+    /// The key as the JSON value it is.
     pub fn as_json(&self) -> &Value {
         &self.0
     }
@@ -161,7 +180,9 @@ impl PartialEq<&str> for MessageKey {
 /// A message body: JSON is stored as is (readable in the portal), bytes as base64.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Body {
+    /// JSON, stored as is.
     Json(Value),
+    /// Bytes, stored as base64.
     Bytes(Vec<u8>),
 }
 
@@ -182,8 +203,11 @@ pub struct NewMessage {
     pub id: Option<String>,
     /// The ordering key. Absent: the id, which spreads messages evenly over partitions.
     pub partition_key: Option<MessageKey>,
+    /// The payload.
     pub body: Body,
+    /// Its media type (`application/json` for a JSON body when absent).
     pub content_type: Option<String>,
+    /// String pairs delivered with the message (as headers).
     pub metadata: BTreeMap<String, String>,
     /// Not delivered before this time (epoch ms).
     pub visible_at: Option<i64>,
@@ -194,10 +218,12 @@ pub struct NewMessage {
 }
 
 impl NewMessage {
+    /// A JSON message.
     pub fn json(body: Value) -> Self {
         Self::with_body(Body::Json(body))
     }
 
+    /// A binary message.
     pub fn bytes(body: impl Into<Vec<u8>>) -> Self {
         Self::with_body(Body::Bytes(body.into()))
     }
@@ -215,36 +241,43 @@ impl NewMessage {
         }
     }
 
+    /// With the producer's id (idempotent enqueue).
     pub fn with_id(mut self, id: impl Into<String>) -> Self {
         self.id = Some(id.into());
         self
     }
 
+    /// With a partition key (the ordering key).
     pub fn with_partition_key(mut self, key: impl Into<MessageKey>) -> Self {
         self.partition_key = Some(key.into());
         self
     }
 
+    /// With a media type.
     pub fn with_content_type(mut self, content_type: impl Into<String>) -> Self {
         self.content_type = Some(content_type.into());
         self
     }
 
+    /// With one metadata entry.
     pub fn with_metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.metadata.insert(key.into(), value.into());
         self
     }
 
+    /// Delivered no sooner than `delay` after enqueue.
     pub fn with_delay(mut self, delay: Duration) -> Self {
         self.delay = Some(delay);
         self
     }
 
+    /// Delivered no sooner than `epoch_ms`.
     pub fn with_visible_at(mut self, epoch_ms: i64) -> Self {
         self.visible_at = Some(epoch_ms);
         self
     }
 
+    /// Removed after `ttl` if not settled (at most the queue's retention).
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(ttl);
         self
@@ -296,10 +329,15 @@ fn validate_id(id: &str) -> Result<(), MessageError> {
 /// A stored message, as consumers see it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Message {
+    /// The message's id.
     pub id: String,
+    /// Its partition key, of the JSON type its producer gave.
     pub partition_key: MessageKey,
+    /// The payload.
     pub body: Body,
+    /// Its media type.
     pub content_type: Option<String>,
+    /// Its metadata.
     pub metadata: BTreeMap<String, String>,
     /// Enqueue time, epoch ms.
     pub enqueued_at: i64,
@@ -421,16 +459,24 @@ impl Message {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MessageInput {
+    /// The producer's id (idempotent enqueue).
     pub id: Option<String>,
     /// A string, number, boolean or null.
     pub partition_key: Option<MessageKey>,
+    /// A JSON body.
     pub body: Option<Value>,
+    /// A binary body, base64.
     pub body_base64: Option<String>,
+    /// Its media type.
     pub content_type: Option<String>,
+    /// String pairs delivered with the message.
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
+    /// Delivered no sooner than this after enqueue (`30s`).
     pub delay: Option<String>,
+    /// Delivered no sooner than this time (RFC 3339).
     pub scheduled_at: Option<String>,
+    /// Removed after this long if not settled (`1h`).
     pub ttl: Option<String>,
 }
 

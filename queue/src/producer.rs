@@ -18,24 +18,31 @@ const BATCH_MAX_BYTES: usize = MAX_ITEM_BYTES - 64 * 1024;
 /// What happened to one message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EnqueueOutcome {
+    /// Written.
     Enqueued {
+        /// The message's id.
         id: String,
+        /// Its partition key.
         partition_key: MessageKey,
     },
     /// A message with this id and partition key is already in the queue; nothing was written.
     Duplicate {
+        /// The message's id.
         id: String,
+        /// Its partition key.
         partition_key: MessageKey,
     },
 }
 
 impl EnqueueOutcome {
+    /// The message's id, either way.
     pub fn id(&self) -> &str {
         match self {
             EnqueueOutcome::Enqueued { id, .. } | EnqueueOutcome::Duplicate { id, .. } => id,
         }
     }
 
+    /// Whether it was already there.
     pub fn is_duplicate(&self) -> bool {
         matches!(self, EnqueueOutcome::Duplicate { .. })
     }

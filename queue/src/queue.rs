@@ -101,26 +101,32 @@ impl Queue {
         })
     }
 
+    /// The queue's settings, with the retention read from the container.
     pub fn config(&self) -> &QueueConfig {
         &self.inner.config
     }
 
+    /// The messages container's name.
     pub fn name(&self) -> &str {
         &self.inner.config.container
     }
 
+    /// The clock every time of the queue is read from.
     pub fn clock(&self) -> &Clock {
         &self.inner.clock
     }
 
+    /// What the queue's operations have cost.
     pub fn charges(&self) -> &Arc<RequestCharges> {
         &self.inner.charges
     }
 
+    /// The messages container.
     pub fn messages(&self) -> &ContainerClient {
         &self.inner.messages
     }
 
+    /// The lease container (leases and groups' state documents).
     pub fn leases(&self) -> &ContainerClient {
         &self.inner.leases
     }

@@ -15,26 +15,37 @@ use std::collections::VecDeque;
 
 use crate::estimate::GroupEstimate;
 
+/// A group's scaling settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {
+    /// Fewest workers (0: scale to zero when idle).
     pub min_replicas: u32,
+    /// Most workers.
     pub max_replicas: u32,
+    /// Backlog one worker is expected to carry.
     pub target_backlog_per_replica: u64,
+    /// Scale down only to the highest recommendation within this window.
     pub scale_down_stabilization_ms: i64,
+    /// Idle time before scaling to zero.
     pub scale_to_zero_cooldown_ms: i64,
+    /// Backlog that wakes a group scaled to zero.
     pub activation_threshold: u64,
 }
 
 /// What the operator saw this round.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Observation {
+    /// When (epoch ms).
     pub now_ms: i64,
     /// `None` when the estimate failed.
     pub backlog: Option<u64>,
     /// Messages arriving per second, and settled per second per replica, when measured.
     pub arrival_rate: Option<f64>,
+    /// Messages one worker settles per second, when measured.
     pub rate_per_replica: Option<f64>,
+    /// The group's leases: more workers than leases would idle.
     pub leases: u32,
+    /// Workers now.
     pub current_replicas: u32,
 }
 
@@ -47,11 +58,14 @@ pub struct History {
     last_active_ms: Option<i64>,
 }
 
+/// Why a decision is what it is (for status, Events and logs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reason {
     /// The estimate failed: replicas kept as they are.
     EstimateFailed,
+    /// More backlog than the workers carry.
     ScaleUp,
+    /// Less backlog, past the stabilization window.
     ScaleDown,
     /// A lower count is recommended but the stabilization window holds the higher one.
     Stabilizing,
@@ -61,12 +75,16 @@ pub enum Reason {
     ScaledToZero,
     /// Idle, waiting out the cool-down before scaling to zero.
     CoolingDown,
+    /// Nothing to change.
     Steady,
 }
 
+/// The replicas a group should run, and why.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Decision {
+    /// Workers to run.
     pub replicas: u32,
+    /// Why.
     pub reason: Reason,
 }
 
@@ -96,10 +114,13 @@ impl Reason {
 /// One round's estimate, kept to measure rates against the next.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sample {
+    /// When (epoch ms).
     pub at_ms: i64,
     /// Sum of the ranges' LSNs: messages are append-only, so it grows by one per enqueue.
     pub lsn: Option<u64>,
+    /// The backlog then.
     pub backlog: u64,
+    /// Workers then.
     pub replicas: u32,
 }
 
@@ -179,6 +200,7 @@ fn div_ceil_f(a: f64, b: f64) -> u32 {
     (a / b).ceil().clamp(0.0, u32::MAX as f64) as u32
 }
 
+/// The replicas a group should run now (pure): from its backlog and rates, clamped, stabilized.
 pub fn decide(policy: &Policy, obs: &Observation, history: &mut History) -> Decision {
     let current = obs.current_replicas;
     let Some(backlog) = obs.backlog else {

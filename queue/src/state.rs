@@ -37,6 +37,7 @@ pub const REASON_PERMANENT_ERROR: &str = "PermanentError";
 /// Reason recorded when retention removed a message before a successful delivery.
 pub const REASON_EXPIRED: &str = "MessageExpired";
 
+/// Where a message stands in a group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum MessageState {
@@ -46,7 +47,9 @@ pub enum MessageState {
     Locked,
     /// Failed; deliverable again at `due`.
     Retry,
+    /// Delivered and done: never delivered again in this group.
     Completed,
+    /// Given up; listed, replayed or purged with the dead letters.
     DeadLettered,
     /// A dead letter the user discarded.
     Purged,
@@ -70,12 +73,16 @@ pub struct StateDoc {
     pub id: String,
     /// `<group>|<message partition key>`.
     pub pk: String,
+    /// Always [`STATE_DOC_TYPE`].
     #[serde(rename = "type")]
     pub doc_type: String,
+    /// The group.
     pub group: String,
     /// The message's partition key, with its JSON type.
     pub message_pk: MessageKey,
+    /// Where the message stands.
     pub state: MessageState,
+    /// Who holds the lock (while `locked`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
     /// New with every lock (Service Bus' lock token). A write whose answer was lost (a
@@ -87,13 +94,18 @@ pub struct StateDoc {
     pub due: Option<i64>,
     /// Deliveries so far.
     pub attempts: u32,
+    /// When the message was enqueued (epoch ms).
     pub enqueued_at: i64,
+    /// When the message expires with the queue's retention (epoch ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<i64>,
+    /// When it was first delivered (epoch ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_attempt_at: Option<i64>,
+    /// When it was last delivered (epoch ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_attempt_at: Option<i64>,
+    /// The last delivery's error, cut to a few KB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
     /// Why it was dead-lettered.
@@ -111,6 +123,7 @@ pub struct StateDoc {
     /// next write.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epk: Option<String>,
+    /// The document's ETag as last read: every transition is `If-Match` on it.
     #[serde(rename = "_etag", default, skip_serializing)]
     pub etag: Option<String>,
 }
@@ -189,24 +202,45 @@ pub fn retry_at(now_ms: i64, delay: Duration, expires_at: Option<i64>) -> i64 {
 const RETRY_BEFORE_EXPIRY_MS: i64 = 60_000;
 
 impl StateDoc {
+    /// A group's first document of `message`, in `state`.
     pub(crate) fn new(
         group: &str,
         message: &Message,
         expires_at: Option<i64>,
         state: MessageState,
     ) -> Self {
+        Self::of_key(
+            group,
+            &message.id,
+            &message.partition_key,
+            message.enqueued_at,
+            expires_at,
+            state,
+        )
+    }
+
+    /// A group's first document of the message `id` under `message_pk`, in `state`: no lock,
+    /// no attempt yet.
+    pub(crate) fn of_key(
+        group: &str,
+        id: &str,
+        message_pk: &MessageKey,
+        enqueued_at: i64,
+        expires_at: Option<i64>,
+        state: MessageState,
+    ) -> Self {
         Self {
-            id: message.id.clone(),
-            pk: state_pk(group, &message.partition_key),
+            id: id.to_owned(),
+            pk: state_pk(group, message_pk),
             doc_type: STATE_DOC_TYPE.into(),
             group: group.into(),
-            message_pk: message.partition_key.clone(),
+            message_pk: message_pk.clone(),
             state,
             owner: None,
             lock_token: None,
             due: None,
             attempts: 0,
-            enqueued_at: message.enqueued_at,
+            enqueued_at,
             expires_at,
             first_attempt_at: None,
             last_attempt_at: None,

@@ -20,8 +20,11 @@ const MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 
 /// What the API serves from.
 pub struct ApiState {
+    /// The queue the app enqueues to.
     pub queue: Queue,
+    /// The sidecar's metrics, served at `/metrics`.
     pub metrics: Arc<Metrics>,
+    /// The lease loop's counters, for health.
     pub stats: Arc<ConsumerStats>,
     /// Connected, and the app answered: leases may be taken.
     pub ready: AtomicBool,

@@ -20,21 +20,32 @@ pub enum Format {
 
 /// Header names, shared with the app's documentation.
 pub mod headers {
+    /// The message's id.
     pub const MESSAGE_ID: &str = "cosmosq-message-id";
+    /// This delivery's number, 1 for the first.
     pub const DELIVERY_COUNT: &str = "cosmosq-delivery-count";
+    /// When the message was enqueued (RFC 3339).
     pub const ENQUEUED_TIME: &str = "cosmosq-enqueued-time";
+    /// The message's partition key, as JSON when it is not a string.
     pub const PARTITION_KEY: &str = "cosmosq-partition-key";
+    /// The queue.
     pub const QUEUE: &str = "cosmosq-queue";
+    /// The consumer group.
     pub const GROUP: &str = "cosmosq-group";
+    /// Before each metadata key.
     pub const METADATA_PREFIX: &str = "cosmosq-metadata-";
+    /// W3C trace context.
     pub const TRACEPARENT: &str = "traceparent";
 }
 
 /// A request to the app, ready to send.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AppRequest {
+    /// The `Content-Type` of the request.
     pub content_type: String,
+    /// Headers beside it: the message's metadata, ids and trace context.
     pub headers: Vec<(String, String)>,
+    /// The request body.
     pub body: Vec<u8>,
 }
 
@@ -67,6 +78,7 @@ fn header_safe(value: &str) -> bool {
     value.bytes().all(|b| (0x20..0x7f).contains(&b))
 }
 
+/// The request a delivery becomes (pure): a CloudEvent or the raw body, with its headers.
 pub fn build_request(delivery: &Delivery, format: Format, traceparent: &str) -> AppRequest {
     let message = &delivery.message;
     let mut headers = vec![
@@ -142,18 +154,23 @@ pub fn build_request(delivery: &Delivery, format: Format, traceparent: &str) -> 
 /// What the app's answer means.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Answer {
+    /// 2xx with an empty body or `SUCCESS`: complete.
     Success,
     /// Deliver again: after `after` when the app said so (`Retry-After`), else with back-off.
     Retry {
+        /// Why, for the last error.
         reason: String,
+        /// The app's `Retry-After`.
         after: Option<Duration>,
     },
     /// Dead-letter now.
     Drop {
+        /// Why, for the dead letter.
         reason: String,
     },
     /// The app never got it (the connection was refused): no delivery attempt.
     Undelivered {
+        /// Why the app could not be reached.
         reason: String,
     },
 }

@@ -6,21 +6,30 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+/// Where the breaker stands.
 #[derive(Clone, Debug, PartialEq)]
 pub enum State {
+    /// Deliveries go through.
     Closed {
+        /// Hard failures in a row so far.
         failures: u32,
     },
+    /// Deliveries wait.
     Open {
+        /// Until a probe may go.
         until: Instant,
+        /// How long it stayed open this time (doubled when the probe fails).
         cool_down: Duration,
     },
     /// One probe is out; everyone else waits for its result.
     HalfOpen {
+        /// How long it stayed open before the probe.
         cool_down: Duration,
     },
 }
 
+/// A circuit breaker on the app: after `threshold` hard failures in a row, deliveries wait,
+/// then one probe tells whether the app is back.
 #[derive(Clone, Debug)]
 pub struct Breaker {
     threshold: u32,
@@ -32,6 +41,7 @@ pub struct Breaker {
 /// What a caller may do now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Permit {
+    /// Go.
     Go,
     /// Go, as the probe: report its result.
     Probe,
@@ -40,6 +50,7 @@ pub enum Permit {
 }
 
 impl Breaker {
+    /// Closed, opening after `threshold` failures for `min_cool_down`, doubling up to `max_cool_down`.
     pub fn new(threshold: u32, min_cool_down: Duration, max_cool_down: Duration) -> Self {
         Self {
             threshold: threshold.max(1),
@@ -49,6 +60,7 @@ impl Breaker {
         }
     }
 
+    /// What a delivery may do at `now`.
     pub fn permit(&mut self, now: Instant) -> Permit {
         match self.state.clone() {
             State::Closed { .. } => Permit::Go,

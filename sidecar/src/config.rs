@@ -17,27 +17,31 @@ fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| e.to_string())
 }
 
+/// Delivers a cosmosq queue to the app next to it.
+///
+/// Every setting is a flag or the `COSMOSQ_*` variable the operator sets.
 #[derive(Parser, Clone, Debug)]
-#[command(
-    name = "cosmosq-sidecar",
-    version,
-    about = "Delivers a cosmosq queue to the app next to it",
-    args_override_self = true
-)]
+#[command(name = "cosmosq-sidecar", version, args_override_self = true)]
 pub struct Config {
+    /// How to reach the account.
     #[command(flatten)]
     pub connection: ConnectionArgs,
+    /// The database holding the queue.
     #[arg(long, env = env::DATABASE)]
     pub database: String,
+    /// The queue (messages container).
     #[arg(long, env = env::QUEUE)]
     pub queue: String,
+    /// The messages container's partition key path (used when it is created).
     #[arg(long, env = env::PARTITION_KEY_PATH, default_value = "/pk")]
     pub partition_key_path: String,
     /// The consumer group this pod belongs to.
     #[arg(long, env = env::GROUP)]
     pub group: String,
+    /// `exclusive` or `stream`.
     #[arg(long, env = env::DELIVERY_MODE, value_enum, default_value_t = DeliveryMode::Exclusive)]
     pub mode: DeliveryMode,
+    /// Where a new group starts: `now` or `beginning`.
     #[arg(long, env = env::START_FROM, value_enum, default_value_t = StartFrom::Now)]
     pub start_from: StartFrom,
     /// FIFO per partition key.
@@ -49,6 +53,7 @@ pub struct Config {
     /// The path messages are POSTed to.
     #[arg(long, env = env::APP_PATH, default_value = "/")]
     pub app_path: String,
+    /// What the app receives: `cloudevents` or `raw`.
     #[arg(long, env = env::APP_FORMAT, value_enum, default_value_t = Format::Cloudevents)]
     pub app_format: Format,
     /// Longest the app may take with one message; the lock is renewed meanwhile.
@@ -60,20 +65,28 @@ pub struct Config {
     /// Deliveries in flight at once.
     #[arg(long, env = env::MAX_CONCURRENCY, default_value_t = 16)]
     pub max_concurrency: usize,
+    /// Deliveries before a message is dead-lettered.
     #[arg(long, env = env::MAX_DELIVERY_ATTEMPTS, default_value_t = 10)]
     pub max_delivery_attempts: u32,
+    /// Back-off after the first failure.
     #[arg(long, env = env::RETRY_INITIAL_BACKOFF, default_value = "1s", value_parser = duration)]
     pub retry_initial_backoff: Duration,
+    /// The longest back-off.
     #[arg(long, env = env::RETRY_MAX_BACKOFF, default_value = "5m", value_parser = duration)]
     pub retry_max_backoff: Duration,
+    /// How long a claim is exclusive without renewal.
     #[arg(long, env = env::LOCK_DURATION, default_value = "60s", value_parser = duration)]
     pub lock_duration: Duration,
+    /// How often leases are renewed.
     #[arg(long, env = env::LEASE_RENEW, default_value = "17s", value_parser = duration)]
     pub lease_renew: Duration,
+    /// How often free and expired leases are looked for.
     #[arg(long, env = env::LEASE_ACQUIRE, default_value = "13s", value_parser = duration)]
     pub lease_acquire: Duration,
+    /// How long an unrenewed lease stays its owner's.
     #[arg(long, env = env::LEASE_EXPIRE, default_value = "60s", value_parser = duration)]
     pub lease_expire: Duration,
+    /// Leases per physical partition when the group's leases are created.
     #[arg(long, env = env::LEASES_PER_PARTITION, default_value_t = 1)]
     pub leases_per_partition: u32,
     /// Longest wait between reads of an idle feed range.
@@ -95,6 +108,7 @@ pub struct Config {
     /// This pod (downward API); names the host in leases and locks.
     #[arg(long, env = env::POD_NAME)]
     pub pod_name: Option<String>,
+    /// This pod's namespace (downward API).
     #[arg(long, env = env::POD_NAMESPACE)]
     pub pod_namespace: Option<String>,
     /// Mark the pod with a higher `controller.kubernetes.io/pod-deletion-cost` while busy
@@ -184,7 +198,8 @@ impl Config {
         })
     }
 
-    pub fn host_name(&self) -> String {
+    /// This sidecar's identity in leases and locks: the pod's name, or a generated one.
+    pub fn owner(&self) -> String {
         self.pod_name.clone().unwrap_or_else(|| {
             format!(
                 "sidecar-{}",
@@ -193,12 +208,14 @@ impl Config {
         })
     }
 
+    /// The engine's queue settings.
     pub fn queue_config(&self) -> QueueConfig {
         let mut config = QueueConfig::new(self.database.clone(), self.queue.clone());
         config.partition_key_path = self.partition_key_path.clone();
         config
     }
 
+    /// The engine's group settings.
     pub fn group_config(&self) -> GroupConfig {
         GroupConfig::new(self.group.clone())
             .with_mode(self.mode)
@@ -213,6 +230,7 @@ impl Config {
             })
     }
 
+    /// The lease loop's settings.
     pub fn host_options(&self) -> HostOptions {
         HostOptions {
             max_concurrency: self.max_concurrency,
@@ -222,7 +240,7 @@ impl Config {
             leases_per_partition: self.leases_per_partition,
             max_poll: self.max_poll,
             sweep_interval: self.sweep_interval,
-            ..HostOptions::new(self.host_name())
+            ..HostOptions::new(self.owner())
         }
     }
 }

@@ -17,8 +17,11 @@ use tracing::{debug, warn};
 
 use crate::error::SidecarError;
 
+/// The annotation ReplicaSets read to choose which pods to remove first.
 pub const ANNOTATION: &str = "controller.kubernetes.io/pod-deletion-cost";
+/// A pod at work: removed after the idle ones.
 pub const BUSY_COST: i32 = 1000;
+/// A pod quiet for a while: removed first.
 pub const IDLE_COST: i32 = 0;
 const SERVICE_ACCOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 /// How long a pod must have had nothing in flight before it is marked idle.
@@ -72,6 +75,7 @@ impl PodPatcher {
         Ok(Some(patcher))
     }
 
+    /// A patcher of `pod` in `namespace`, with the pod-bound token read from `token_file`.
     pub fn new(
         api: &str,
         token: String,
@@ -108,6 +112,7 @@ impl PodPatcher {
         }
     }
 
+    /// Sets the pod's deletion cost.
     pub async fn set_cost(&self, cost: i32) -> Result<(), SidecarError> {
         let patch = json!({"metadata": {"annotations": {ANNOTATION: cost.to_string()}}});
         let token = self.token().await?;

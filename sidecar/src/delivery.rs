@@ -23,6 +23,7 @@ const BREAKER_FAILURES: u32 = 5;
 const BREAKER_FIRST_OPEN: Duration = Duration::from_secs(1);
 const BREAKER_MAX_OPEN: Duration = Duration::from_secs(30);
 
+/// The app on localhost, as the engine's [`Handler`]: breaker, isolation and metrics around each delivery.
 pub struct AppClient {
     http: reqwest::Client,
     url: String,
@@ -36,6 +37,7 @@ pub struct AppClient {
 }
 
 impl AppClient {
+    /// The app at `127.0.0.1:<port><path>`.
     pub fn new(
         port: u16,
         path: &str,

@@ -10,6 +10,7 @@
 /// Isolated successes in a row that end isolation.
 pub const SUCCESSES_TO_RESUME: u32 = 3;
 
+/// Whether deliveries go one at a time while a crash is being pinned on one message.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Isolation {
     active: bool,

@@ -3,6 +3,7 @@
 //! (compatible with Dapr pub/sub), settles it from the answer, and serves a localhost API for
 //! enqueue, health and metrics. `main.rs` only parses, handles signals and runs [`run::run`].
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod api;
 pub mod app;

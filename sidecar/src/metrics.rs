@@ -12,22 +12,36 @@ use prometheus::{
     IntGaugeVec, Registry, TextEncoder,
 };
 
+/// The sidecar's Prometheus metrics (names in [`cosmosq_queue::metric_names`] where the operator reports the same figure).
 pub struct Metrics {
     registry: Registry,
     /// The names of the families registered, for [`Metrics::names`].
     names: Vec<String>,
+    /// Settled deliveries, by outcome.
     pub deliveries: IntCounterVec,
+    /// How long the app took.
     pub app_latency: Histogram,
+    /// From enqueue to the app's answer.
     pub end_to_end: Histogram,
+    /// Deliveries the app is working on.
     pub in_flight: IntGauge,
+    /// Leases held.
     pub leases_owned: IntGauge,
+    /// Leases acquired and lost.
     pub lease_events: IntCounterVec,
+    /// Unread messages per owned range.
     pub lag: IntGaugeVec,
+    /// Unsettled messages of the owned ranges.
     pub backlog: IntGauge,
+    /// The group's dead letters (from the owner of its first range).
     pub dead_letters: IntGauge,
+    /// Request units by operation.
     pub request_units: CounterVec,
+    /// Requests answered 429.
     pub throttled: IntCounter,
+    /// Messages enqueued through the local API, by result.
     pub enqueued: IntCounterVec,
+    /// Deliveries the app could not take, by kind.
     pub app_errors: IntCounterVec,
     request_units_seen: Mutex<HashMap<&'static str, f64>>,
     owned_ranges: Mutex<Vec<String>>,
@@ -38,6 +52,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 ];
 
 impl Metrics {
+    /// Metrics of a sidecar of `group` on `queue` (both constant labels).
     pub fn new(queue: &str, group: &str) -> Self {
         let registry = Registry::new_custom(
             None,
@@ -131,8 +146,8 @@ impl Metrics {
         }
     }
 
-    /// Publishes an estimate: lag of the ranges `host` owns, and their backlog.
-    pub fn record_estimate(&self, estimate: &GroupEstimate, host: &str) {
+    /// Publishes an estimate: lag of the ranges `owner` owns, and their backlog.
+    pub fn record_estimate(&self, estimate: &GroupEstimate, owner: &str) {
         let mut owned = self.owned_ranges.lock().unwrap_or_else(|p| p.into_inner());
         for label in owned.drain(..) {
             let _ = self.lag.remove_label_values(&[&label]);
@@ -140,7 +155,7 @@ impl Metrics {
         for range in estimate
             .ranges
             .iter()
-            .filter(|r| r.owner.as_deref() == Some(host))
+            .filter(|r| r.owner.as_deref() == Some(owner))
         {
             let label = format!("{}-{}", short(&range.min_epk), short(&range.max_epk));
             if let Some(lag) = range.lag {
@@ -157,6 +172,7 @@ impl Metrics {
         &self.names
     }
 
+    /// The text exposition format.
     pub fn render(&self) -> String {
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

@@ -51,7 +51,7 @@ pub async fn run_with_client(
     let group = queue.group(config.group_config())?;
     let metrics = Arc::new(Metrics::new(&config.queue, &config.group));
     let options = config.host_options();
-    let host_name = options.name.clone();
+    let owner = options.owner.clone();
     let app = Arc::new(AppClient::new(
         config.app_port,
         &config.app_path,
@@ -99,7 +99,7 @@ pub async fn run_with_client(
         }
         None => None,
     };
-    info!(listen = %config.listen, queue = %config.queue, group = %config.group, host = %host_name, "sidecar started; waiting for the app");
+    info!(listen = %config.listen, queue = %config.queue, group = %config.group, %owner, "sidecar started; waiting for the app");
 
     let background = CancellationToken::new();
     if !wait_for_app(&config, &shutdown).await {
@@ -120,13 +120,13 @@ pub async fn run_with_client(
     // The background tasks, each stopped by `background` and awaited before the sidecar ends.
     let tasks = TaskTracker::new();
     {
-        let (group, metrics, stop, host) = (
+        let (group, metrics, stop, owner) = (
             group.clone(),
             Arc::clone(&metrics),
             background.clone(),
-            host_name.clone(),
+            owner.clone(),
         );
-        tasks.spawn(async move { estimate_loop(group, metrics, host, stop).await });
+        tasks.spawn(async move { estimate_loop(group, metrics, owner, stop).await });
     }
     if config.pod_deletion_cost {
         if let (Some(namespace), Some(pod)) = (&config.pod_namespace, &config.pod_name) {
@@ -198,7 +198,7 @@ async fn wait_for_app(config: &Config, shutdown: &CancellationToken) -> bool {
 async fn estimate_loop(
     group: cosmosq_queue::Group,
     metrics: Arc<Metrics>,
-    host: String,
+    owner: String,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(15));
@@ -207,9 +207,9 @@ async fn estimate_loop(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let owns_first_range = match group.estimate_owned(&host).await {
+        let owns_first_range = match group.estimate_owned(&owner).await {
             Ok(estimate) => {
-                metrics.record_estimate(&estimate, &host);
+                metrics.record_estimate(&estimate, &owner);
                 estimate.ranges.iter().any(|r| r.min_epk.is_empty())
             }
             Err(e) => {

@@ -63,6 +63,7 @@ impl State {
 /// The header naming who sent a request (see [`FakeApiServer::client_as`]).
 const ACTOR: &str = "x-fake-actor";
 
+/// The in-memory API server: objects by collection and name, shared by every client it hands out.
 #[derive(Clone)]
 pub struct FakeApiServer {
     state: Arc<Mutex<State>>,
@@ -209,6 +210,7 @@ fn apply_merge(target: &mut Value, patch: &Value) {
 }
 
 impl FakeApiServer {
+    /// An empty cluster.
     pub fn new() -> Self {
         Self {
             state: Arc::default(),

@@ -3,6 +3,7 @@
 //! lease loop fast, and free ports. A dev-dependency only, so production binaries carry none of
 //! their dependencies.
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod fake;
 pub mod pki;

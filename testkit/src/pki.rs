@@ -3,10 +3,12 @@
 /// A certificate authority for TLS tests, and what it signs (PEM).
 pub struct TestCa {
     issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    /// The CA's certificate (PEM), as a client or a caBundle trusts it.
     pub pem: String,
 }
 
 impl TestCa {
+    /// A CA named `name`, with a fresh key.
     pub fn new(name: &str) -> Self {
         let key = rcgen::KeyPair::generate().unwrap();
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();

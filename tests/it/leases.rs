@@ -163,7 +163,7 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
     .await;
     let a_stats = Arc::clone(&a.stats);
     let mut b_options = slow_to_expire.clone();
-    b_options.name = "b".into();
+    b_options.owner = "b".into();
     let b = start(&fixture, &config, b_options, recording(&ledger));
     a.stop.cancel();
     a.task.await.unwrap().unwrap();

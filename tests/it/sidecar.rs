@@ -374,7 +374,10 @@ async fn every_kind_of_answer_settles_as_the_contract_says() {
         get(r#"cosmosq_app_request_duration_seconds_count{group="g",queue="q",scope="pod"}"#),
         app_seen
     );
-    assert!(get(r#"cosmosq_request_units_total{group="g",operation="claim",queue="q",scope="pod"}"#) > 0.0);
+    assert!(
+        get(r#"cosmosq_request_units_total{group="g",operation="claim",queue="q",scope="pod"}"#)
+            > 0.0
+    );
 
     sidecar.stop.cancel();
     sidecar.task.await.unwrap().unwrap();

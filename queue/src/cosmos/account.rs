@@ -23,7 +23,9 @@ const AAD_SCOPE: &str = "https://cosmos.azure.com/.default";
 /// How requests to the account are signed.
 #[derive(Clone)]
 pub enum AccountCredential {
+    /// The account key (HMAC-signed requests).
     Key(Secret),
+    /// A Microsoft Entra token for the account.
     Token(Arc<dyn TokenCredential>),
 }
 

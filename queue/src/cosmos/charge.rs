@@ -9,6 +9,7 @@ use std::sync::Mutex;
 
 use azure_data_cosmos::diagnostics::DiagnosticsContext;
 
+/// Request units and calls spent by a queue's operations, from the SDK's diagnostics, and the throttled (429) answers.
 #[derive(Debug, Default)]
 pub struct RequestCharges {
     by_operation: Mutex<BTreeMap<&'static str, OperationCharge>>,
@@ -18,21 +19,26 @@ pub struct RequestCharges {
 /// Calls and request units spent on one kind of operation.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct OperationCharge {
+    /// Calls made.
     pub calls: u64,
+    /// Request units they cost.
     pub request_units: f64,
 }
 
 /// A copy of the counters at one moment.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ChargeSnapshot {
+    /// Charges by operation (`claim`, `complete`, `feed`, …).
     pub by_operation: BTreeMap<&'static str, OperationCharge>,
 }
 
 impl ChargeSnapshot {
+    /// Request units of every operation.
     pub fn total_request_units(&self) -> f64 {
         self.by_operation.values().map(|c| c.request_units).sum()
     }
 
+    /// Calls of every operation.
     pub fn total_calls(&self) -> u64 {
         self.by_operation.values().map(|c| c.calls).sum()
     }
@@ -59,6 +65,7 @@ impl ChargeSnapshot {
 }
 
 impl RequestCharges {
+    /// Counts one call of `operation` and its charge (`None`: the answer had none).
     pub fn record(&self, operation: &'static str, request_units: Option<f64>) {
         let mut map = self.by_operation.lock().unwrap_or_else(|p| p.into_inner());
         let entry = map.entry(operation).or_default();
@@ -89,6 +96,7 @@ impl RequestCharges {
         self.throttled.load(Ordering::Relaxed)
     }
 
+    /// The counters now.
     pub fn snapshot(&self) -> ChargeSnapshot {
         let map = self.by_operation.lock().unwrap_or_else(|p| p.into_inner());
         ChargeSnapshot {

@@ -17,6 +17,7 @@ use crate::error::{QueueError, Result};
 pub const EMULATOR_KEY: &str =
     "C2y6yDjf5/R+ob0N8A7Cgv30VRDJIWEHLM+4QDU5DE2nQ9nDuVTqobD4b8mGGyPMbIZnqyMsEcaGQy67XIw/Jw==";
 
+/// How a program authenticates to the account.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Auth {
     /// Account key from --key or --key-file (a mounted Secret).
@@ -39,6 +40,7 @@ pub struct ConnectionArgs {
         default_value = "http://127.0.0.1:8081"
     )]
     pub endpoint: String,
+    /// How requests are authenticated.
     #[arg(long, env = crate::env::AUTH, value_enum, default_value_t = Auth::Emulator)]
     pub auth: Auth,
     /// Account key (prefer --key-file: values in flags show in process listings).

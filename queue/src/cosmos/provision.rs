@@ -16,8 +16,11 @@ use crate::queue::Queue;
 /// What provisioning did, for status and Events.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Provisioned {
+    /// The database was created (it did not exist).
     pub created_database: bool,
+    /// The messages container was created.
     pub created_messages_container: bool,
+    /// The lease container was created.
     pub created_lease_container: bool,
 }
 

@@ -13,15 +13,18 @@ use crate::state::{new_lock_token, truncate, MessageState, StateDoc, REASON_MAX_
 
 /// A delivery the caller holds: settle it with [`Group::complete`], [`Group::retry`] or
 /// [`Group::dead_letter`]; renew it with [`Group::renew`] while work goes on.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Claim {
+    /// The message's id.
     pub message_id: String,
+    /// The message's partition key.
     pub message_pk: MessageKey,
     /// The delivery count, starting at 1.
     pub attempt: u32,
     /// Epoch ms until which the claim is exclusive (`None`: a stream-mode first delivery,
     /// fenced by the range's lease instead).
     pub locked_until: Option<i64>,
+    /// When the message was enqueued (epoch ms).
     pub enqueued_at: i64,
     /// The state document as this holder last wrote it (absent for a stream first delivery).
     pub(crate) state: Option<Box<StateDoc>>,
@@ -37,18 +40,22 @@ impl Claim {
 }
 
 /// What a claim attempt found.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum ClaimOutcome {
+    /// Ours to deliver.
     Claimed(Claim),
     /// The group is done with it.
     Settled(MessageState),
     /// Another consumer holds a valid lock.
     Held {
+        /// Who holds it, when known.
         owner: Option<String>,
+        /// Until when (epoch ms), when known.
         until: Option<i64>,
     },
     /// Scheduled or backing off; the sweep delivers it at `due`.
     NotYetDue {
+        /// When (epoch ms).
         due: i64,
     },
     /// Its last holder died on the final allowed attempt: dead-lettered instead of delivered.
@@ -59,25 +66,21 @@ pub enum ClaimOutcome {
 
 /// What taking over a message's existing state document may do, judged from the document
 /// alone (pure).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum TakeOver {
     /// Locked with this very token: an earlier claim attempt took effect although its answer
     /// was lost.
     AlreadyOurs,
-    /// The group is done with it.
-    Settled(MessageState),
-    /// Another holder's lock is valid until `until`.
-    Held {
-        owner: Option<String>,
-        until: Option<i64>,
-    },
-    /// Scheduled or backing off until `due`.
-    NotYetDue { due: i64 },
+    /// Nothing to write: the claim's answer is this ([`ClaimOutcome::Settled`],
+    /// [`ClaimOutcome::Held`] or [`ClaimOutcome::NotYetDue`]).
+    Answer(ClaimOutcome),
     /// The lock of its last allowed delivery expired without an outcome: dead-letter it.
     DeadLetter,
-    /// Lock it for a new delivery; `recovered` when the lock of a holder that never settled
-    /// is taken over.
-    Lock { recovered: bool },
+    /// Lock it for a new delivery.
+    Lock {
+        /// The lock of a holder that never settled is taken over.
+        recovered: bool,
+    },
 }
 
 impl TakeOver {
@@ -88,12 +91,14 @@ impl TakeOver {
         }
         let due = doc.due.unwrap_or(i64::MIN);
         match doc.state {
-            state if state.is_settled() => Self::Settled(state),
-            MessageState::Locked if due > now => Self::Held {
+            state if state.is_settled() => Self::Answer(ClaimOutcome::Settled(state)),
+            MessageState::Locked if due > now => Self::Answer(ClaimOutcome::Held {
                 owner: doc.owner.clone(),
                 until: doc.due,
-            },
-            MessageState::Retry | MessageState::Scheduled if due > now => Self::NotYetDue { due },
+            }),
+            MessageState::Retry | MessageState::Scheduled if due > now => {
+                Self::Answer(ClaimOutcome::NotYetDue { due })
+            }
             MessageState::Locked if retry.exhausted(doc.attempts) => Self::DeadLetter,
             state => Self::Lock {
                 recovered: state == MessageState::Locked,
@@ -104,8 +109,8 @@ impl TakeOver {
 
 impl Group {
     /// Tries to take `message` for delivery by `holder`, as read from the change feed.
-    pub async fn claim(&self, message: &Message, holder: &str) -> Result<ClaimOutcome> {
-        self.claim_with_token(message, holder, &new_lock_token())
+    pub async fn claim(&self, message: &Message, owner: &str) -> Result<ClaimOutcome> {
+        self.claim_with_token(message, owner, &new_lock_token())
             .await
     }
 
@@ -115,7 +120,7 @@ impl Group {
     pub async fn claim_with_token(
         &self,
         message: &Message,
-        holder: &str,
+        owner: &str,
         token: &str,
     ) -> Result<ClaimOutcome> {
         let now = self.now();
@@ -127,7 +132,7 @@ impl Group {
             doc.refresh_ttl(now, self.retention_secs());
             return match self.create(&doc, "schedule").await? {
                 Write::Done(_) => Ok(ClaimOutcome::NotYetDue { due }),
-                _ => self.claim_existing(message, holder, token).await,
+                _ => self.claim_existing(message, owner, token).await,
             };
         }
         if self.config.mode == DeliveryMode::Stream {
@@ -142,11 +147,11 @@ impl Group {
             }));
         }
         let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Retry);
-        doc.lock(holder, now, self.config.lock_duration, token);
+        doc.lock(owner, now, self.config.lock_duration, token);
         doc.refresh_ttl(now, self.retention_secs());
         match self.create(&doc, "claim").await {
             Ok(Write::Done(doc)) => Ok(ClaimOutcome::Claimed(self.claim_from(*doc))),
-            Ok(_) => self.claim_existing(message, holder, token).await,
+            Ok(_) => self.claim_existing(message, owner, token).await,
             Err(e) => Ok(ClaimOutcome::Claimed(
                 self.claim_from(self.landed(&doc, e).await?),
             )),
@@ -159,15 +164,15 @@ impl Group {
     pub async fn claim_checked(
         &self,
         message: &Message,
-        holder: &str,
+        owner: &str,
         token: &str,
     ) -> Result<ClaimOutcome> {
         if self.config.mode == DeliveryMode::Stream && message.is_visible(self.now()) {
             if let Some(doc) = self.read_state(&message.partition_key, &message.id).await? {
-                return self.take_over_with_token(doc, holder, token).await;
+                return self.take_over_with_token(doc, owner, token).await;
             }
         }
-        self.claim_with_token(message, holder, token).await
+        self.claim_with_token(message, owner, token).await
     }
 
     /// Records a message whose claim Cosmos refused for good straight in the dead letters.
@@ -201,11 +206,11 @@ impl Group {
     async fn claim_existing(
         &self,
         message: &Message,
-        holder: &str,
+        owner: &str,
         token: &str,
     ) -> Result<ClaimOutcome> {
         match self.read_state(&message.partition_key, &message.id).await? {
-            Some(doc) => self.take_over_with_token(doc, holder, token).await,
+            Some(doc) => self.take_over_with_token(doc, owner, token).await,
             // Created and already gone (TTL) between our create and read: nothing to deliver.
             None => Ok(ClaimOutcome::Gone),
         }
@@ -213,8 +218,8 @@ impl Group {
 
     /// Takes a message whose state document exists (found by the sweep, or by a claim that
     /// lost the create): succeeds when its lock expired or its retry/schedule time has come.
-    pub async fn take_over(&self, doc: StateDoc, holder: &str) -> Result<ClaimOutcome> {
-        self.take_over_with_token(doc, holder, &new_lock_token())
+    pub async fn take_over(&self, doc: StateDoc, owner: &str) -> Result<ClaimOutcome> {
+        self.take_over_with_token(doc, owner, &new_lock_token())
             .await
     }
 
@@ -222,7 +227,7 @@ impl Group {
     pub async fn take_over_with_token(
         &self,
         doc: StateDoc,
-        holder: &str,
+        owner: &str,
         token: &str,
     ) -> Result<ClaimOutcome> {
         let now = self.now();
@@ -239,15 +244,13 @@ impl Group {
                 }
                 return Ok(ClaimOutcome::Claimed(claim));
             }
-            TakeOver::Settled(state) => return Ok(ClaimOutcome::Settled(state)),
-            TakeOver::Held { owner, until } => return Ok(ClaimOutcome::Held { owner, until }),
-            TakeOver::NotYetDue { due } => return Ok(ClaimOutcome::NotYetDue { due }),
+            TakeOver::Answer(outcome) => return Ok(outcome),
             TakeOver::DeadLetter => return self.dead_letter_abandoned(doc, now).await,
             TakeOver::Lock { recovered } => recovered,
         };
         let etag = doc.etag.clone().unwrap_or_default();
         let mut next = doc;
-        next.lock(holder, now, self.config.lock_duration, token);
+        next.lock(owner, now, self.config.lock_duration, token);
         next.refresh_ttl(now, self.retention_secs());
         let written = match self.replace(&next, &etag, "claim").await {
             Ok(written) => written,
@@ -256,7 +259,7 @@ impl Group {
         match written {
             Write::Done(doc) => {
                 if recovered {
-                    info!(group = self.name(), message_id = %doc.id, attempt = doc.attempts, holder, "recovered a message whose lock expired");
+                    info!(group = self.name(), message_id = %doc.id, attempt = doc.attempts, owner, "recovered a message whose lock expired");
                 }
                 Ok(ClaimOutcome::Claimed(self.claim_from(*doc)))
             }
@@ -352,10 +355,10 @@ mod tests {
             ..RetryPolicy::default()
         };
         let now = 10_000;
-        let held = TakeOver::Held {
+        let held = TakeOver::Answer(ClaimOutcome::Held {
             owner: Some("pod-a".into()),
             until: Some(now + 1),
-        };
+        });
         for (name, doc, expected) in [
             (
                 "our own lost answer",
@@ -390,7 +393,7 @@ mod tests {
             (
                 "a retry not yet due",
                 doc(Retry, Some(now + 5), 1, None),
-                TakeOver::NotYetDue { due: now + 5 },
+                TakeOver::Answer(ClaimOutcome::NotYetDue { due: now + 5 }),
             ),
             (
                 "a due retry",
@@ -405,7 +408,7 @@ mod tests {
             (
                 "a schedule not yet due",
                 doc(Scheduled, Some(now + 5), 0, None),
-                TakeOver::NotYetDue { due: now + 5 },
+                TakeOver::Answer(ClaimOutcome::NotYetDue { due: now + 5 }),
             ),
             (
                 "a due schedule",
@@ -420,17 +423,17 @@ mod tests {
             (
                 "completed",
                 doc(Completed, None, 1, None),
-                TakeOver::Settled(Completed),
+                TakeOver::Answer(ClaimOutcome::Settled(Completed)),
             ),
             (
                 "dead-lettered",
                 doc(DeadLettered, None, 3, None),
-                TakeOver::Settled(DeadLettered),
+                TakeOver::Answer(ClaimOutcome::Settled(DeadLettered)),
             ),
             (
                 "purged",
                 doc(Purged, None, 3, None),
-                TakeOver::Settled(Purged),
+                TakeOver::Answer(ClaimOutcome::Settled(Purged)),
             ),
         ] {
             assert_eq!(

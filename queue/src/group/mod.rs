@@ -51,14 +51,17 @@ impl Group {
         }
     }
 
+    /// The group's name in the queue.
     pub fn name(&self) -> &str {
         &self.config.name
     }
 
+    /// Its settings.
     pub fn config(&self) -> &GroupConfig {
         &self.config
     }
 
+    /// The queue it consumes.
     pub fn queue(&self) -> &Queue {
         &self.queue
     }

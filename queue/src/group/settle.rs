@@ -9,15 +9,17 @@ use super::{Claim, Group, Write};
 use crate::clock::duration_ms;
 use crate::error::Result;
 use crate::state::{
-    new_lock_token, retry_at, state_pk, truncate, MessageState, StateDoc, REASON_MAX_ATTEMPTS,
-    STATE_DOC_TYPE,
+    new_lock_token, retry_at, truncate, MessageState, StateDoc, REASON_MAX_ATTEMPTS,
 };
 
 /// What [`Group::retry`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RetryOutcome {
-    /// Deliverable again at this time (epoch ms).
-    Scheduled { at: i64 },
+    /// Deliverable again later.
+    Scheduled {
+        /// When (epoch ms).
+        at: i64,
+    },
     /// Out of attempts: dead-lettered.
     DeadLettered,
 }
@@ -73,12 +75,12 @@ impl Group {
 
     /// Records a failed delivery and keeps the message (ordered groups retry in place so the
     /// key's next message keeps waiting): the attempt count grows and the lock is extended.
-    pub async fn retry_in_place(&self, claim: &mut Claim, holder: &str, error: &str) -> Result<()> {
+    pub async fn retry_in_place(&self, claim: &mut Claim, owner: &str, error: &str) -> Result<()> {
         let now = self.now();
         let mut next = self.next_state(claim, now);
         // Same token: still this claim, so a lost answer is recognised like a renewal's.
         let token = next.lock_token.clone().unwrap_or_else(new_lock_token);
-        next.lock(holder, now, self.config.lock_duration, &token);
+        next.lock(owner, now, self.config.lock_duration, &token);
         next.attempts = claim.attempt + 1;
         next.last_error = Some(truncate(error));
         next.refresh_ttl(now, self.retention_secs());
@@ -114,27 +116,19 @@ impl Group {
 
     /// The document a settlement writes: the claim's, or a new one for a stream first delivery.
     fn next_state(&self, claim: &Claim, now: i64) -> StateDoc {
-        claim.state.as_deref().cloned().unwrap_or_else(|| StateDoc {
-            id: claim.message_id.clone(),
-            pk: state_pk(self.name(), &claim.message_pk),
-            doc_type: STATE_DOC_TYPE.into(),
-            group: self.name().into(),
-            message_pk: claim.message_pk.clone(),
-            state: MessageState::Retry,
-            owner: None,
-            lock_token: None,
-            due: None,
-            attempts: claim.attempt,
-            enqueued_at: claim.enqueued_at,
-            expires_at: claim.expires_at,
-            first_attempt_at: Some(now),
-            last_attempt_at: Some(now),
-            last_error: None,
-            reason: None,
-            settled_at: None,
-            ttl: None,
-            epk: None,
-            etag: None,
+        claim.state.as_deref().cloned().unwrap_or_else(|| {
+            let mut doc = StateDoc::of_key(
+                self.name(),
+                &claim.message_id,
+                &claim.message_pk,
+                claim.enqueued_at,
+                claim.expires_at,
+                MessageState::Retry,
+            );
+            doc.attempts = claim.attempt;
+            doc.first_attempt_at = Some(now);
+            doc.last_attempt_at = Some(now);
+            doc
         })
     }
 
