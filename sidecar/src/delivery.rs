@@ -1,4 +1,5 @@
-//! Delivering messages to the app over localhost HTTP, and what its answers become.
+//! Delivering messages to the app, and what its answers become: the circuit breaker, crash
+//! isolation and metrics around each call, the same for every transport (`transport.rs`).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -6,14 +7,11 @@ use std::time::Duration;
 use cosmosq_queue::{Delivery, Handler, Outcome};
 use tracing::{debug, warn};
 
-use crate::app::{self, Answer, Format};
+use crate::app::Answer;
 use crate::breaker::{Breaker, Permit};
 use crate::isolation::{Isolation, Verdict};
 use crate::metrics::Metrics;
-
-/// The most of an answer's body we read: enough for `{"status": ...}`. A longer answer is
-/// judged by [`app::classify_prefix`]; the rest is dropped with the connection.
-const MAX_ANSWER_BYTES: usize = 64 * 1024;
+use crate::transport::{AppTransport, Called, HttpTransport};
 
 /// The app behind localhost, as a [`Handler`].
 /// Hard failures in a row (refused, timed out, 5xx) that open the breaker on the app.
@@ -23,12 +21,10 @@ const BREAKER_FAILURES: u32 = 5;
 const BREAKER_FIRST_OPEN: Duration = Duration::from_secs(1);
 const BREAKER_MAX_OPEN: Duration = Duration::from_secs(30);
 
-/// The app on localhost, as the engine's [`Handler`]: breaker, isolation and metrics around each delivery.
-pub struct AppClient {
-    http: reqwest::Client,
-    url: String,
-    format: Format,
-    timeout: Duration,
+/// The app next to the sidecar, as the engine's [`Handler`]: breaker, isolation and metrics
+/// around each call its transport makes.
+pub struct AppClient<T = HttpTransport> {
+    transport: T,
     breaker: Mutex<Breaker>,
     isolation: Mutex<Isolation>,
     /// Shared by deliveries side by side, exclusive while isolating (see [`crate::isolation`]).
@@ -36,24 +32,11 @@ pub struct AppClient {
     metrics: Arc<Metrics>,
 }
 
-impl AppClient {
-    /// The app at `127.0.0.1:<port><path>`.
-    pub fn new(
-        port: u16,
-        path: &str,
-        format: Format,
-        timeout: Duration,
-        metrics: Arc<Metrics>,
-    ) -> Self {
+impl<T: AppTransport> AppClient<T> {
+    /// The app, reached through `transport`.
+    pub fn new(transport: T, metrics: Arc<Metrics>) -> Self {
         Self {
-            http: reqwest::Client::builder()
-                .no_proxy()
-                .pool_idle_timeout(Duration::from_secs(30))
-                .build()
-                .expect("a plain HTTP client builds"),
-            url: format!("http://127.0.0.1:{port}{path}"),
-            format,
-            timeout,
+            transport,
             breaker: Mutex::new(Breaker::new(
                 BREAKER_FAILURES,
                 BREAKER_FIRST_OPEN,
@@ -91,119 +74,9 @@ impl AppClient {
             .unwrap_or_else(|p| p.into_inner())
             .record(hard_failure, tokio::time::Instant::now());
     }
-
-    /// The app's answer; whether it means the app could not take work at all (unreachable,
-    /// timing out, 5xx without `Retry-After`): what the circuit breaker counts; and whether
-    /// the app went down under it (the connection reset, or the answer cut off).
-    async fn call(&self, delivery: &Delivery) -> (Answer, bool, bool) {
-        let traceparent = app::traceparent(delivery);
-        let request = app::build_request(delivery, self.format, &traceparent);
-        let mut builder = self
-            .http
-            .post(&self.url)
-            .timeout(self.timeout)
-            .header(reqwest::header::CONTENT_TYPE, request.content_type)
-            .body(request.body);
-        for (name, value) in &request.headers {
-            builder = builder.header(name.as_str(), value.as_str());
-        }
-        let started = std::time::Instant::now();
-        let result = builder.send().await;
-        let answer = match result {
-            Ok(mut response) => {
-                let status = response.status().as_u16();
-                let retry_after = response
-                    .headers()
-                    .get(reqwest::header::RETRY_AFTER)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned);
-                let mut body = Vec::new();
-                let mut cut_off = None;
-                while body.len() <= MAX_ANSWER_BYTES {
-                    match tokio::time::timeout(self.timeout, response.chunk()).await {
-                        Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
-                        Ok(Ok(None)) => break,
-                        Ok(Err(e)) => {
-                            cut_off = Some(format!("the app's answer was cut off: {e}"));
-                            break;
-                        }
-                        Err(_) => {
-                            cut_off = Some(format!(
-                                "the app's answer did not finish within {:?}",
-                                self.timeout
-                            ));
-                            break;
-                        }
-                    }
-                }
-                let crashed = cut_off.is_some();
-                let answer = match cut_off {
-                    // Half an answer is no answer: the app may have crashed mid-way.
-                    Some(reason) => Answer::Retry {
-                        reason,
-                        after: None,
-                    },
-                    None if body.len() > MAX_ANSWER_BYTES => {
-                        body.truncate(MAX_ANSWER_BYTES);
-                        warn!(message_id = %delivery.message.id, limit = MAX_ANSWER_BYTES, "the app's answer is longer than the limit; judging it by its start");
-                        app::classify_prefix(status, retry_after.as_deref(), &body)
-                    }
-                    None => app::classify(status, retry_after.as_deref(), &body),
-                };
-                let hard = crashed
-                    || status >= 500 && !matches!(answer, Answer::Retry { after: Some(_), .. });
-                if hard {
-                    self.metrics.app_errors.with_label_values(&["status"]).inc();
-                }
-                (answer, hard, crashed)
-            }
-            Err(e) if e.is_timeout() => {
-                self.metrics
-                    .app_errors
-                    .with_label_values(&["timeout"])
-                    .inc();
-                let reason = format!("the app did not answer within {:?}", self.timeout);
-                (
-                    Answer::Retry {
-                        reason,
-                        after: None,
-                    },
-                    true,
-                    false,
-                )
-            }
-            Err(e) if e.is_connect() => {
-                self.metrics
-                    .app_errors
-                    .with_label_values(&["connect"])
-                    .inc();
-                let reason = "the app refused the connection".to_owned();
-                (Answer::Undelivered { reason }, true, false)
-            }
-            Err(e) => {
-                self.metrics
-                    .app_errors
-                    .with_label_values(&["transport"])
-                    .inc();
-                let reason = format!("the request to the app failed: {e}");
-                (
-                    Answer::Retry {
-                        reason,
-                        after: None,
-                    },
-                    true,
-                    true,
-                )
-            }
-        };
-        self.metrics
-            .app_latency
-            .observe(started.elapsed().as_secs_f64());
-        answer
-    }
 }
 
-impl Handler for AppClient {
+impl<T: AppTransport> Handler for AppClient<T> {
     async fn handle(&self, delivery: Delivery) -> Outcome {
         let probe = self.admitted().await;
         let alone = self.lock_isolation().active();
@@ -213,8 +86,20 @@ impl Handler for AppClient {
             (Some(self.gate.read().await), None)
         };
         self.metrics.in_flight.inc();
-        let (answer, hard, crashed) = self.call(&delivery).await;
+        let started = std::time::Instant::now();
+        let Called {
+            answer,
+            failure,
+            crashed,
+        } = self.transport.call(&delivery).await;
+        self.metrics
+            .app_latency
+            .observe(started.elapsed().as_secs_f64());
         self.metrics.in_flight.dec();
+        let hard = failure.is_some();
+        if let Some(kind) = failure {
+            self.metrics.app_errors.with_label_values(&[kind]).inc();
+        }
         // A crash is judged per message by the isolation below, not by the breaker: a poison
         // message that crashes the app would otherwise open it for ever longer cool-downs and
         // stall every other message. An app that stays down refuses connections, which count.
@@ -262,5 +147,129 @@ fn answer_reason(answer: &Answer) -> &str {
         Answer::Retry { reason, .. } | Answer::Drop { reason } | Answer::Undelivered { reason } => {
             reason
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+
+    /// A transport that answers from a script: the policy around calls, without HTTP.
+    struct Scripted(Mutex<VecDeque<Called>>);
+
+    impl AppTransport for Scripted {
+        async fn call(&self, _: &Delivery) -> Called {
+            self.0
+                .lock()
+                .unwrap()
+                .pop_front()
+                .expect("a scripted answer")
+        }
+    }
+
+    fn delivery() -> Delivery {
+        Delivery {
+            message: cosmosq_queue::NewMessage::json(serde_json::json!({"n": 1}))
+                .with_id("m-1")
+                .into_message(0)
+                .unwrap(),
+            delivery_count: 1,
+            group: "g".into(),
+            queue: "q".into(),
+        }
+    }
+
+    fn called(answer: Answer, failure: Option<&'static str>) -> Called {
+        Called {
+            answer,
+            failure,
+            crashed: false,
+        }
+    }
+
+    fn retry(reason: &str, after: Option<Duration>) -> Answer {
+        Answer::Retry {
+            reason: reason.into(),
+            after,
+        }
+    }
+
+    #[tokio::test]
+    async fn every_transport_answer_becomes_the_outcome_the_contract_names() {
+        let after = Some(Duration::from_secs(7));
+        let cases = [
+            (called(Answer::Success, None), Outcome::Complete),
+            (
+                called(retry("busy", after), None),
+                Outcome::Retry {
+                    error: "busy".into(),
+                    delay: after,
+                },
+            ),
+            (
+                called(
+                    Answer::Drop {
+                        reason: "bad order".into(),
+                    },
+                    None,
+                ),
+                Outcome::DeadLetter {
+                    reason: "DroppedByApp".into(),
+                    error: "bad order".into(),
+                },
+            ),
+            (
+                called(
+                    Answer::Undelivered {
+                        reason: "refused".into(),
+                    },
+                    Some("connect"),
+                ),
+                Outcome::Undelivered {
+                    error: "refused".into(),
+                    delay: None,
+                },
+            ),
+            (
+                called(retry("no answer", None), Some("timeout")),
+                Outcome::Retry {
+                    error: "no answer".into(),
+                    delay: None,
+                },
+            ),
+        ];
+        let metrics = Arc::new(Metrics::new("q", "g"));
+        let script = cases.iter().map(|(c, _)| c.clone()).collect();
+        let app = AppClient::new(Scripted(Mutex::new(script)), Arc::clone(&metrics));
+        for (call, expected) in cases {
+            assert_eq!(app.handle(delivery()).await, expected, "{call:?}");
+        }
+        let errors = |kind: &str| metrics.app_errors.with_label_values(&[kind]).get();
+        assert_eq!((errors("connect"), errors("timeout")), (1, 1));
+        assert_eq!(metrics.app_latency.get_sample_count(), 5);
+        assert_eq!(metrics.in_flight.get(), 0);
+    }
+
+    /// Five failures in a row open the breaker: the sixth delivery waits out the cool-down
+    /// instead of hammering an app that cannot take work.
+    #[tokio::test(start_paused = true)]
+    async fn failures_in_a_row_hold_the_next_delivery_back() {
+        let down = || called(retry("503", None), Some("status"));
+        let script = (0..=BREAKER_FAILURES).map(|_| down()).collect();
+        let app = AppClient::new(
+            Scripted(Mutex::new(script)),
+            Arc::new(Metrics::new("q", "g")),
+        );
+        for _ in 0..BREAKER_FAILURES {
+            app.handle(delivery()).await;
+        }
+        let before = tokio::time::Instant::now();
+        app.handle(delivery()).await;
+        assert!(
+            before.elapsed() >= BREAKER_FIRST_OPEN,
+            "the probe waited {:?}",
+            before.elapsed()
+        );
     }
 }

@@ -15,3 +15,4 @@ pub mod error;
 pub mod isolation;
 pub mod metrics;
 pub mod run;
+pub mod transport;

@@ -16,6 +16,7 @@ use crate::deletion_cost::{self, PodPatcher};
 use crate::delivery::AppClient;
 use crate::error::SidecarError;
 use crate::metrics::Metrics;
+use crate::transport::HttpTransport;
 
 /// The app client shared between the lease loop (as its handler) and readiness.
 struct SharedApp(Arc<AppClient>);
@@ -52,13 +53,13 @@ pub async fn run_with_client(
     let metrics = Arc::new(Metrics::new(&config.queue, &config.group));
     let options = config.host_options();
     let owner = options.owner.clone();
-    let app = Arc::new(AppClient::new(
+    let transport = HttpTransport::new(
         config.app_port,
         &config.app_path,
         config.app_format,
         config.app_timeout,
-        Arc::clone(&metrics),
-    ));
+    );
+    let app = Arc::new(AppClient::new(transport, Arc::clone(&metrics)));
     let host = Host::new(group.clone(), SharedApp(Arc::clone(&app)), options);
     let state = Arc::new(ApiState {
         queue: queue.clone(),
