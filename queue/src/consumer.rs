@@ -1,28 +1,10 @@
-//! The handler contract (`Delivery`, `Outcome`, `Handler`), consumers' counters and adaptive
-//! polling, and `Consumer`: the lease-less reader of the whole container's feed.
-//!
-//! `Consumer` reads every range with no lease or checkpoint, so several consumers of a group
-//! contend for every message through their claims alone; the change-feed lease loop
-//! (`host.rs`, per feed range, balanced, checkpointed) is what the sidecar runs. Both hand
-//! messages to the same delivery task (`delivery.rs`).
-//! Correctness never rests on the feed position: in `exclusive` mode claims are durable, so a
-//! consumer that starts over skips what its group already settled.
+//! What a consumer of a group is made of besides the lease loop (`host.rs`): the handler
+//! contract (`Delivery`, `Outcome`, `Handler`), a consumer's counters, and adaptive polling.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
-use azure_data_cosmos::FeedScope;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
-
-use crate::cosmos::feed::FeedReader;
-use crate::delivery::{Deliverer, Permit};
-use crate::error::Result;
-use crate::group::Group;
 use crate::message::Message;
 
 /// One delivery handed to a [`Handler`].
@@ -82,38 +64,6 @@ where
 {
     fn handle(&self, delivery: Delivery) -> impl Future<Output = Outcome> + Send {
         self(delivery)
-    }
-}
-
-/// How a lease-less [`Consumer`] runs.
-#[derive(Clone, Debug)]
-pub struct ConsumerOptions {
-    /// This consumer's identity in locks (pod name, host name).
-    pub owner: String,
-    /// Deliveries in flight at most (back-pressure on reading).
-    pub max_concurrency: usize,
-    /// Poll interval bounds: read again at once while pages carry work, back off to `max_poll`
-    /// while the feed is empty.
-    pub min_poll: Duration,
-    /// The longest wait between reads of an empty feed.
-    pub max_poll: Duration,
-    /// How often to look for expired locks and due retries.
-    pub sweep_interval: Duration,
-    /// Items per change-feed page.
-    pub page_size: u32,
-}
-
-impl ConsumerOptions {
-    /// Options with the defaults, as `owner`.
-    pub fn new(owner: impl Into<String>) -> Self {
-        Self {
-            owner: owner.into(),
-            max_concurrency: 16,
-            min_poll: Duration::from_millis(50),
-            max_poll: Duration::from_secs(5),
-            sweep_interval: Duration::from_secs(5),
-            page_size: 100,
-        }
     }
 }
 
@@ -196,119 +146,6 @@ impl AdaptivePoll {
         } else {
             (self.current * 2).min(self.max)
         };
-    }
-}
-
-/// Reads the whole container's feed with no lease or checkpoint (see the module's doc).
-pub struct Consumer<H> {
-    group: Group,
-    handler: Arc<H>,
-    options: ConsumerOptions,
-    stats: Arc<ConsumerStats>,
-}
-
-impl<H: Handler> Consumer<H> {
-    /// A consumer of `group` handing messages to `handler`.
-    pub fn new(group: Group, handler: H, options: ConsumerOptions) -> Self {
-        Self {
-            group,
-            handler: Arc::new(handler),
-            options,
-            stats: Arc::default(),
-        }
-    }
-
-    /// Its counters, live.
-    pub fn stats(&self) -> Arc<ConsumerStats> {
-        Arc::clone(&self.stats)
-    }
-
-    /// Runs until `shutdown`, then waits for the deliveries in flight to settle.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
-        let permits = Arc::new(Semaphore::new(self.options.max_concurrency.max(1)));
-        let mut tasks = JoinSet::new();
-        let mut feed = FeedReader::new(
-            self.group.queue().messages().clone(),
-            FeedScope::full_container(),
-            self.group.config().start_from,
-            None,
-            self.options.page_size,
-            Arc::clone(self.group.queue().charges()),
-        );
-        let mut poll = AdaptivePoll::new(self.options.min_poll, self.options.max_poll);
-        let mut sweep = tokio::time::interval(self.options.sweep_interval);
-        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            while let Some(done) = tasks.try_join_next() {
-                if let Err(e) = done {
-                    error!(error = %e, "delivery task panicked");
-                }
-            }
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => break,
-                _ = sweep.tick() => {
-                    match self.group.due(self.options.max_concurrency * 4, None).await {
-                        Ok(docs) => for doc in docs {
-                            let permit = tokio::select! {
-                                p = Arc::clone(&permits).acquire_owned() => p.expect("semaphore never closes"),
-                                _ = shutdown.cancelled() => break,
-                            };
-                            let mut permit = Permit::held(Arc::clone(&permits), permit);
-                            let deliverer = self.deliverer();
-                            tasks.spawn(async move { deliverer.process_due(doc, &mut permit).await; });
-                        },
-                        Err(e) => { ConsumerStats::bump(&self.stats.errors); warn!(group = self.group.name(), error = %e, "sweep failed; trying again next interval") }
-                    }
-                }
-                _ = tokio::time::sleep(poll.delay()) => {
-                    match feed.next_page().await {
-                        Ok((docs, _)) if docs.is_empty() => poll.idle(),
-                        Ok((docs, _)) => {
-                            poll.observed(docs.len(), self.options.page_size as usize);
-                            for doc in docs {
-                                let message = match Message::from_document(&doc, self.group.queue().pk_field()) {
-                                    Ok(m) => m,
-                                    Err(reason) => {
-                                        ConsumerStats::bump(&self.stats.malformed);
-                                        warn!(queue = self.group.queue().name(), id = ?doc.get("id"), %reason, "skipping a malformed document in the messages container");
-                                        continue;
-                                    }
-                                };
-                                let permit = tokio::select! {
-                                    p = Arc::clone(&permits).acquire_owned() => p.expect("semaphore never closes"),
-                                    _ = shutdown.cancelled() => break,
-                                };
-                                let mut permit = Permit::held(Arc::clone(&permits), permit);
-                                let deliverer = self.deliverer();
-                                let shutdown = shutdown.clone();
-                                tasks.spawn(async move { deliverer.process(message, &shutdown, &mut permit, false).await; });
-                            }
-                        }
-                        Err(e) => {
-                            ConsumerStats::bump(&self.stats.errors);
-                            poll.idle();
-                            warn!(queue = self.group.queue().name(), error = %e, "change feed read failed; retrying");
-                        }
-                    }
-                }
-            }
-        }
-        while let Some(done) = tasks.join_next().await {
-            if let Err(e) = done {
-                error!(error = %e, "delivery task panicked");
-            }
-        }
-        Ok(())
-    }
-
-    fn deliverer(&self) -> Deliverer<H> {
-        Deliverer {
-            group: self.group.clone(),
-            handler: Arc::clone(&self.handler),
-            owner: self.options.owner.clone(),
-            stats: Arc::clone(&self.stats),
-        }
     }
 }
 

@@ -39,7 +39,7 @@ pub use azure_data_cosmos::CosmosClient;
 pub use backoff::RetryPolicy;
 pub use clock::Clock;
 pub use config::{DeliveryMode, GroupConfig, QueueConfig, StartFrom, Throughput};
-pub use consumer::{Consumer, ConsumerOptions, ConsumerStats, Delivery, Handler, Outcome};
+pub use consumer::{ConsumerStats, Delivery, Handler, Outcome};
 pub use cosmos::charge::{ChargeSnapshot, RequestCharges};
 pub use cosmos::connection::{Auth, ConnectionArgs};
 pub use cosmos::provision::provision;

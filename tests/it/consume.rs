@@ -1,54 +1,48 @@
-//! Consumers running concurrently against the emulator: exclusivity, recovery, bad input, throttling.
+//! Hosts of the lease loop running concurrently against the emulator: exclusivity while
+//! leases move between hosts, recovery from a dead host, bad input, throttling, stream mode.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use cosmosq_emulator::EmulatorOptions;
+use cosmosq_queue::host::{Host, HostOptions};
 use cosmosq_queue::{
-    Clock, Consumer, ConsumerOptions, Delivery, DeliveryMode, GroupConfig, NewMessage, Outcome,
+    Clock, ConsumerStats, Delivery, DeliveryMode, GroupConfig, Handler, NewMessage, Outcome,
     QueueConfig, StartFrom, Throughput,
 };
-use cosmosq_tests::{recording, Fixture, Ledger};
+use cosmosq_tests::{fast_host, recording, Fixture, Ledger};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-/// Fast polling; the sweep (a scan of state documents on the emulator) only as often as the
-/// test needs recovery.
-fn options(holder: String, sweep_interval: Duration) -> ConsumerOptions {
-    ConsumerOptions {
-        min_poll: Duration::from_millis(5),
-        max_poll: Duration::from_millis(100),
-        sweep_interval,
-        ..ConsumerOptions::new(holder)
-    }
-}
-
+/// The sweep (a scan of state documents on the emulator) only as often as the test needs
+/// recovery.
 const RARE_SWEEP: Duration = Duration::from_secs(2);
 const FAST_SWEEP: Duration = Duration::from_millis(100);
 
-fn spawn_consumer<F, Fut>(
+/// A host of `group` named `owner`, running until `shutdown`; its counters when it stopped.
+fn spawn_host<H: Handler>(
     fixture: &Fixture,
     group: GroupConfig,
-    holder: String,
+    owner: String,
     sweep: Duration,
-    handler: F,
+    handler: H,
     shutdown: &CancellationToken,
-) -> tokio::task::JoinHandle<Arc<cosmosq_queue::ConsumerStats>>
-where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Outcome> + Send + 'static,
-{
-    let consumer = Consumer::new(fixture.group(group), handler, options(holder, sweep));
-    let stats = consumer.stats();
+) -> tokio::task::JoinHandle<Arc<ConsumerStats>> {
+    let options = HostOptions {
+        sweep_interval: sweep,
+        ..fast_host(&owner)
+    };
+    let host = Host::new(fixture.group(group), handler, options);
+    let stats = host.stats();
     let shutdown = shutdown.clone();
     tokio::spawn(async move {
-        consumer.run(shutdown).await.expect("consumer runs");
+        host.run(shutdown).await.expect("the host runs");
         stats
     })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn eight_claimers_two_groups_each_message_completed_once_per_group() {
+async fn eight_hosts_two_groups_each_message_completed_once_per_group() {
     const MESSAGES: usize = 2_000;
     let fixture = Fixture::new(4).await;
     let batch: Vec<_> = (0..MESSAGES)
@@ -62,11 +56,11 @@ async fn eight_claimers_two_groups_each_message_completed_once_per_group() {
 
     let ledger = Arc::new(Ledger::default());
     let shutdown = CancellationToken::new();
-    let mut consumers = Vec::new();
+    let mut hosts = Vec::new();
     for group in ["billing", "audit"] {
         for host in 0..8 {
             let config = GroupConfig::new(group).with_start_from(StartFrom::Beginning);
-            consumers.push(spawn_consumer(
+            hosts.push(spawn_host(
                 &fixture,
                 config,
                 format!("{group}-{host}"),
@@ -81,8 +75,8 @@ async fn eight_claimers_two_groups_each_message_completed_once_per_group() {
         .await;
     shutdown.cancel();
     let mut completed = 0;
-    for c in consumers {
-        completed += cosmosq_queue::ConsumerStats::get(&c.await.unwrap().completed);
+    for c in hosts {
+        completed += ConsumerStats::get(&c.await.unwrap().completed);
     }
     assert_eq!(
         completed as usize,
@@ -100,7 +94,7 @@ async fn eight_claimers_two_groups_each_message_completed_once_per_group() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_consumers_messages_come_back_with_delivery_count_two() {
+async fn a_dead_hosts_messages_come_back_with_delivery_count_two() {
     let clock = Clock::manual(cosmosq_queue::clock::system_now_ms());
     let fixture = Fixture::with(
         EmulatorOptions::default(),
@@ -111,7 +105,7 @@ async fn a_dead_consumers_messages_come_back_with_delivery_count_two() {
     let config = GroupConfig::new("g")
         .with_start_from(StartFrom::Beginning)
         .with_lock_duration(Duration::from_secs(30));
-    // Fewer than the consumer's concurrency, so the hung consumer takes them all.
+    // Fewer than the host's concurrency, so the hung host takes them all.
     const MESSAGES: usize = 12;
     for i in 0..MESSAGES {
         fixture
@@ -120,12 +114,14 @@ async fn a_dead_consumers_messages_come_back_with_delivery_count_two() {
             .await
             .unwrap();
     }
-    // The first consumer claims everything and hangs: it never settles, like a killed pod.
+    // The first host claims everything and hangs: it never settles, like a killed pod. It
+    // keeps its leases (it is aborted, not stopped): the second host takes them when they
+    // expire, and the messages when their locks do.
     let hung = Arc::new(Ledger::default());
     let shutdown_dead = CancellationToken::new();
     let dead = {
         let hung = Arc::clone(&hung);
-        spawn_consumer(
+        spawn_host(
             &fixture,
             config.clone(),
             "dead".into(),
@@ -146,7 +142,7 @@ async fn a_dead_consumers_messages_come_back_with_delivery_count_two() {
 
     let ledger = Arc::new(Ledger::default());
     let shutdown = CancellationToken::new();
-    let alive = spawn_consumer(
+    let alive = spawn_host(
         &fixture,
         config,
         "alive".into(),
@@ -154,7 +150,7 @@ async fn a_dead_consumers_messages_come_back_with_delivery_count_two() {
         recording(&ledger),
         &shutdown,
     );
-    // Lock duration passes; the next sweep recovers everything.
+    // The lock duration passes (and the dead host's lease expiry): everything is recovered.
     clock.advance(Duration::from_secs(31));
     ledger.wait_until(|l| l.delivered("g") == MESSAGES).await;
     shutdown.cancel();
@@ -192,7 +188,7 @@ async fn malformed_documents_are_skipped_with_a_reason_not_a_crash() {
     }
     let ledger = Arc::new(Ledger::default());
     let shutdown = CancellationToken::new();
-    let consumer = spawn_consumer(
+    let running = spawn_host(
         &fixture,
         GroupConfig::new("g").with_start_from(StartFrom::Beginning),
         "h".into(),
@@ -202,9 +198,9 @@ async fn malformed_documents_are_skipped_with_a_reason_not_a_crash() {
     );
     ledger.wait_until(|l| l.delivered("g") == 10).await;
     shutdown.cancel();
-    let stats = consumer.await.unwrap();
-    assert_eq!(cosmosq_queue::ConsumerStats::get(&stats.malformed), 3);
-    assert_eq!(cosmosq_queue::ConsumerStats::get(&stats.completed), 10);
+    let stats = running.await.unwrap();
+    assert_eq!(ConsumerStats::get(&stats.malformed), 3);
+    assert_eq!(ConsumerStats::get(&stats.completed), 10);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -240,9 +236,9 @@ async fn throttled_account_loses_nothing() {
 
     let ledger = Arc::new(Ledger::default());
     let shutdown = CancellationToken::new();
-    let mut consumers = Vec::new();
+    let mut hosts = Vec::new();
     for host in 0..4 {
-        consumers.push(spawn_consumer(
+        hosts.push(spawn_host(
             &fixture,
             GroupConfig::new("g").with_start_from(StartFrom::Beginning),
             format!("h{host}"),
@@ -253,14 +249,14 @@ async fn throttled_account_loses_nothing() {
     }
     ledger.wait_until(|l| l.delivered("g") == MESSAGES).await;
     shutdown.cancel();
-    for c in consumers {
+    for c in hosts {
         c.await.unwrap();
     }
     ledger.assert_each_once("g");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stream_consumer_retries_failures_and_dead_letters_drops() {
+async fn a_stream_host_retries_failures_and_dead_letters_drops() {
     let fixture = Fixture::new(2).await;
     for i in 0..100 {
         fixture
@@ -296,7 +292,7 @@ async fn stream_consumer_retries_failures_and_dead_letters_drops() {
     let config = GroupConfig::new("s")
         .with_mode(DeliveryMode::Stream)
         .with_start_from(StartFrom::Beginning);
-    let consumer = spawn_consumer(
+    let running = spawn_host(
         &fixture,
         config.clone(),
         "h".into(),
@@ -311,9 +307,9 @@ async fn stream_consumer_retries_failures_and_dead_letters_drops() {
         })
         .await;
     shutdown.cancel();
-    let stats = consumer.await.unwrap();
-    assert_eq!(cosmosq_queue::ConsumerStats::get(&stats.completed), 99);
-    assert_eq!(cosmosq_queue::ConsumerStats::get(&stats.dead_lettered), 1);
+    let stats = running.await.unwrap();
+    assert_eq!(ConsumerStats::get(&stats.completed), 99);
+    assert_eq!(ConsumerStats::get(&stats.dead_lettered), 1);
     let dead = fixture.group(config).dead_letters(None).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].message_id, "m9");
