@@ -372,7 +372,8 @@ impl Scaler {
         estimate
     }
 
-    /// One group's round: read → validate → estimate → decide → build → apply.
+    /// One group's round: read → validate → estimate → decide → build → apply. It composes
+    /// the steps; each step talks to one system at most.
     #[instrument(skip_all, fields(namespace = ?qcg.namespace(), group = %qcg.name_any()))]
     pub async fn scale_group(
         &self,
@@ -387,9 +388,7 @@ impl Scaler {
         let Ok(settings) = spec::group(qcg) else {
             return Ok(Round::Skipped("invalid spec"));
         };
-        let deployments: Api<Deployment> = Api::namespaced(self.ctx.client.clone(), &namespace);
-        let name = workers_name(qcg);
-        let Some(workers) = deployments.get_opt(&name).await?.as_ref().map(Workers::of) else {
+        let Some(workers) = self.workers(qcg).await? else {
             return Ok(Round::Skipped("no Deployment yet"));
         };
 
@@ -415,7 +414,7 @@ impl Scaler {
         let scaled = direct && decision.replicas != workers.current;
         if scaled {
             let description = decision.reason.describe(&decision, observation.backlog);
-            self.scale(qcg, &deployments, workers.current, &decision, &description)
+            self.scale(qcg, workers.current, &decision, &description)
                 .await?;
             state.last_scale = Some((status::now(), description));
         }
@@ -461,13 +460,7 @@ impl Scaler {
         let comparable = comparable(&status);
         let now_instant = tokio::time::Instant::now();
         if status_due(state.written.as_ref(), &comparable, now_instant) {
-            Api::<QueueConsumerGroup>::namespaced(self.ctx.client.clone(), &namespace)
-                .patch_status(
-                    &qcg.name_any(),
-                    &PatchParams::apply(SCALER_MANAGER).force(),
-                    &status::patch::<QueueConsumerGroup, _>(&status),
-                )
-                .await?;
+            self.write_status(qcg, &status).await?;
             state.written = Some((comparable, now_instant));
         }
         if decision.reason == Reason::EstimateFailed {
@@ -480,16 +473,49 @@ impl Scaler {
         })
     }
 
-    /// Direct mode: the decision to the Deployment's scale subresource, with its Event.
+    fn deployments(&self, qcg: &QueueConsumerGroup) -> Api<Deployment> {
+        Api::namespaced(
+            self.ctx.client.clone(),
+            &qcg.namespace().unwrap_or_default(),
+        )
+    }
+
+    /// The group's workers as its Deployment says (Kubernetes); `None` before the reconciler
+    /// made it.
+    async fn workers(&self, qcg: &QueueConsumerGroup) -> Result<Option<Workers>, ScalerError> {
+        let deployment = self.deployments(qcg).get_opt(&workers_name(qcg)).await?;
+        Ok(deployment.as_ref().map(Workers::of))
+    }
+
+    /// The scaling loop's part of the group's status (Kubernetes).
+    async fn write_status(
+        &self,
+        qcg: &QueueConsumerGroup,
+        status: &QueueConsumerGroupStatus,
+    ) -> Result<(), ScalerError> {
+        Api::<QueueConsumerGroup>::namespaced(
+            self.ctx.client.clone(),
+            &qcg.namespace().unwrap_or_default(),
+        )
+        .patch_status(
+            &qcg.name_any(),
+            &PatchParams::apply(SCALER_MANAGER).force(),
+            &status::patch::<QueueConsumerGroup, _>(status),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Direct mode: the decision to the Deployment's scale subresource, with its Event
+    /// (Kubernetes).
     async fn scale(
         &self,
         qcg: &QueueConsumerGroup,
-        deployments: &Api<Deployment>,
         current: u32,
         decision: &Decision,
         description: &str,
     ) -> Result<(), ScalerError> {
-        deployments
+        self.deployments(qcg)
             .patch_scale(
                 &workers_name(qcg),
                 &PatchParams {
