@@ -18,6 +18,7 @@ async fn main() -> std::process::ExitCode {
     let stopping = Stopping {
         draining: "stopping: finishing reconciles, releasing the leader lease",
         grace_over: "grace period over; exiting",
+        interrupted: "exiting at once; the next leader takes the work over",
     };
     process::run_until_signalled(
         run::run(config, shutdown.clone()),

@@ -27,6 +27,8 @@ pub struct Stopping {
     pub draining: &'static str,
     /// When the grace period ends first.
     pub grace_over: &'static str,
+    /// When a second signal ends the drain at once.
+    pub interrupted: &'static str,
 }
 
 /// Exit code of a second signal during the drain (128 + SIGINT, as shells report it).
@@ -59,7 +61,7 @@ where
                     return ExitCode::SUCCESS;
                 }
                 _ = terminated() => {
-                    warn!("second signal: exiting at once");
+                    warn!("second signal: {}", stopping.interrupted);
                     return ExitCode::from(INTERRUPTED);
                 }
             }

@@ -22,6 +22,8 @@ async fn main() -> std::process::ExitCode {
         draining: "stopping: finishing in-flight work, then releasing leases",
         grace_over: "grace period over with work in flight: its locks expire and other pods \
                      deliver it again",
+        interrupted: "exiting at once; in-flight messages are delivered again after their locks \
+                      expire",
     };
     process::run_until_signalled(
         run::run(config, shutdown.clone()),
