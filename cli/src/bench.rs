@@ -11,8 +11,8 @@ use clap::Args;
 use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::host::{Host, HostOptions};
 use cosmosq_queue::{
-    provision, ClaimOutcome, Delivery, DeliveryMode, GroupConfig, Message, NewMessage, Outcome,
-    Queue, QueueConfig, StartFrom,
+    provision, ClaimOutcome, Delivery, DeliveryMode, ExclusiveWrites, GroupConfig, Message,
+    NewMessage, Outcome, Queue, QueueConfig, RetryPolicy, StartFrom,
 };
 use futures::{stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -32,6 +32,12 @@ pub struct BenchArgs {
     /// Bytes of padding in each message body (request units grow with document size).
     #[arg(long, default_value_t = 1000)]
     pub body_bytes: usize,
+    /// Seconds of the steady-rate latency run (100 messages a second).
+    #[arg(long, default_value_t = 10)]
+    pub latency_seconds: u64,
+    /// Seconds an idle group is watched for its request units (production timings).
+    #[arg(long, default_value_t = 40)]
+    pub idle_seconds: u64,
 }
 
 struct Row {
@@ -154,13 +160,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     // Consumers end to end: change feed + state machine, per mode and group count.
     // Eight groups on fewer messages keep the run short; figures are per message per group.
     let few = args.messages.min(2_000);
-    for (mode, groups, count) in [
-        (DeliveryMode::Exclusive, 1, args.messages),
-        (DeliveryMode::Stream, 1, args.messages),
-        (DeliveryMode::Exclusive, 2, args.messages),
-        (DeliveryMode::Stream, 2, args.messages),
-        (DeliveryMode::Exclusive, 8, few),
-        (DeliveryMode::Stream, 8, few),
+    use ExclusiveWrites::{Claims, Lease};
+    for (mode, writes, groups, count, retried) in [
+        (DeliveryMode::Exclusive, Lease, 1, args.messages, false),
+        (DeliveryMode::Exclusive, Lease, 1, args.messages, true),
+        (DeliveryMode::Exclusive, Claims, 1, args.messages, false),
+        (DeliveryMode::Stream, Lease, 1, args.messages, false),
+        (DeliveryMode::Exclusive, Lease, 2, args.messages, false),
+        (DeliveryMode::Stream, Lease, 2, args.messages, false),
+        (DeliveryMode::Exclusive, Lease, 8, few, false),
+        (DeliveryMode::Exclusive, Claims, 8, few, false),
+        (DeliveryMode::Stream, Lease, 8, few, false),
     ] {
         let config = fresh();
         let producer = open(config.clone()).await?;
@@ -179,7 +189,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             let group = queue.group(
                 GroupConfig::new(format!("g{g}"))
                     .with_mode(mode)
-                    .with_start_from(StartFrom::Beginning),
+                    .with_exclusive_writes(writes)
+                    .with_start_from(StartFrom::Beginning)
+                    .with_retry(RetryPolicy {
+                        initial_backoff: Duration::from_millis(20),
+                        max_backoff: Duration::from_millis(100),
+                        ..RetryPolicy::default()
+                    }),
             )?;
             let options = HostOptions {
                 max_concurrency: args.concurrency,
@@ -187,9 +203,25 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 min_poll: Duration::from_millis(5),
                 max_poll: Duration::from_millis(50),
                 lease_acquire: Duration::from_millis(100),
+                sweep_interval: Duration::from_millis(100),
                 ..HostOptions::new(format!("host-{g}"))
             };
-            let consumer = Host::new(group, |_d: Delivery| async { Outcome::Complete }, options);
+            // One message in twenty fails its first delivery (the bodies number them).
+            let handler = move |d: Delivery| async move {
+                let i = match &d.message.body {
+                    cosmosq_queue::Body::Json(body) => body["order"].as_u64(),
+                    cosmosq_queue::Body::Bytes(_) => None,
+                };
+                if retried && d.delivery_count == 1 && i.is_some_and(|i| i % 20 == 0) {
+                    Outcome::Retry {
+                        error: "bench: every twentieth message fails once".into(),
+                        delay: None,
+                    }
+                } else {
+                    Outcome::Complete
+                }
+            };
+            let consumer = Host::new(group, handler, options);
             stats.push(consumer.stats());
             let token = shutdown.clone();
             tasks.push(tokio::spawn(async move { consumer.run(token).await }));
@@ -213,11 +245,20 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .iter()
             .map(|q| q.charges().snapshot().total_request_units())
             .sum();
+        let path = match (mode, writes) {
+            (DeliveryMode::Stream, _) => "stream".to_owned(),
+            (_, Lease) => "exclusive (lease writes)".to_owned(),
+            (_, Claims) => "exclusive (claims)".to_owned(),
+        };
         rows.push(Row {
             what: format!(
-                "lease loop, no-op handler, {}, {groups} group{}",
-                format!("{mode:?}").to_lowercase(),
-                if groups > 1 { "s" } else { "" }
+                "lease loop, no-op handler, {path}, {groups} group{}{}",
+                if groups > 1 { "s" } else { "" },
+                if retried {
+                    ", 1 in 20 retried once"
+                } else {
+                    ""
+                }
             ),
             messages: count,
             seconds,
@@ -243,6 +284,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             groups,
         });
     }
+
+    let latency = latency_run(&client, &open, fresh(), args.latency_seconds).await?;
+    let idle = idle_run(&client, &open, fresh(), args.idle_seconds).await?;
 
     let rendered: Vec<Vec<String>> = rows
         .iter()
@@ -271,5 +315,150 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             &rendered
         )
     );
+    println!(
+        "\nenqueue -> delivery at 100 msg/s for {} s, exclusive (lease writes), production timings: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} messages, {:.3} RU/msg)",
+        args.latency_seconds, latency.p50, latency.p99, latency.max, latency.messages, latency.request_units_per_message
+    );
+    println!(
+        "idle, production timings, exclusive (lease writes), {} leases over {} s: {:.3} RU/s per lease; first delivery after the idle spell {:.0} ms",
+        idle.leases, args.idle_seconds, idle.request_units_per_second_per_lease, idle.first_delivery_ms
+    );
     Ok(())
+}
+
+struct Latency {
+    p50: f64,
+    p99: f64,
+    max: f64,
+    messages: usize,
+    request_units_per_message: f64,
+}
+
+/// A producer at 100 messages a second; the consumer notes each message's enqueue-to-delivery
+/// time (one clock: one process).
+async fn latency_run<F, Fut>(
+    client: &cosmosq_queue::CosmosClient,
+    open: &F,
+    config: QueueConfig,
+    seconds: u64,
+) -> anyhow::Result<Latency>
+where
+    F: Fn(QueueConfig) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Queue>>,
+{
+    let producer = open(config.clone()).await?;
+    let queue = Queue::open(client, config).await?;
+    let group = queue.group(GroupConfig::new("latency").with_start_from(StartFrom::Beginning))?;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
+    let handler = {
+        let seen = Arc::clone(&seen);
+        move |d: Delivery| {
+            let seen = Arc::clone(&seen);
+            async move {
+                let now = cosmosq_queue::clock::system_now_ms();
+                seen.lock()
+                    .unwrap()
+                    .push((now - d.message.enqueued_at) as f64);
+                Outcome::Complete
+            }
+        }
+    };
+    let host = Host::new(group, handler, HostOptions::new("latency-host"));
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(host.run(shutdown.clone()));
+    // Leases taken before the clock starts.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let total = (seconds * 100) as usize;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    for i in 0..total {
+        tick.tick().await;
+        producer
+            .enqueue(
+                NewMessage::json(serde_json::json!({"i": i})).with_partition_key(format!("k{i}")),
+            )
+            .await?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen.lock().unwrap().len() < total && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    task.await??;
+    let mut times = seen.lock().unwrap().clone();
+    anyhow::ensure!(
+        times.len() >= total,
+        "only {} of {total} delivered",
+        times.len()
+    );
+    times.sort_by(f64::total_cmp);
+    let at = |q: f64| times[((times.len() as f64 * q) as usize).min(times.len() - 1)];
+    Ok(Latency {
+        p50: at(0.50),
+        p99: at(0.99),
+        max: *times.last().unwrap_or(&0.0),
+        messages: times.len(),
+        request_units_per_message: queue.charges().snapshot().total_request_units()
+            / times.len() as f64,
+    })
+}
+
+struct Idle {
+    leases: usize,
+    request_units_per_second_per_lease: f64,
+    first_delivery_ms: f64,
+}
+
+/// A group with nothing to do, on the production defaults: what its leases cost while idle,
+/// and how soon the first message after the idle spell is delivered.
+async fn idle_run<F, Fut>(
+    client: &cosmosq_queue::CosmosClient,
+    open: &F,
+    config: QueueConfig,
+    seconds: u64,
+) -> anyhow::Result<Idle>
+where
+    F: Fn(QueueConfig) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Queue>>,
+{
+    let producer = open(config.clone()).await?;
+    let queue = Queue::open(client, config).await?;
+    let group = queue.group(GroupConfig::new("idle"))?;
+    let delivered = Arc::new(tokio::sync::Notify::new());
+    let handler = {
+        let delivered = Arc::clone(&delivered);
+        move |_d: Delivery| {
+            let delivered = Arc::clone(&delivered);
+            async move {
+                delivered.notify_one();
+                Outcome::Complete
+            }
+        }
+    };
+    let host = Host::new(group, handler, HostOptions::new("idle-host"));
+    let stats = host.stats();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(host.run(shutdown.clone()));
+    // Settled in (leases taken, polling backed off), then measured.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let leases = stats.leases_owned.load(Ordering::Relaxed) as usize;
+    let before = queue.charges().snapshot();
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    let spent = queue
+        .charges()
+        .snapshot()
+        .since(&before)
+        .total_request_units();
+    let started = Instant::now();
+    producer
+        .enqueue(NewMessage::json(serde_json::json!({"i": 0})))
+        .await?;
+    tokio::time::timeout(Duration::from_secs(30), delivered.notified()).await?;
+    let first_delivery_ms = started.elapsed().as_secs_f64() * 1000.0;
+    shutdown.cancel();
+    task.await??;
+    Ok(Idle {
+        leases,
+        request_units_per_second_per_lease: spent / seconds as f64 / leases.max(1) as f64,
+        first_delivery_ms,
+    })
 }

@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 
 use cosmosq_crds::{
-    AppFormat, CosmosQueue, Credentials, DeliveryMode, QueueConsumerGroup, ScalingMode, StartFrom,
+    AppFormat, CosmosQueue, Credentials, DeliveryMode, ExclusiveWrites, QueueConsumerGroup,
+    ScalingMode, StartFrom,
 };
 use cosmosq_queue::env as env_names;
 use cosmosq_queue::metric_names;
@@ -205,6 +206,13 @@ pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar>
             match s.delivery_mode {
                 DeliveryMode::Exclusive => "exclusive",
                 DeliveryMode::Stream => "stream",
+            },
+        ),
+        env(
+            env_names::EXCLUSIVE_WRITES,
+            match s.exclusive_writes {
+                ExclusiveWrites::Lease => "lease",
+                ExclusiveWrites::Claims => "claims",
             },
         ),
         env(
@@ -738,6 +746,7 @@ mod tests {
             ("COSMOSQ_PARTITION_KEY_PATH", "/pk"),
             ("COSMOSQ_GROUP", "billing"),
             ("COSMOSQ_DELIVERY_MODE", "stream"),
+            ("COSMOSQ_EXCLUSIVE_WRITES", "lease"),
             ("COSMOSQ_START_FROM", "now"),
             ("COSMOSQ_ORDERED", "true"),
             ("COSMOSQ_APP_PORT", "8080"),

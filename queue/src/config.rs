@@ -126,6 +126,22 @@ pub enum DeliveryMode {
     Stream,
 }
 
+/// How an `exclusive` group records its deliveries (see `docs/design.md`, "The exclusive
+/// write path"). Both keep the same guarantees; they differ in what each message costs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "camelCase")]
+pub enum ExclusiveWrites {
+    /// The range's lease is the lock: first deliveries write nothing per message, completions
+    /// are recorded with the checkpoint, and each page's delivery is recorded on the lease
+    /// before it starts. Work that runs long, retries, dead letters and schedules get a state
+    /// document, as with `claims`. Leases move by hand-over.
+    #[default]
+    Lease,
+    /// Every delivery claims its message with a state document (create), and completes it
+    /// (replace): about 23 RU per message; leases may be stolen for balance.
+    Claims,
+}
+
 /// Where a new group starts reading.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "camelCase")]
@@ -144,6 +160,8 @@ pub struct GroupConfig {
     pub name: String,
     /// How deliveries are kept apart.
     pub mode: DeliveryMode,
+    /// How an `exclusive` group records deliveries (ignored in `stream` mode).
+    pub exclusive_writes: ExclusiveWrites,
     /// Where a new group starts reading.
     pub start_from: StartFrom,
     /// How long a claim is exclusive without renewal.
@@ -161,6 +179,7 @@ impl GroupConfig {
         Self {
             name: name.into(),
             mode: DeliveryMode::Exclusive,
+            exclusive_writes: ExclusiveWrites::Lease,
             start_from: StartFrom::Now,
             lock_duration: Duration::from_secs(60),
             retry: RetryPolicy::default(),
@@ -172,6 +191,24 @@ impl GroupConfig {
     pub fn with_mode(mut self, mode: DeliveryMode) -> Self {
         self.mode = mode;
         self
+    }
+
+    /// With another write path for `exclusive` deliveries.
+    pub fn with_exclusive_writes(mut self, writes: ExclusiveWrites) -> Self {
+        self.exclusive_writes = writes;
+        self
+    }
+
+    /// Whether first deliveries are fenced by the range's lease and write nothing per
+    /// message: `stream` groups, and `exclusive` groups on the lease write path.
+    pub fn lease_fenced(&self) -> bool {
+        self.mode == DeliveryMode::Stream || self.exclusive_writes == ExclusiveWrites::Lease
+    }
+
+    /// Whether this is an `exclusive` group on the lease write path: its completions are
+    /// recorded with the checkpoint, and a range's next owner skips them.
+    pub fn lease_recorded(&self) -> bool {
+        self.mode == DeliveryMode::Exclusive && self.exclusive_writes == ExclusiveWrites::Lease
     }
 
     /// Starting elsewhere.

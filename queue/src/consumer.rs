@@ -111,7 +111,14 @@ pub struct AdaptivePoll {
     min: Duration,
     max: Duration,
     current: Duration,
+    /// Empty reads since the last page with work.
+    empty: u32,
 }
+
+/// Empty reads at the shortest interval before backing off: a steady trickle (a message every
+/// few tens of ms per range) leaves gaps of a few empty reads, and doubling at once would make
+/// the next message wait for the longer interval (the tail of the latency).
+const EMPTY_READS_AT_MIN: u32 = 4;
 
 impl AdaptivePoll {
     /// Starting at `min`.
@@ -120,6 +127,7 @@ impl AdaptivePoll {
             min,
             max,
             current: Duration::ZERO,
+            empty: 0,
         }
     }
 
@@ -132,6 +140,9 @@ impl AdaptivePoll {
     /// come back full (more is waiting), shortly after a partial page (caught up), and back
     /// off while they come back empty.
     pub fn observed(&mut self, items: usize, page_size: usize) {
+        if items > 0 {
+            self.empty = 0;
+        }
         self.current = match items {
             0 => return self.idle(),
             n if n >= page_size => Duration::ZERO,
@@ -139,9 +150,11 @@ impl AdaptivePoll {
         };
     }
 
-    /// A page came back empty: wait longer, up to the ceiling.
+    /// A page came back empty: after a few reads at the shortest interval, wait longer, up to
+    /// the ceiling.
     pub fn idle(&mut self) {
-        self.current = if self.current.is_zero() {
+        self.empty = self.empty.saturating_add(1);
+        self.current = if self.current.is_zero() || self.empty <= EMPTY_READS_AT_MIN {
             self.min
         } else {
             (self.current * 2).min(self.max)
@@ -158,11 +171,11 @@ mod tests {
         let mut poll = AdaptivePoll::new(Duration::from_millis(100), Duration::from_secs(1));
         assert_eq!(poll.delay(), Duration::ZERO);
         let mut seen = Vec::new();
-        for _ in 0..6 {
+        for _ in 0..9 {
             poll.observed(0, 100);
             seen.push(poll.delay().as_millis());
         }
-        assert_eq!(seen, vec![100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(seen, vec![100, 100, 100, 100, 200, 400, 800, 1000, 1000]);
         poll.observed(100, 100);
         assert_eq!(
             poll.delay(),
@@ -176,6 +189,10 @@ mod tests {
             "a partial page: caught up"
         );
         poll.observed(0, 100);
-        assert_eq!(poll.delay(), Duration::from_millis(200));
+        assert_eq!(
+            poll.delay(),
+            Duration::from_millis(100),
+            "a few empty reads at the shortest interval after work"
+        );
     }
 }

@@ -87,7 +87,7 @@ impl Group {
         partition_key: &MessageKey,
         message_id: &str,
     ) -> Result<Option<(DeadLetter, Option<Message>)>> {
-        let Some(doc) = self.read_state(partition_key, message_id).await? else {
+        let Some(doc) = self.read_doc(partition_key, message_id).await? else {
             return Ok(None);
         };
         if doc.state != MessageState::DeadLettered {
@@ -162,7 +162,7 @@ impl Group {
         change: impl FnOnce(&mut StateDoc, i64),
         op: &'static str,
     ) -> Result<bool> {
-        let Some(doc) = self.read_state(partition_key, message_id).await? else {
+        let Some(doc) = self.read_doc(partition_key, message_id).await? else {
             return Ok(false);
         };
         if doc.state != MessageState::DeadLettered {

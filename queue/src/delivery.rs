@@ -66,18 +66,58 @@ pub(crate) enum Fate {
     /// The group is done with it (completed, dead-lettered), or it is not this task's to
     /// deliver (already settled, expired, a state another version owns).
     Settled,
+    /// Completed with nothing written (the lease write path): the range records it with its
+    /// next lease write.
+    Completed,
     /// A state document brings it back (a retry, a schedule, a lock that will expire, another
     /// holder): the checkpoint may pass it, but it is not settled yet.
     Pending,
     /// Nothing is recorded (Cosmos kept failing until the range stopped): the checkpoint must
     /// stay before it so the range's next reader delivers it.
     Unrecorded,
+    /// Never started: the range stopped before its turn came (nothing delivered).
+    Unstarted,
 }
 
 impl Fate {
-    pub(crate) fn is_recorded(self) -> bool {
-        self != Fate::Unrecorded
+    /// The checkpoint's view of it.
+    pub(crate) fn settle(self) -> crate::checkpoint::Settle {
+        use crate::checkpoint::Settle;
+        match self {
+            Fate::Settled => Settle::Done,
+            Fate::Completed => Settle::Completed,
+            Fate::Pending => Settle::Pending,
+            Fate::Unrecorded => Settle::Unrecorded,
+            Fate::Unstarted => Settle::Unstarted,
+        }
     }
+}
+
+/// How a delivery task claims its message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// Read from the feed for the first time: lease-fenced where the group's path is, a
+    /// claim otherwise.
+    Feed,
+    /// Look for a state document first (a range taken over from an owner that may have left
+    /// one, or a message that waited for another holder).
+    Checked,
+    /// Its range's last owner handed it out and recorded no outcome: a redelivery.
+    Recovered,
+}
+
+/// What the range tells a lease-fenced delivery of the lease write path (nothing is written
+/// for it unless it runs long or the range moves).
+pub(crate) struct Fence {
+    /// Give a delivery still under way after this long a lock of its own.
+    pub(crate) promote_after: Duration,
+    /// The range drains or is handed over: every delivery under way gets a lock of its own.
+    pub(crate) promote_now: CancellationToken,
+    /// The lease is lost: a delivery without a lock of its own is dropped (its answer could
+    /// no longer be recorded, and the range's next owner delivers it again).
+    pub(crate) lost: CancellationToken,
+    /// Told once the delivery has a lock of its own (the range may pass it).
+    pub(crate) promoted: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// A delivery permit that its task gives back while it only waits (for a schedule, a back-off
@@ -149,25 +189,44 @@ impl<H: Handler> Deliverer<H> {
         message: Message,
         give_up: &CancellationToken,
         permit: &mut Permit,
-        mut check_state: bool,
+        mut path: Path,
+        fence: Option<Fence>,
     ) -> Fate {
         let mut failures = 0;
         let mut held_polls = 0;
         let token = crate::state::new_lock_token();
         let ordered = self.group.config().ordered;
         loop {
-            let claimed = if check_state {
-                self.group
-                    .claim_checked(&message, &self.owner, &token)
-                    .await
-            } else {
-                self.group
-                    .claim_with_token(&message, &self.owner, &token)
-                    .await
+            let claimed = match path {
+                Path::Checked => {
+                    self.group
+                        .claim_checked_fenced(&message, &self.owner, &token)
+                        .await
+                }
+                Path::Feed if self.group.config().lease_fenced() => {
+                    self.group.claim_fenced(&message, &self.owner, &token).await
+                }
+                Path::Feed => {
+                    self.group
+                        .claim_with_token(&message, &self.owner, &token)
+                        .await
+                }
+                Path::Recovered => {
+                    self.group
+                        .claim_recovered(&message, &self.owner, &token, 1)
+                        .await
+                }
             };
             match claimed {
                 Ok(ClaimOutcome::Claimed(claim)) => {
-                    return self.deliver(message, claim, give_up, permit).await
+                    let fence = fence.filter(|_| !claim.is_recorded());
+                    return self
+                        .deliver(message, claim, give_up, permit, fence, &token)
+                        .await;
+                }
+                Ok(ClaimOutcome::DeadLettered) => {
+                    ConsumerStats::bump(&self.stats.dead_lettered);
+                    return Fate::Settled;
                 }
                 // Ordered groups hold the key: the key's later messages wait behind this one,
                 // which waits (without a permit) for the earlier holder to settle or its lock
@@ -176,7 +235,7 @@ impl<H: Handler> Deliverer<H> {
                 // holder's lock): the next attempt goes through it, in stream mode too, or a
                 // stream claim would deliver past it and the document deliver it again.
                 Ok(ClaimOutcome::Held { until, .. }) if ordered => {
-                    check_state = true;
+                    path = Path::Checked;
                     held_polls += 1;
                     let poll = look_again_after(held_polls);
                     let wait = self.until(until.unwrap_or(0)).min(poll);
@@ -185,7 +244,7 @@ impl<H: Handler> Deliverer<H> {
                     }
                 }
                 Ok(ClaimOutcome::NotYetDue { due }) if ordered => {
-                    check_state = true;
+                    path = Path::Checked;
                     if !self.wait(permit, self.until(due), give_up).await {
                         return Fate::Pending; // its schedule brings it back
                     }
@@ -222,7 +281,7 @@ impl<H: Handler> Deliverer<H> {
     pub(crate) async fn settled(&self, key: &MessageKey, message_id: &str) {
         let mut looks = 0;
         loop {
-            match self.group.read_state(key, message_id).await {
+            match self.group.read_doc(key, message_id).await {
                 Ok(None) => return,
                 Ok(Some(doc)) if doc.state.is_settled() => return,
                 Err(QueueError::UnknownState { .. }) => return,
@@ -337,7 +396,7 @@ impl<H: Handler> Deliverer<H> {
         let claim = loop {
             let current = match doc.take() {
                 Some(doc) => doc,
-                None => match self.group.read_state(&pk, &id).await {
+                None => match self.group.read_doc(&pk, &id).await {
                     Ok(Some(doc)) => doc,
                     Ok(None) => return,
                     Err(e) => return self.failed("claim", &id, e),
@@ -379,8 +438,20 @@ impl<H: Handler> Deliverer<H> {
         match message {
             Some(message) => {
                 // The state document exists: at worst its lock expires and it comes back.
-                self.deliver(message, claim, &CancellationToken::new(), permit)
-                    .await;
+                let token = claim
+                    .state
+                    .as_ref()
+                    .and_then(|s| s.lock_token.clone())
+                    .unwrap_or_default();
+                self.deliver(
+                    message,
+                    claim,
+                    &CancellationToken::new(),
+                    permit,
+                    None,
+                    &token,
+                )
+                .await;
             }
             None => {
                 // Retention removed the message while it waited: record it where users look.
@@ -406,6 +477,8 @@ impl<H: Handler> Deliverer<H> {
         mut claim: Claim,
         give_up: &CancellationToken,
         permit: &mut Permit,
+        mut fence: Option<Fence>,
+        token: &str,
     ) -> Fate {
         let id = message.id.clone();
         let mut undelivered_since: Option<tokio::time::Instant> = None;
@@ -418,7 +491,12 @@ impl<H: Handler> Deliverer<H> {
                 queue: self.group.queue().name().into(),
             };
             let Some(outcome) = self
-                .holding(&mut claim, guarded(self.handler.handle(delivery)))
+                .holding(
+                    &mut claim,
+                    &mut fence,
+                    token,
+                    guarded(self.handler.handle(delivery)),
+                )
                 .await
             else {
                 return Fate::Pending; // another holder has it now
@@ -434,7 +512,7 @@ impl<H: Handler> Deliverer<H> {
                     debug!(group = self.group.name(), message_id = %id, %error, "not delivered (the app is not listening); trying again");
                     let backoff = delay.unwrap_or_else(|| RECORD_RETRY.backoff_random(3));
                     if self
-                        .holding(&mut claim, tokio::time::sleep(backoff))
+                        .holding(&mut claim, &mut fence, token, tokio::time::sleep(backoff))
                         .await
                         .is_none()
                     {
@@ -458,7 +536,11 @@ impl<H: Handler> Deliverer<H> {
                     }
                     ConsumerStats::bump(&self.stats.retried);
                     let wait = permit.released_while(tokio::time::sleep(backoff));
-                    if self.holding(&mut claim, wait).await.is_none() {
+                    if self
+                        .holding(&mut claim, &mut fence, token, wait)
+                        .await
+                        .is_none()
+                    {
                         return Fate::Pending;
                     }
                 }
@@ -473,6 +555,12 @@ impl<H: Handler> Deliverer<H> {
             Some(until) => (Some(until), &CancellationToken::new()),
             None => (None, give_up),
         };
+        if outcome == Outcome::Complete
+            && !claim.is_recorded()
+            && self.group.config().lease_recorded()
+        {
+            return Fate::Completed; // the range records it with the lease
+        }
         let mut failures = 0;
         loop {
             let settled = match &outcome {
@@ -567,8 +655,30 @@ impl<H: Handler> Deliverer<H> {
     /// it), and a failed one is tried again soon (429s, timeouts) rather than a whole interval
     /// later. `None` when the lock is lost to another holder: `work` (the app's call) is then
     /// dropped, since its answer could no longer be recorded.
-    async fn holding<T>(&self, claim: &mut Claim, work: impl Future<Output = T>) -> Option<T> {
+    async fn holding<T>(
+        &self,
+        claim: &mut Claim,
+        fence: &mut Option<Fence>,
+        token: &str,
+        work: impl Future<Output = T>,
+    ) -> Option<T> {
         tokio::pin!(work);
+        if let Some(f) = fence.as_ref() {
+            let (after, now, lost) = (f.promote_after, f.promote_now.clone(), f.lost.clone());
+            tokio::select! {
+                biased;
+                _ = lost.cancelled() => {
+                    debug!(group = self.group.name(), message_id = %claim.message_id, "lease lost mid-delivery; dropped (the range's next owner delivers it again)");
+                    return None;
+                }
+                out = &mut work => return Some(out),
+                _ = now.cancelled() => {}
+                _ = tokio::time::sleep(after) => {}
+            }
+            if !self.promote(claim, fence, token, &lost).await {
+                return None;
+            }
+        }
         let third = crate::clock::duration_ms(self.group.config().lock_duration / 3);
         let mut failures = 0;
         loop {
@@ -595,6 +705,42 @@ impl<H: Handler> Deliverer<H> {
                                 warn!(group = self.group.name(), message_id = %claim.message_id, error = %e, "lock renewal failed; retrying soon");
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Gives a lease-fenced delivery a lock of its own (see [`Fence`]), retrying through
+    /// transient errors while the lease holds. `false` when the delivery must stop: a state
+    /// document owns the message, or the lease was lost first.
+    async fn promote(
+        &self,
+        claim: &mut Claim,
+        fence: &mut Option<Fence>,
+        token: &str,
+        lost: &CancellationToken,
+    ) -> bool {
+        let mut failures = 0;
+        loop {
+            match self.group.promote(claim, &self.owner, token).await {
+                Ok(true) => {
+                    debug!(group = self.group.name(), message_id = %claim.message_id, "the delivery has a lock of its own now");
+                    if let Some(tx) = fence.take().and_then(|f| f.promoted) {
+                        let _ = tx.send(());
+                    }
+                    return true;
+                }
+                Ok(false) => {
+                    warn!(group = self.group.name(), message_id = %claim.message_id, "a state document owns the message; this delivery stops");
+                    return false;
+                }
+                Err(e) => {
+                    if !self
+                        .keep_trying("promote", &claim.message_id, e, &mut failures, None, lost)
+                        .await
+                    {
+                        return false;
                     }
                 }
             }

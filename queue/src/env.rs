@@ -23,6 +23,8 @@ pub const PARTITION_KEY_PATH: &str = "COSMOSQ_PARTITION_KEY_PATH";
 pub const GROUP: &str = "COSMOSQ_GROUP";
 /// `exclusive` or `stream`.
 pub const DELIVERY_MODE: &str = "COSMOSQ_DELIVERY_MODE";
+/// `lease` or `claims`: how an exclusive group records deliveries.
+pub const EXCLUSIVE_WRITES: &str = "COSMOSQ_EXCLUSIVE_WRITES";
 /// `now` or `beginning`.
 pub const START_FROM: &str = "COSMOSQ_START_FROM";
 /// FIFO per partition key: `true` or `false`.
@@ -49,6 +51,9 @@ pub const RETRY_MAX_BACKOFF: &str = "COSMOSQ_RETRY_MAX_BACKOFF";
 pub const LOCK_DURATION: &str = "COSMOSQ_LOCK_DURATION";
 /// How often leases are renewed.
 pub const LEASE_RENEW: &str = "COSMOSQ_LEASE_RENEW";
+/// Exclusive groups on the lease write path: how long a delivery runs before it gets a lock
+/// of its own.
+pub const PROMOTE_AFTER: &str = "COSMOSQ_PROMOTE_AFTER";
 /// How often free and expired leases are looked for.
 pub const LEASE_ACQUIRE: &str = "COSMOSQ_LEASE_ACQUIRE";
 /// How long an unrenewed lease stays its owner's.

@@ -173,7 +173,10 @@ impl Group {
     ) -> Result<GroupEstimate> {
         let mut ranges = Vec::with_capacity(leases.len());
         for (i, lease) in leases.iter().enumerate() {
-            let feed = self.feed_lag(lease).await?;
+            let mut feed = self.feed_lag(lease).await?;
+            // Completions past the checkpoint are recorded in the lease's window: not lag.
+            let done = lease.window.done.len() as u64;
+            feed.lag = feed.lag.map(|lag| lag.saturating_sub(done));
             let waiting = &pending[i];
             let oldest = waiting
                 .iter()
@@ -331,7 +334,7 @@ impl Group {
     }
 
     /// The LSN of a message from a point read (for feeds whose items carry no `_lsn`).
-    async fn item_lsn(&self, doc: &Value) -> Result<Option<u64>> {
+    pub(crate) async fn item_lsn(&self, doc: &Value) -> Result<Option<u64>> {
         let field = self.queue().config().partition_key_field();
         let (Some(id), Some(pk)) = (
             doc.get("id").and_then(Value::as_str),

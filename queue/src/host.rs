@@ -20,11 +20,12 @@ use tracing::{debug, info, instrument, warn};
 
 use crate::balance::{self, LeaseView};
 use crate::checkpoint::Checkpoint;
+use crate::checkpoint::Settle;
 use crate::clock::duration_ms;
 use crate::config::DeliveryMode;
 use crate::consumer::{AdaptivePoll, ConsumerStats, Handler};
 use crate::cosmos::feed::FeedReader;
-use crate::delivery::{Deliverer, Fate, Permit};
+use crate::delivery::{Deliverer, Fate, Fence, Path, Permit};
 use crate::error::{QueueError, Result};
 use crate::group::Group;
 use crate::lease::{Lease, LeaseError, LeaseStore};
@@ -59,6 +60,10 @@ pub struct HostOptions {
     /// Leases per physical partition when the group's leases are first created (finer
     /// leases: more hosts than physical partitions can share the work).
     pub leases_per_partition: u32,
+    /// Exclusive groups on the lease write path: a delivery still under way after this long
+    /// gets a lock of its own (a state document), so that it neither holds the range's
+    /// checkpoint nor depends on the range's lease.
+    pub promote_after: Duration,
 }
 
 impl HostOptions {
@@ -77,6 +82,7 @@ impl HostOptions {
             lease_expire: DEFAULT_LEASE_EXPIRE,
             checkpoint_interval: Duration::from_secs(1),
             leases_per_partition: 1,
+            promote_after: Duration::from_secs(5),
         }
     }
 
@@ -134,14 +140,20 @@ pub struct Host<H> {
 }
 
 impl<H: Handler> Host<H> {
-    fn stream(&self) -> bool {
-        self.group.config().mode == crate::config::DeliveryMode::Stream
+    /// Whether leases move by hand-over rather than theft: wherever the lease alone fences
+    /// first deliveries, a theft would deliver again what the owner has under way.
+    fn hands_over(&self) -> bool {
+        self.group.config().lease_fenced()
     }
 
     /// A host of `group` handing messages to `handler`.
     pub fn new(group: Group, handler: H, options: HostOptions) -> Self {
         let store = LeaseStore::new(group.queue().clone(), group.name())
             .with_start_from(group.config().start_from);
+        let store = match group.config().mode {
+            DeliveryMode::Exclusive => store.with_writes(group.config().exclusive_writes),
+            DeliveryMode::Stream => store,
+        };
         Self {
             group,
             store,
@@ -288,10 +300,11 @@ impl<H: Handler> Host<H> {
             if lease.reserved_for_other(me, now, expire) {
                 continue; // being handed over to the host that asked for it
             }
-            // Stream groups ask a live owner to hand a lease over rather than steal it: a steal
-            // makes the new owner deliver again everything since the last checkpoint. Only an
-            // owner that does not answer within the expiry has the lease taken.
-            if let (Some(victim), true) = (&take.steal_from, self.stream()) {
+            // Where the lease fences first deliveries (stream groups, and exclusive ones on the
+            // lease write path), a live owner is asked to hand the lease over rather than have
+            // it stolen: a steal makes the new owner deliver again what the owner has under
+            // way. Only an owner that does not answer within the expiry has the lease taken.
+            if let (Some(victim), true) = (&take.steal_from, self.hands_over()) {
                 if lease.handover_to.as_deref() != Some(me) {
                     match self.store.request_handover(lease, me, now).await {
                         Ok(_) => {
@@ -425,6 +438,73 @@ struct Stops {
     /// The range is lost or drains: deliveries stop retrying failed writes, and what they
     /// could not record holds the checkpoint.
     give_up: CancellationToken,
+    /// The range drains or is handed over: lease-fenced deliveries of the lease write path
+    /// get locks of their own, so the drain does not wait for long work.
+    promote_now: CancellationToken,
+}
+
+/// What a range's next owner learns from the lease's window (exclusive groups): which of
+/// the documents past the continuation are done, pending on a state document, never
+/// started, or delivered without a recorded outcome (redeliveries).
+#[derive(Debug, Default)]
+struct Recovery {
+    /// Documents of the window still to come.
+    left: u32,
+    done: std::collections::HashSet<String>,
+    pending: std::collections::HashSet<String>,
+    unstarted: std::collections::HashSet<String>,
+    /// Documents to look up the state of first: the lease was last written by a host whose
+    /// first deliveries wrote claims (another version, or the `claims` path).
+    check: usize,
+}
+
+/// What the range does with a document it read.
+#[derive(Debug, PartialEq)]
+enum Handling {
+    /// Deliver it this way.
+    Deliver(Path),
+    /// Hand nothing out: the window says it is already this.
+    Known(Settle),
+}
+
+impl Recovery {
+    fn new(lease: &Lease, look_up_first: usize) -> Self {
+        let w = &lease.window;
+        Self {
+            left: w.read,
+            done: w.done.iter().cloned().collect(),
+            pending: w.pending.iter().cloned().collect(),
+            unstarted: w.unstarted.iter().cloned().collect(),
+            check: look_up_first,
+        }
+    }
+
+    /// The next document read, in feed order (pure). Ordered groups deliver a pending
+    /// message through its state document rather than skip it: the key's later messages
+    /// must wait behind it.
+    fn next(&mut self, id: &str, ordered: bool) -> Handling {
+        if self.left > 0 {
+            self.left -= 1;
+            self.check = self.check.saturating_sub(1);
+            return if self.done.contains(id) {
+                Handling::Known(Settle::Done)
+            } else if self.pending.contains(id) {
+                match ordered {
+                    true => Handling::Deliver(Path::Checked),
+                    false => Handling::Known(Settle::Pending),
+                }
+            } else if self.unstarted.contains(id) {
+                Handling::Deliver(Path::Feed)
+            } else {
+                Handling::Deliver(Path::Recovered)
+            };
+        }
+        if self.check > 0 {
+            self.check -= 1;
+            return Handling::Deliver(Path::Checked);
+        }
+        Handling::Deliver(Path::Feed)
+    }
 }
 
 /// One message of a range on its way to the handler.
@@ -433,13 +513,16 @@ struct RangeDelivery<H> {
     permits: Arc<Semaphore>,
     stop: Stops,
     page_started: Arc<AtomicBool>,
-    /// Look for a state document even in stream mode: in an ordered stream group, the first
-    /// window read after taking a range. Its previous owner may have left messages there that
-    /// it was retrying in place (it died), that wait for their schedule, or that it settled in
-    /// a page it could not checkpoint whole (it drained or handed the range over while a
-    /// message of that page waited): those are waited for, or skipped, not delivered past.
-    /// One point read per message of that window; none after it, none in other groups.
-    check_state: bool,
+    /// How the message is claimed. [`Path::Checked`] in an ordered stream group's first window
+    /// read after taking a range: its previous owner may have left messages there that it was
+    /// retrying in place (it died), that wait for their schedule, or that it settled in a page
+    /// it could not checkpoint whole (it drained or handed the range over while a message of
+    /// that page waited): those are waited for, or skipped, not delivered past. One point read
+    /// per message of that window; none after it, none in other groups. Exclusive groups
+    /// learn the same from the lease's window ([`Recovery`]).
+    path: Path,
+    /// The lease write path's signals, for a first delivery that the lease fences.
+    fence: Option<Fence>,
 }
 
 impl<H: Handler> RangeDelivery<H> {
@@ -449,7 +532,7 @@ impl<H: Handler> RangeDelivery<H> {
                 let id = message.id.clone();
                 let fate = match self.after_previous_of_key(&message, previous).await {
                     true => self.deliver(message, None).await,
-                    false => Fate::Unrecorded,
+                    false => Fate::Unstarted,
                 };
                 let _ = next.send((id, fate));
                 fate
@@ -477,8 +560,8 @@ impl<H: Handler> RangeDelivery<H> {
             .await
             .unwrap_or_else(|_| (String::new(), Fate::Unrecorded));
         match fate {
-            Fate::Settled => true,
-            Fate::Unrecorded => false,
+            Fate::Settled | Fate::Completed => true,
+            Fate::Unrecorded | Fate::Unstarted => false,
             // Its state document brings it back (its lock was lost, or expires): another
             // delivery settles it, and only then may this one go.
             Fate::Pending => tokio::select! {
@@ -495,11 +578,11 @@ impl<H: Handler> RangeDelivery<H> {
         let permit = loop {
             tokio::select! {
                 biased;
-                _ = self.stop.step_aside.cancelled() => return Fate::Unrecorded,
+                _ = self.stop.step_aside.cancelled() => return Fate::Unstarted,
                 _ = self.stop.draining.cancelled(), if !stay => {
                     stay = self.page_started.load(Ordering::SeqCst);
                     if !stay {
-                        return Fate::Unrecorded;
+                        return Fate::Unstarted;
                     }
                 }
                 permit = Arc::clone(&self.permits).acquire_owned() => break permit.expect("never closed"),
@@ -509,7 +592,13 @@ impl<H: Handler> RangeDelivery<H> {
         drop(turn_done);
         let mut permit = Permit::held(Arc::clone(&self.permits), permit);
         self.deliverer
-            .process(message, &self.stop.give_up, &mut permit, self.check_state)
+            .process(
+                message,
+                &self.stop.give_up,
+                &mut permit,
+                self.path,
+                self.fence,
+            )
             .await
     }
 }
@@ -550,9 +639,9 @@ pub const DEFAULT_LEASE_EXPIRE: Duration = Duration::from_secs(60);
 struct Reading {
     lease: Lease,
     reader: FeedReader,
-    /// Deliveries report here: (page, whether the message's fate is recorded).
-    done_tx: mpsc::UnboundedSender<(u64, bool)>,
-    done_rx: mpsc::UnboundedReceiver<(u64, bool)>,
+    /// Deliveries report here: (page, message id, fate).
+    done_tx: mpsc::UnboundedSender<(u64, String, Fate)>,
+    done_rx: mpsc::UnboundedReceiver<(u64, String, Fate)>,
     deliveries: JoinSet<()>,
     stops: Stops,
     checkpoint: Checkpoint,
@@ -567,6 +656,68 @@ struct Reading {
     read: usize,
     /// The last delivery's "got a permit" signal (unordered groups).
     in_feed_order: Option<oneshot::Receiver<()>>,
+    /// Exclusive groups: what the lease's window says of what comes next.
+    recovery: Option<Recovery>,
+    /// The lease write path: the window changed since the lease was last written.
+    unwritten: bool,
+    /// The lease write path: the last document before the continuation, until the feed
+    /// shows it does not serve earlier ones again.
+    seek: Option<Seek>,
+    /// The lease write path: ids this processor has read, newest last (bounded): a feed that
+    /// serves earlier documents again mid-read (the emulator renumbers LSNs when partitions
+    /// merge) must not deliver again what this range completed with nothing but its lease.
+    seen: Option<Seen>,
+}
+
+/// Ids read lately, in read order, at most [`SEEN_CAP`].
+#[derive(Debug, Default)]
+struct Seen {
+    ids: std::collections::HashSet<String>,
+    order: std::collections::VecDeque<String>,
+}
+
+/// How many ids a range remembers having read (about 50 bytes each).
+const SEEN_CAP: usize = 20_000;
+
+impl Seen {
+    /// Drops the documents read before (keeping the first of repeats within the page), and
+    /// remembers the rest.
+    fn first_reads(&mut self, docs: Vec<serde_json::Value>) -> Vec<serde_json::Value> {
+        let before = docs.len();
+        let fresh: Vec<serde_json::Value> = docs
+            .into_iter()
+            .filter(
+                |doc| match doc.get("id").and_then(serde_json::Value::as_str) {
+                    Some(id) if self.ids.insert(id.to_owned()) => {
+                        self.order.push_back(id.to_owned());
+                        true
+                    }
+                    Some(_) => false,
+                    None => true,
+                },
+            )
+            .collect();
+        while self.order.len() > SEEN_CAP {
+            if let Some(old) = self.order.pop_front() {
+                self.ids.remove(&old);
+            }
+        }
+        if fresh.len() < before {
+            warn!(
+                again = before - fresh.len(),
+                "the feed served documents this range already read; skipped them"
+            );
+        }
+        fresh
+    }
+}
+
+/// Guards a range against a feed that serves its continuation from an earlier position.
+#[derive(Debug)]
+struct Seek {
+    marker: crate::lease::Marker,
+    /// The first page began before the marker: skip until it.
+    seeking: bool,
 }
 
 impl Reading {
@@ -576,7 +727,7 @@ impl Reading {
     }
 
     fn checkpoint_due(&self) -> bool {
-        self.checkpoint.position() != &self.lease.continuation
+        self.unwritten || self.checkpoint.position() != &self.lease.continuation
     }
 
     /// The host stops: stop reading, let what is under way settle.
@@ -584,13 +735,15 @@ impl Reading {
         self.reading = false;
         self.stops.give_up.cancel();
         self.stops.draining.cancel();
+        self.stops.promote_now.cancel();
         debug!(in_flight = self.in_flight, "draining range");
     }
 
-    fn delivered(&mut self, seq: u64, recorded: bool) {
+    fn delivered(&mut self, seq: u64, id: &str, fate: Fate) {
         while self.deliveries.try_join_next().is_some() {}
         self.in_flight -= 1;
-        self.checkpoint.settled(seq, recorded);
+        self.checkpoint.settle(seq, id, fate.settle());
+        self.unwritten |= self.recovery.is_some();
     }
 
     /// Another host asked for the range (stream groups): stop reading, let what is under way
@@ -605,6 +758,7 @@ impl Reading {
             self.reading = false;
             self.stops.give_up.cancel();
             self.stops.draining.cancel();
+            self.stops.promote_now.cancel();
         }
     }
 
@@ -654,13 +808,13 @@ impl<H: Handler> RangeProcessor<H> {
                     r.drain();
                     None
                 }
-                Some((seq, recorded)) = r.done_rx.recv() => {
-                    r.delivered(seq, recorded);
+                Some((seq, id, fate)) = r.done_rx.recv() => {
+                    r.delivered(seq, &id, fate);
                     None
                 }
                 _ = renew.tick() => self.renew(&mut r).await,
-                _ = flush.tick(), if r.checkpoint_due() => self.write_checkpoint(&mut r.lease, r.checkpoint.position()).await,
-                _ = tokio::time::sleep(r.poll.delay()), if r.reading && r.in_flight < self.options.max_in_flight_per_range => {
+                _ = flush.tick(), if r.checkpoint_due() => self.flush(&mut r).await,
+                _ = tokio::time::sleep(r.poll.delay()), if r.reading && self.room(&r) => {
                     self.read_page(&mut r).await
                 }
             };
@@ -672,8 +826,46 @@ impl<H: Handler> RangeProcessor<H> {
         self.finish(r).await
     }
 
+    /// Whether the range may read another page: fewer messages in flight than its limit,
+    /// and (exclusive groups) a window small enough to write with the lease.
+    fn room(&self, r: &Reading) -> bool {
+        let limit = self.options.max_in_flight_per_range;
+        r.in_flight < limit
+            && (r.recovery.is_none() || (r.checkpoint.window_docs() as usize) < limit * 4)
+    }
+
     fn start(&self, lease: Lease) -> Result<Reading> {
         let range = lease.feed_range()?;
+        let config = self.group.config();
+        let recovery = (config.mode == DeliveryMode::Exclusive).then(|| {
+            let wrote_claims = lease.writes != Some(crate::config::ExclusiveWrites::Lease);
+            let look_up = match config.lease_recorded() && wrote_claims {
+                true => self.options.max_in_flight_per_range,
+                false => 0,
+            };
+            Recovery::new(&lease, look_up)
+        });
+        let checkpoint =
+            Checkpoint::new(lease.continuation.clone()).after(lease.window.after.clone());
+        let seek = lease
+            .window
+            .after
+            .clone()
+            .filter(|_| config.lease_recorded())
+            .filter(|marker| {
+                crate::message::MessageKey::from_json(marker.pk.clone()).is_ok_and(|key| {
+                    let epk = self.group.queue().message_epk(&key);
+                    crate::range::epk_in(&epk, &lease.min_epk, &lease.max_epk)
+                })
+            })
+            .map(|marker| Seek {
+                marker,
+                seeking: false,
+            });
+        let checkpoint = match recovery.is_some() {
+            true => checkpoint.tracking_ids(),
+            false => checkpoint,
+        };
         let reader = FeedReader::new(
             self.group.queue().messages().clone(),
             FeedScope::range(range),
@@ -684,7 +876,7 @@ impl<H: Handler> RangeProcessor<H> {
         );
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         Ok(Reading {
-            checkpoint: Checkpoint::new(lease.continuation.clone()),
+            checkpoint,
             lease,
             reader,
             done_tx,
@@ -694,6 +886,7 @@ impl<H: Handler> RangeProcessor<H> {
                 step_aside: CancellationToken::new(),
                 draining: CancellationToken::new(),
                 give_up: CancellationToken::new(),
+                promote_now: CancellationToken::new(),
             },
             in_flight: 0,
             poll: AdaptivePoll::new(self.options.min_poll, self.options.max_poll),
@@ -701,12 +894,20 @@ impl<H: Handler> RangeProcessor<H> {
             chains: HashMap::new(),
             read: 0,
             in_feed_order: None,
+            recovery,
+            unwritten: false,
+            seen: config.lease_recorded().then(Seen::default),
+            seek,
         })
     }
 
     /// Renews the lease. Fencing: when another host owns the range now, or the lease expired
     /// without a renewal, nothing more is read from it.
     async fn renew(&self, r: &mut Reading) -> Step {
+        // A record or checkpoint written since the last tick renewed it already.
+        if self.now() - r.lease.timestamp < duration_ms(self.options.lease_renew) / 2 {
+            return None;
+        }
         match self.store.renew(&r.lease, self.now()).await {
             Ok(renewed) => r.lease = renewed,
             Err(LeaseError::Lost) => match self.current(&r.lease).await {
@@ -749,7 +950,8 @@ impl<H: Handler> RangeProcessor<H> {
         } else {
             r.poll.observed(docs.len(), self.options.page_size as usize);
             // Stream mode has no claims to stop a second reader: check the lease is still
-            // ours before handing out a page (1 RU a page).
+            // ours before handing out a page (1 RU a page). The lease write path's record of
+            // the page does the same, below.
             if self.group.config().mode == DeliveryMode::Stream {
                 match self.current_confirmed(&r.lease).await {
                     Err(()) => {
@@ -765,63 +967,186 @@ impl<H: Handler> RangeProcessor<H> {
                 }
             }
         }
-        let messages = self.messages(docs);
-        let seq = r.checkpoint.read(token, messages.len());
-        self.dispatch(r, seq, messages);
+        let mut docs = self.past_marker(r, docs).await;
+        if let Some(seen) = r.seen.as_mut() {
+            docs = seen.first_reads(docs);
+        }
+        let count = docs.len() as u32;
+        let field = self.group.queue().config().partition_key_field();
+        let last = docs.last().and_then(|doc| {
+            Some(crate::lease::Marker {
+                id: doc.get("id")?.as_str()?.to_owned(),
+                pk: doc.get(field).cloned().unwrap_or(serde_json::Value::Null),
+            })
+        });
+        let (deliveries, known) = self.handling(r, docs);
+        let seq = r.checkpoint.read_docs(token, count, deliveries.len(), last);
+        for (id, fate) in known {
+            r.checkpoint.known(seq, &id, fate);
+            r.unwritten = true;
+        }
+        if self.group.config().lease_recorded() && !deliveries.is_empty() {
+            // The page's delivery is recorded before it starts: a next owner after a crash
+            // then knows these are redeliveries. Also the fence: it fails once the lease is
+            // another host's.
+            match self.write_record(r).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    for (message, _) in &deliveries {
+                        r.checkpoint.settle(seq, &message.id, Settle::Unstarted);
+                    }
+                    return None;
+                }
+                Err(exit) => return Some(exit),
+            }
+        }
+        self.dispatch(r, seq, deliveries);
         if r.chains.len() > MAX_IDLE_CHAINS {
             forget_settled_keys(&mut r.chains);
         }
         None
     }
 
-    /// A page's messages; malformed documents are counted and skipped with a reason.
-    fn messages(&self, docs: Vec<serde_json::Value>) -> Vec<Message> {
+    /// The page without the documents before the lease's marker (see [`Seek`]): judged on
+    /// the first page (is its first document older than the marker, by LSN?), then skipped
+    /// up to the marker. Two point reads per range taken; none after.
+    async fn past_marker(
+        &self,
+        r: &mut Reading,
+        docs: Vec<serde_json::Value>,
+    ) -> Vec<serde_json::Value> {
+        let Some(seek) = r.seek.as_mut() else {
+            return docs;
+        };
+        if docs.is_empty() {
+            return docs;
+        }
+        let id = |doc: &serde_json::Value| {
+            doc.get("id")
+                .and_then(serde_json::Value::as_str)
+                .map(str::to_owned)
+        };
+        if let Some(at) = docs
+            .iter()
+            .position(|d| id(d).as_deref() == Some(&seek.marker.id))
+        {
+            if at > 0 || seek.seeking {
+                warn!(skipped = at + 1, "the feed served documents before the checkpoint again; skipped up to the last one recorded");
+            }
+            r.seek = None;
+            return docs.into_iter().skip(at + 1).collect();
+        }
+        if !seek.seeking {
+            let field = self.group.queue().config().partition_key_field();
+            let marker = serde_json::json!({"id": seek.marker.id, field: seek.marker.pk});
+            let first = self.group.item_lsn(&docs[0]).await;
+            let marker = self.group.item_lsn(&marker).await;
+            match (first, marker) {
+                (Ok(Some(first)), Ok(Some(marker))) if first < marker => seek.seeking = true,
+                _ => {
+                    r.seek = None;
+                    return docs;
+                }
+            }
+        }
+        debug!(
+            skipped = docs.len(),
+            "skipping documents before the checkpoint"
+        );
+        Vec::new()
+    }
+
+    /// A page's messages and how each is delivered, and the documents the lease's window says
+    /// are done or pending already. Malformed documents are counted and skipped with a reason.
+    #[allow(clippy::type_complexity)]
+    fn handling(
+        &self,
+        r: &mut Reading,
+        docs: Vec<serde_json::Value>,
+    ) -> (Vec<(Message, Path)>, Vec<(String, Settle)>) {
+        let config = self.group.config();
         let field = self.group.queue().config().partition_key_field();
-        docs.into_iter()
-            .filter_map(|doc| match Message::from_document(&doc, field) {
-                Ok(message) => Some(message),
+        let check_stream = config.mode == DeliveryMode::Stream && config.ordered;
+        let (mut deliveries, mut known) = (Vec::new(), Vec::new());
+        for doc in docs {
+            let message = match Message::from_document(&doc, field) {
+                Ok(message) => message,
                 Err(reason) => {
                     ConsumerStats::bump(&self.stats.malformed);
                     warn!(queue = self.group.queue().name(), id = ?doc.get("id"), %reason, "skipping a malformed document in the messages container");
-                    None
+                    if let Some(recovery) = &mut r.recovery {
+                        recovery.left = recovery.left.saturating_sub(1);
+                    }
+                    continue;
                 }
-            })
-            .collect()
+            };
+            let handling = match &mut r.recovery {
+                Some(recovery) => recovery.next(&message.id, config.ordered),
+                None if check_stream && r.read < self.options.max_in_flight_per_range => {
+                    Handling::Deliver(Path::Checked)
+                }
+                None => Handling::Deliver(Path::Feed),
+            };
+            r.read += 1;
+            match handling {
+                Handling::Deliver(path) => deliveries.push((message, path)),
+                Handling::Known(fate) => known.push((message.id, fate)),
+            }
+        }
+        (deliveries, known)
     }
 
     /// One delivery task per message of page `seq`, each taking its turn.
-    fn dispatch(&self, r: &mut Reading, seq: u64, messages: Vec<Message>) {
+    fn dispatch(&self, r: &mut Reading, seq: u64, messages: Vec<(Message, Path)>) {
         let config = self.group.config();
         let ordered = config.ordered;
-        let stream = config.mode == DeliveryMode::Stream;
+        let fenced = config.lease_recorded();
         let page_started = Arc::new(AtomicBool::new(false));
-        for message in messages {
+        for (message, path) in messages {
             r.in_flight += 1;
             let turn = r.turn(ordered, &message);
-            let check_state = stream && ordered && r.read < self.options.max_in_flight_per_range;
-            r.read += 1;
+            let (promoted_tx, mut promoted) = oneshot::channel();
+            let fence = fenced.then(|| Fence {
+                promote_after: self.options.promote_after,
+                promote_now: r.stops.promote_now.clone(),
+                lost: r.stops.step_aside.clone(),
+                promoted: Some(promoted_tx),
+            });
             let delivery = RangeDelivery {
                 deliverer: Arc::clone(&self.deliverer),
                 permits: Arc::clone(&self.permits),
                 stop: r.stops.clone(),
                 page_started: Arc::clone(&page_started),
-                check_state,
+                path,
+                fence,
             };
             let done = r.done_tx.clone();
             r.deliveries.spawn(self.deliveries.track_future(async move {
-                let fate = delivery.run(message, turn).await;
-                let _ = done.send((seq, fate.is_recorded()));
+                let id = message.id.clone();
+                let run = delivery.run(message, turn);
+                tokio::pin!(run);
+                // A delivery that gets a lock of its own is reported as pending at once: the
+                // range may pass it, and the delivery goes on under its lock.
+                let fate = tokio::select! {
+                    biased;
+                    fate = &mut run => fate,
+                    Ok(()) = &mut promoted => {
+                        let _ = done.send((seq, id, Fate::Pending));
+                        run.await;
+                        return;
+                    }
+                };
+                let _ = done.send((seq, id, fate));
             }));
         }
     }
 
     /// Drained: record where the range is and hand the lease back.
     async fn finish(&self, mut r: Reading) -> RangeExit {
+        // Deliveries with locks of their own go on after the range; the host waits for them.
+        r.deliveries.detach_all();
         if r.checkpoint_due() {
-            if let Some(exit) = self
-                .write_checkpoint(&mut r.lease, r.checkpoint.position())
-                .await
-            {
+            if let Some(exit) = self.flush(&mut r).await {
                 return exit;
             }
         }
@@ -833,6 +1158,82 @@ impl<H: Handler> RangeProcessor<H> {
             Err(LeaseError::Lost) => RangeExit::Lost,
             Err(LeaseError::Other(e)) => RangeExit::Failed(e),
         }
+    }
+
+    /// Writes what the range recorded: the checkpoint, and in exclusive groups the window
+    /// past it. `Some(exit)` when the lease is gone.
+    async fn flush(&self, r: &mut Reading) -> Step {
+        if r.recovery.is_none() {
+            return self
+                .write_checkpoint(&mut r.lease, r.checkpoint.position())
+                .await;
+        }
+        self.write_record(r).await.err()
+    }
+
+    /// Writes the lease with the checkpoint and the window (exclusive groups), and counts the
+    /// completions it records. `Ok(false)` when the lease is being handed over (the range
+    /// drains); a write that keeps failing is retried until the lease would expire, then the
+    /// range stops (the lease, still in this host's name, is taken back at the next acquire
+    /// round, and what the write would have recorded is delivered again).
+    async fn write_record(&self, r: &mut Reading) -> Result<bool, RangeExit> {
+        let writes = self.group.config().exclusive_writes;
+        let completions = r.checkpoint.unwritten_completions();
+        let position = r.checkpoint.position().clone();
+        let window = r.checkpoint.record();
+        let expire = duration_ms(self.options.lease_expire);
+        let mut attempt = 0u32;
+        // Tried until the lease would expire: giving up sooner would throw completions away
+        // (the next owner delivers them again) while the lease may still be good.
+        while self.now() - r.lease.timestamp < expire {
+            attempt += 1;
+            match self
+                .store
+                .record(
+                    &r.lease,
+                    position.clone(),
+                    window.clone(),
+                    writes,
+                    self.now(),
+                )
+                .await
+            {
+                Ok(written) => {
+                    r.lease = written;
+                    r.unwritten = false;
+                    r.checkpoint.completions_written(completions);
+                    self.stats
+                        .completed
+                        .fetch_add(completions, std::sync::atomic::Ordering::Relaxed);
+                    if r.reading && r.lease.handover_to.is_some() {
+                        let current = r.lease.clone();
+                        r.hand_over(current);
+                        return Ok(false);
+                    }
+                    return Ok(true);
+                }
+                Err(LeaseError::Lost) => match self.current(&r.lease).await {
+                    Ok(Some(current)) if current.handover_to.is_some() && r.reading => {
+                        r.hand_over(current);
+                        return Ok(false);
+                    }
+                    // Still ours (asked for, or an earlier write landed unanswered): again.
+                    Ok(Some(current)) => r.lease = current,
+                    Ok(None) => {}
+                    Err(()) => {
+                        warn!(owner = %self.options.owner, in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
+                        return Err(RangeExit::Lost);
+                    }
+                },
+                Err(LeaseError::Other(e)) => {
+                    ConsumerStats::bump(&self.stats.errors);
+                    debug!(error = %e, attempt, "lease write failed; retrying");
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50 << attempt.min(4))).await;
+        }
+        warn!(group = self.group.name(), lease = %r.lease.range_label(), "the lease could not be written before it expired; stopped reading the range");
+        Err(RangeExit::Lost)
     }
 
     /// The lease as stored when it still names this host (`Ok(None)`: a read error; renewal

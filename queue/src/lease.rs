@@ -61,9 +61,74 @@ pub struct Lease {
     /// When the hand-over was asked for (epoch ms); the reservation ends a lease expiry later.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handover_at: Option<i64>,
+    /// What the owner handed out past the continuation (exclusive groups on the lease write
+    /// path): written before a page is delivered and with every checkpoint, so the range's
+    /// next owner skips what is done and knows what is a redelivery.
+    #[serde(default, skip_serializing_if = "Window::is_empty")]
+    pub window: Window,
+    /// The write path of the exclusive host that last recorded the lease. A lease-path host
+    /// taking a lease last written otherwise (an older version, or `claims`) looks for state
+    /// documents through its first window, since its deliveries wrote claims.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writes: Option<crate::config::ExclusiveWrites>,
     /// The document's ETag as last read: every change is `If-Match` on it.
     #[serde(rename = "_etag", default, skip_serializing)]
     pub etag: Option<String>,
+}
+
+/// The messages past a lease's continuation that its owner has read and handed out: the
+/// in-flight window, bounded by the range's in-flight limit.
+///
+/// The continuation moves by whole pages, so one slow message holds it while later ones
+/// settle; this records their fate without a write per message. Ids, not positions: a
+/// document that leaves by TTL shifts positions, never ids.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Window {
+    /// Feed documents read past the continuation and handed out (or skipped as done). A
+    /// next owner that took the lease without a release delivers the ones among them that are
+    /// in no list below as redeliveries (their first delivery may have happened).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read: u32,
+    /// Settled: completed (recorded here and nowhere else) or settled by a state document.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub done: Vec<String>,
+    /// A state document brings them back (a retry, a schedule, long work under its own lock).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pending: Vec<String>,
+    /// Handed out but never started (the range drained first): first deliveries still.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unstarted: Vec<String>,
+    /// The last document before the continuation. A feed that serves the continuation from
+    /// an earlier position (the emulator after a partition merge renumbers its LSNs) would
+    /// deliver again what was completed here, with no state document to say so: the next
+    /// reader skips up to this document instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<Marker>,
+}
+
+/// A message of the messages container: its id and partition key value.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Marker {
+    /// The document's id.
+    pub id: String,
+    /// Its partition key value as stored.
+    pub pk: serde_json::Value,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+impl Window {
+    /// Nothing handed out past the continuation.
+    pub fn is_empty(&self) -> bool {
+        self.read == 0
+            && self.after.is_none()
+            && self.done.is_empty()
+            && self.pending.is_empty()
+            && self.unstarted.is_empty()
+    }
 }
 
 impl Lease {
@@ -88,6 +153,8 @@ impl Lease {
             checkpointed_at: None,
             handover_to: None,
             handover_at: None,
+            window: Window::default(),
+            writes: None,
             etag: None,
         }
     }
@@ -148,6 +215,7 @@ pub struct LeaseStore {
     queue: Queue,
     group: String,
     start_from: StartFrom,
+    writes: Option<crate::config::ExclusiveWrites>,
 }
 
 impl LeaseStore {
@@ -157,7 +225,15 @@ impl LeaseStore {
             queue,
             group: group.into(),
             start_from: StartFrom::Beginning,
+            writes: None,
         }
+    }
+
+    /// Marks the leases this store creates as written by an exclusive host on `writes`: a
+    /// new lease has no deliveries behind it, so its first owner need not look for claims.
+    pub fn with_writes(mut self, writes: crate::config::ExclusiveWrites) -> Self {
+        self.writes = Some(writes);
+        self
     }
 
     /// Where a new group's leases start. `Now` pins each new lease at the feed's current
@@ -278,8 +354,9 @@ impl LeaseStore {
                     StartFrom::Now => self.position_now(lo, hi).await?,
                     StartFrom::Beginning => None,
                 };
-                self.create(&Lease::new(&self.group, lo, hi, position, now))
-                    .await?;
+                let mut lease = Lease::new(&self.group, lo, hi, position, now);
+                lease.writes = self.writes;
+                self.create(&lease).await?;
             }
             info!(group = %self.group, leases = missing.len(), existing = leases.len(), "created leases for the ranges without one");
             leases = self.list().await?;
@@ -340,8 +417,13 @@ impl LeaseStore {
             });
             // Upsert: children an interrupted split of an earlier version left behind are
             // brought up to the parent's checkpoint.
+            // The parent's window goes to both children: each skips the ids of its own range
+            // that were done, and ids of the other child never appear in its feed.
+            let mut child = Lease::new(&self.group, min, max, continuation, now);
+            child.window = parent.window.clone();
+            child.writes = parent.writes;
             batch = batch
-                .upsert_item(Lease::new(&self.group, min, max, continuation, now), None)
+                .upsert_item(child, None)
                 .map_err(QueueError::cosmos("build lease split"))?;
         }
         let status = match self
@@ -478,6 +560,27 @@ impl LeaseStore {
         next.timestamp = now;
         next.checkpointed_at = Some(now);
         self.replace(&next, "checkpoint").await
+    }
+
+    /// Writes the continuation and the window past it (the lease write path's record): also a
+    /// renewal, and a fence, since it fails once another host owns the lease.
+    pub async fn record(
+        &self,
+        lease: &Lease,
+        continuation: Option<String>,
+        window: Window,
+        writes: crate::config::ExclusiveWrites,
+        now: i64,
+    ) -> Result<Lease, LeaseError> {
+        let mut next = lease.clone();
+        next.writes = Some(writes);
+        if continuation != next.continuation {
+            next.checkpointed_at = Some(now);
+        }
+        next.continuation = continuation;
+        next.window = window;
+        next.timestamp = now;
+        self.replace(&next, "record window").await
     }
 
     /// Hands a lease back at once (graceful stop) so another host takes it without waiting

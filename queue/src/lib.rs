@@ -38,7 +38,7 @@ pub mod state;
 pub use azure_data_cosmos::CosmosClient;
 pub use backoff::RetryPolicy;
 pub use clock::Clock;
-pub use config::{DeliveryMode, GroupConfig, QueueConfig, StartFrom, Throughput};
+pub use config::{DeliveryMode, ExclusiveWrites, GroupConfig, QueueConfig, StartFrom, Throughput};
 pub use consumer::{ConsumerStats, Delivery, Handler, Outcome};
 pub use cosmos::charge::{ChargeSnapshot, RequestCharges};
 pub use cosmos::connection::{Auth, ConnectionArgs};

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use cosmosq_queue::host::HostOptions;
 use cosmosq_queue::{
-    ConnectionArgs, DeliveryMode, GroupConfig, QueueConfig, RetryPolicy, StartFrom,
+    ConnectionArgs, DeliveryMode, ExclusiveWrites, GroupConfig, QueueConfig, RetryPolicy, StartFrom,
 };
 
 use crate::app::Format;
@@ -41,6 +41,9 @@ pub struct Config {
     /// `exclusive` or `stream`.
     #[arg(long, env = env::DELIVERY_MODE, value_enum, default_value_t = DeliveryMode::Exclusive)]
     pub mode: DeliveryMode,
+    /// How an exclusive group records deliveries: `lease` or `claims`.
+    #[arg(long, env = env::EXCLUSIVE_WRITES, value_enum, default_value_t = ExclusiveWrites::Lease)]
+    pub exclusive_writes: ExclusiveWrites,
     /// Where a new group starts: `now` or `beginning`.
     #[arg(long, env = env::START_FROM, value_enum, default_value_t = StartFrom::Now)]
     pub start_from: StartFrom,
@@ -80,6 +83,11 @@ pub struct Config {
     /// How often leases are renewed.
     #[arg(long, env = env::LEASE_RENEW, default_value = "17s", value_parser = duration)]
     pub lease_renew: Duration,
+    /// Exclusive groups on the lease write path: a delivery still under way after this long
+    /// gets a lock of its own (a state document), so it neither holds the range's checkpoint
+    /// nor depends on the range's lease.
+    #[arg(long, env = env::PROMOTE_AFTER, default_value = "5s", value_parser = duration)]
+    pub promote_after: Duration,
     /// How often free and expired leases are looked for.
     #[arg(long, env = env::LEASE_ACQUIRE, default_value = "13s", value_parser = duration)]
     pub lease_acquire: Duration,
@@ -219,6 +227,7 @@ impl Config {
     pub fn group_config(&self) -> GroupConfig {
         GroupConfig::new(self.group.clone())
             .with_mode(self.mode)
+            .with_exclusive_writes(self.exclusive_writes)
             .with_start_from(self.start_from)
             .with_ordering(self.ordered)
             .with_lock_duration(self.lock_duration)
@@ -240,6 +249,7 @@ impl Config {
             leases_per_partition: self.leases_per_partition,
             max_poll: self.max_poll,
             sweep_interval: self.sweep_interval,
+            promote_after: self.promote_after,
             ..HostOptions::new(self.owner())
         }
     }

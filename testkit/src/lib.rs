@@ -32,6 +32,7 @@ pub fn fast_host(name: &str) -> HostOptions {
         lease_renew: Duration::from_millis(300),
         lease_expire: Duration::from_millis(1_500),
         checkpoint_interval: Duration::from_millis(50),
+        promote_after: Duration::from_millis(300),
         ..HostOptions::new(name)
     }
 }

@@ -912,7 +912,10 @@ async fn a_claim_refused_for_good_ends_in_the_dead_letters_with_the_cause_not_in
         FaultInjectionRuleBuilder, FaultOperationType,
     };
     let fixture = Fixture::new(1).await;
-    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
+    // The claims write path: its first write is the claim.
+    let config = GroupConfig::new("g")
+        .with_start_from(StartFrom::Beginning)
+        .with_exclusive_writes(cosmosq_queue::ExclusiveWrites::Claims);
     cosmosq_queue::lease::LeaseStore::new(fixture.queue.clone(), "g")
         .with_start_from(StartFrom::Beginning)
         .reconcile(fixture.queue.clock().now_ms(), 60_000)
@@ -1070,9 +1073,20 @@ async fn a_sidecar_estimates_only_the_ranges_it_owns() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_lock_cancels_the_apps_call_and_is_counted() {
+    // On the lease write path the lock is the one the delivery gets once it runs long.
+    for writes in [
+        cosmosq_queue::ExclusiveWrites::Claims,
+        cosmosq_queue::ExclusiveWrites::Lease,
+    ] {
+        lost_lock_cancels_the_call(writes).await;
+    }
+}
+
+async fn lost_lock_cancels_the_call(writes: cosmosq_queue::ExclusiveWrites) {
     let (fixture, clock) = Fixture::with_manual_clock(1).await;
     let config = GroupConfig::new("g")
         .with_start_from(StartFrom::Beginning)
+        .with_exclusive_writes(writes)
         .with_lock_duration(Duration::from_secs(3));
     fixture
         .queue
@@ -1111,9 +1125,21 @@ async fn a_lost_lock_cancels_the_apps_call_and_is_counted() {
     let stop = CancellationToken::new();
     let task = tokio::spawn(host.run(stop.clone()));
     started.notified().await;
+    let group = fixture.group(config);
+    cosmosq_tests::eventually(
+        "the delivery holds a lock",
+        Duration::from_secs(5),
+        || async {
+            group
+                .read_state(&"k".into(), "m")
+                .await
+                .unwrap()
+                .is_some_and(|s| s.state == MessageState::Locked)
+        },
+    )
+    .await;
     // The lock runs out (the clock jumps past it) and another consumer takes the message.
     clock.advance(Duration::from_secs(4));
-    let group = fixture.group(config);
     let doc = group.read_state(&"k".into(), "m").await.unwrap().unwrap();
     let _ = group.take_over(doc, "thief").await.unwrap();
     wait_on(&notify, "the first call cut", || {

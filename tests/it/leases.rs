@@ -7,8 +7,8 @@ use std::time::Duration;
 use cosmosq_queue::host::{Host, HostOptions};
 use cosmosq_queue::lease::LeaseStore;
 use cosmosq_queue::{
-    ConsumerStats, Delivery, DeliveryMode, GroupConfig, MessageState, NewMessage, Outcome,
-    StartFrom,
+    ConsumerStats, Delivery, DeliveryMode, ExclusiveWrites, GroupConfig, MessageState, NewMessage,
+    Outcome, StartFrom,
 };
 use cosmosq_tests::{eventually, fast_host, recording, wait_on, Fixture, Ledger};
 use serde_json::json;
@@ -191,11 +191,14 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
     );
 }
 
+/// The claims write path: the slow message's claim holds the checkpoint while its lock is
+/// renewed. (The lease write path gives it a lock of its own and passes it: next test.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_message_does_not_stall_its_range_and_holds_the_checkpoint() {
     let fixture = Fixture::new(1).await;
     let config = GroupConfig::new("g")
         .with_start_from(StartFrom::Beginning)
+        .with_exclusive_writes(ExclusiveWrites::Claims)
         .with_lock_duration(Duration::from_secs(1));
     let release = Arc::new(tokio::sync::Notify::new());
     let ledger = Arc::new(Ledger::default());
@@ -694,8 +697,10 @@ async fn a_lease_stolen_mid_delivery_hands_the_rest_over_and_settles_each_messag
 async fn stolen_mid_delivery(mode: DeliveryMode) {
     const MESSAGES: usize = 20;
     let fixture = Fixture::new(1).await;
+    // Exclusive: the claims path, where the delivery under way has a claim of its own.
     let config = GroupConfig::new("s")
         .with_mode(mode)
+        .with_exclusive_writes(ExclusiveWrites::Claims)
         .with_start_from(StartFrom::Beginning);
     enqueue(&fixture, 0..MESSAGES).await;
     let a_got = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
@@ -895,4 +900,196 @@ async fn a_split_from_a_stale_read_of_the_parent_writes_nothing() {
         split.iter().all(|l| l.timestamp == now + 2),
         "the children come from the split of the released parent"
     );
+}
+
+/// The lease write path: a message that outlives `promoteAfter` gets a lock of its own (a state
+/// document, renewed while the app works), so the checkpoint passes it and nothing waits on
+/// it; it then settles through that document.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_message_gets_a_lock_of_its_own_and_the_checkpoint_passes_it() {
+    let fixture = Fixture::new(1).await;
+    let config = GroupConfig::new("g")
+        .with_start_from(StartFrom::Beginning)
+        .with_lock_duration(Duration::from_secs(1));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let ledger = Arc::new(Ledger::default());
+    let handler = {
+        let (release, ledger) = (Arc::clone(&release), Arc::clone(&ledger));
+        move |d: Delivery| {
+            let (release, ledger) = (Arc::clone(&release), Arc::clone(&ledger));
+            async move {
+                ledger.begin(&d);
+                ledger.end(&d);
+                if d.message.id == "slow" {
+                    release.notified().await;
+                }
+                Outcome::Complete
+            }
+        }
+    };
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(0))
+                .with_id("slow")
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    let host = start(
+        &fixture,
+        &config,
+        HostOptions {
+            page_size: 10,
+            ..fast("h")
+        },
+        handler,
+    );
+    ledger.wait_until(|l| l.delivered("g") == 1).await;
+    enqueue(&fixture, 0..200).await;
+    ledger.wait_until(|l| l.delivered("g") == 201).await;
+    let group = fixture.group(config.clone());
+    eventually(
+        "the slow message has a lock of its own, renewed",
+        Duration::from_secs(5),
+        || async {
+            let state = group.read_state(&"k".into(), "slow").await.unwrap();
+            state.is_some_and(|s| {
+                s.state == MessageState::Locked
+                    && s.owner.as_deref() == Some("h")
+                    && s.attempts == 1
+            })
+        },
+    )
+    .await;
+    eventually(
+        "the range flowed past it and the checkpoint passed everything",
+        Duration::from_secs(5),
+        || async {
+            let lease = LeaseStore::new(fixture.queue.clone(), "g")
+                .list()
+                .await
+                .unwrap()
+                .remove(0);
+            host.stats.completed.load(Ordering::Relaxed) == 200
+                && read_ids_from(&fixture, &lease).await.is_empty()
+                && lease.window.pending.is_empty()
+        },
+    )
+    .await;
+    let locked = group
+        .read_state(&"k".into(), "slow")
+        .await
+        .unwrap()
+        .unwrap();
+    // Renewed past its first second.
+    eventually("the lock was renewed", Duration::from_secs(3), || async {
+        let now = group
+            .read_state(&"k".into(), "slow")
+            .await
+            .unwrap()
+            .unwrap();
+        now.due.unwrap() > locked.due.unwrap() + 500
+    })
+    .await;
+    release.notify_waiters();
+    eventually(
+        "slow completes through its document",
+        Duration::from_secs(5),
+        || async {
+            group
+                .read_state(&"k".into(), "slow")
+                .await
+                .unwrap()
+                .unwrap()
+                .state
+                == MessageState::Completed
+        },
+    )
+    .await;
+    host.stop.cancel();
+    host.task.await.unwrap().unwrap();
+    assert_eq!(host.stats.completed.load(Ordering::Relaxed), 201);
+    ledger.assert_each_once("g");
+}
+
+/// The lease write path, a lease taken from a live owner (as after a pause past the expiry):
+/// the delivery under way, which had no lock of its own, is cut, and the next owner delivers
+/// it again as a redelivery (count 2); every message ends completed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_taken_mid_delivery_cuts_the_call_and_the_next_owner_redelivers_it() {
+    const MESSAGES: usize = 20;
+    let fixture = Fixture::new(1).await;
+    let config = GroupConfig::new("x").with_start_from(StartFrom::Beginning);
+    enqueue(&fixture, 0..MESSAGES).await;
+    let cut = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    struct Cut(Arc<std::sync::atomic::AtomicUsize>);
+    impl Drop for Cut {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let a_got = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let a = start(
+        &fixture,
+        &config,
+        HostOptions {
+            max_concurrency: 1,
+            promote_after: Duration::from_secs(60),
+            ..fast("a")
+        },
+        {
+            let (a_got, cut) = (Arc::clone(&a_got), Arc::clone(&cut));
+            move |d: Delivery| {
+                a_got.lock().unwrap().push(d.message.id.clone());
+                let guard = Cut(Arc::clone(&cut));
+                async move {
+                    let _guard = guard;
+                    std::future::pending::<Outcome>().await
+                }
+            }
+        },
+    );
+    eventually(
+        "a is working on its first message",
+        Duration::from_secs(5),
+        || async { a_got.lock().unwrap().len() == 1 },
+    )
+    .await;
+    let store = LeaseStore::new(fixture.queue.clone(), "x");
+    let lease = store.list().await.unwrap().remove(0);
+    store
+        .acquire(&lease, "thief", fixture.queue.clock().now_ms())
+        .await
+        .unwrap();
+    eventually("a's call is cut", Duration::from_secs(5), || async {
+        cut.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let in_flight = a_got.lock().unwrap()[0].clone();
+    a.stop.cancel();
+    stop_all(vec![a]).await;
+    let ledger = Arc::new(Ledger::default());
+    let b = start(&fixture, &config, fast("b"), recording(&ledger));
+    ledger.wait_until(|l| l.delivered("x") == MESSAGES).await;
+    eventually(
+        "b's completions are written",
+        Duration::from_secs(5),
+        || async { b.stats.completed.load(Ordering::Relaxed) == MESSAGES as u64 },
+    )
+    .await;
+    let i: usize = in_flight[1..].parse().unwrap();
+    let state = fixture
+        .group(config.clone())
+        .read_state(&format!("k{}", i % 97).into(), &in_flight)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (state.state, state.attempts),
+        (MessageState::Completed, 2),
+        "{in_flight} was redelivered as its second attempt"
+    );
+    stop_all(vec![b]).await;
+    ledger.assert_each_once("x");
 }

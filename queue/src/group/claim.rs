@@ -123,6 +123,110 @@ impl Group {
         owner: &str,
         token: &str,
     ) -> Result<ClaimOutcome> {
+        let fenced = self.config.mode == DeliveryMode::Stream;
+        self.claim_as(message, owner, token, fenced).await
+    }
+
+    /// A first delivery read from the change feed by the owner of its range's lease, on a
+    /// path where the lease fences it (`stream`, and `exclusive` on the lease write path):
+    /// nothing is written unless the message is not yet visible.
+    pub(crate) async fn claim_fenced(
+        &self,
+        message: &Message,
+        owner: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
+        self.claim_as(message, owner, token, true).await
+    }
+
+    /// A message its range's previous owner handed out and may have delivered `prior` times
+    /// without recording an outcome (it died or lost the lease; lease write path). Claimed
+    /// with a state document, as a redelivery: it counts the attempt, and a message that
+    /// keeps killing its worker reaches the dead letters after `maxDeliveryAttempts`.
+    pub(crate) async fn claim_recovered(
+        &self,
+        message: &Message,
+        owner: &str,
+        token: &str,
+        prior: u32,
+    ) -> Result<ClaimOutcome> {
+        let now = self.now();
+        if !message.is_visible(now) {
+            return self.claim_as(message, owner, token, false).await;
+        }
+        if let Some(doc) = self.read_doc(&message.partition_key, &message.id).await? {
+            return self.take_over_with_token(doc, owner, token).await;
+        }
+        let expires_at = self.expires_at(message);
+        let mut doc = StateDoc::new(self.name(), message, expires_at, MessageState::Retry);
+        doc.attempts = prior;
+        if self.config.retry.exhausted(prior) {
+            let error =
+                format!("delivery {prior} ended without an outcome (its worker stopped with it)");
+            self.dead_letter_new(message, prior, REASON_MAX_ATTEMPTS, &error)
+                .await?;
+            return Ok(ClaimOutcome::DeadLettered);
+        }
+        doc.lock(owner, now, self.config.lock_duration, token);
+        doc.refresh_ttl(now, self.retention_secs());
+        match self.create(&doc, "claim").await {
+            Ok(Write::Done(doc)) => {
+                info!(group = self.name(), message_id = %doc.id, attempt = doc.attempts, owner, "recovered a message its range's last owner left unsettled");
+                Ok(ClaimOutcome::Claimed(self.claim_from(*doc)))
+            }
+            Ok(_) => self.claim_existing(message, owner, token).await,
+            Err(e) => Ok(ClaimOutcome::Claimed(
+                self.claim_from(self.landed(&doc, e).await?),
+            )),
+        }
+    }
+
+    /// Gives a lease-fenced delivery a lock of its own (a locked state document), so it
+    /// outlives the range's lease: work that runs long, or that is still under way when the
+    /// range is handed over. `Ok(false)` when a state document already exists: it owns the
+    /// message, and this delivery must stop.
+    pub(crate) async fn promote(
+        &self,
+        claim: &mut Claim,
+        owner: &str,
+        token: &str,
+    ) -> Result<bool> {
+        if claim.state.is_some() {
+            return Ok(true);
+        }
+        let now = self.now();
+        let mut doc = StateDoc::of_key(
+            self.name(),
+            &claim.message_id,
+            &claim.message_pk,
+            claim.enqueued_at,
+            claim.expires_at,
+            MessageState::Retry,
+        );
+        doc.attempts = claim.attempt.saturating_sub(1);
+        doc.lock(owner, now, self.config.lock_duration, token);
+        doc.refresh_ttl(now, self.retention_secs());
+        let written = match self.create(&doc, "promote").await {
+            Ok(written) => written,
+            Err(e) => Write::Done(Box::new(self.landed(&doc, e).await?)),
+        };
+        match written {
+            Write::Done(doc) => {
+                claim.locked_until = doc.due;
+                claim.state = Some(doc);
+                Ok(true)
+            }
+            Write::Lost | Write::Missing => Ok(false),
+        }
+    }
+
+    async fn claim_as(
+        &self,
+        message: &Message,
+        owner: &str,
+        token: &str,
+        fenced: bool,
+    ) -> Result<ClaimOutcome> {
         let now = self.now();
         let expires_at = self.expires_at(message);
         if !message.is_visible(now) {
@@ -135,7 +239,7 @@ impl Group {
                 _ => self.claim_existing(message, owner, token).await,
             };
         }
-        if self.config.mode == DeliveryMode::Stream {
+        if fenced {
             return Ok(ClaimOutcome::Claimed(Claim {
                 message_id: message.id.clone(),
                 message_pk: message.partition_key.clone(),
@@ -167,18 +271,52 @@ impl Group {
         owner: &str,
         token: &str,
     ) -> Result<ClaimOutcome> {
-        if self.config.mode == DeliveryMode::Stream && message.is_visible(self.now()) {
-            if let Some(doc) = self.read_state(&message.partition_key, &message.id).await? {
+        let fenced = self.config.mode == DeliveryMode::Stream;
+        self.claim_checked_as(message, owner, token, fenced).await
+    }
+
+    /// [`Self::claim_checked`] by the owner of the message's range: lease-fenced on the lease
+    /// write path too.
+    pub(crate) async fn claim_checked_fenced(
+        &self,
+        message: &Message,
+        owner: &str,
+        token: &str,
+    ) -> Result<ClaimOutcome> {
+        let fenced = self.config.lease_fenced();
+        self.claim_checked_as(message, owner, token, fenced).await
+    }
+
+    async fn claim_checked_as(
+        &self,
+        message: &Message,
+        owner: &str,
+        token: &str,
+        fenced: bool,
+    ) -> Result<ClaimOutcome> {
+        if fenced && message.is_visible(self.now()) {
+            if let Some(doc) = self.read_doc(&message.partition_key, &message.id).await? {
                 return self.take_over_with_token(doc, owner, token).await;
             }
         }
-        self.claim_with_token(message, owner, token).await
+        self.claim_as(message, owner, token, fenced).await
     }
 
     /// Records a message whose claim Cosmos refused for good straight in the dead letters.
     pub async fn dead_letter_unclaimed(
         &self,
         message: &Message,
+        reason: &str,
+        error: &str,
+    ) -> Result<()> {
+        self.dead_letter_new(message, 0, reason, error).await
+    }
+
+    /// Records `message`, delivered `attempts` times, straight in the dead letters.
+    async fn dead_letter_new(
+        &self,
+        message: &Message,
+        attempts: u32,
         reason: &str,
         error: &str,
     ) -> Result<()> {
@@ -189,6 +327,7 @@ impl Group {
             self.expires_at(message),
             MessageState::DeadLettered,
         );
+        doc.attempts = attempts;
         doc.settle(MessageState::DeadLettered, now);
         doc.reason = Some(truncate(reason));
         doc.last_error = Some(truncate(error));
@@ -209,7 +348,7 @@ impl Group {
         owner: &str,
         token: &str,
     ) -> Result<ClaimOutcome> {
-        match self.read_state(&message.partition_key, &message.id).await? {
+        match self.read_doc(&message.partition_key, &message.id).await? {
             Some(doc) => self.take_over_with_token(doc, owner, token).await,
             // Created and already gone (TTL) between our create and read: nothing to deliver.
             None => Ok(ClaimOutcome::Gone),

@@ -157,8 +157,96 @@ impl Group {
             .collect())
     }
 
-    /// The group's state of one message, if any.
+    /// The group's state of one message, if any. On the lease write path a completion writes
+    /// no state document: a message the group's checkpoint has passed without one, or that
+    /// the lease's window lists as done, is reported `Completed` (one attempt, no times;
+    /// this includes messages enqueued before a group that starts from now existed). That
+    /// answer costs a feed scan from the checkpoint: for inspection, not for a hot path.
     pub async fn read_state(
+        &self,
+        message_pk: &MessageKey,
+        message_id: &str,
+    ) -> Result<Option<StateDoc>> {
+        if let Some(doc) = self.read_doc(message_pk, message_id).await? {
+            return Ok(Some(doc));
+        }
+        if !self.config.lease_recorded() {
+            return Ok(None);
+        }
+        self.completed_by_lease(message_pk, message_id).await
+    }
+
+    /// A `Completed` state for a message its range's lease says is done (see
+    /// [`Self::read_state`]); `None` when it is not, or does not exist.
+    async fn completed_by_lease(
+        &self,
+        message_pk: &MessageKey,
+        message_id: &str,
+    ) -> Result<Option<StateDoc>> {
+        let epk = self.queue.message_epk(message_pk);
+        let leases = crate::lease::LeaseStore::new(self.queue.clone(), self.name())
+            .list()
+            .await?;
+        let Some(lease) = leases
+            .iter()
+            .find(|l| crate::range::epk_in(&epk, &l.min_epk, &l.max_epk))
+        else {
+            return Ok(None);
+        };
+        let w = &lease.window;
+        let listed = |list: &[String]| list.iter().any(|id| id == message_id);
+        if listed(&w.pending) || listed(&w.unstarted) {
+            return Ok(None);
+        }
+        let Some(message) = self.queue.read_message(message_pk, message_id).await? else {
+            return Ok(None);
+        };
+        if !listed(&w.done) && self.unread(lease, message_id).await? {
+            return Ok(None);
+        }
+        // Completed with no state document: a first delivery (redeliveries write claims).
+        let mut doc = StateDoc::new(self.name(), &message, None, MessageState::Completed);
+        doc.settle(MessageState::Completed, self.now());
+        doc.settled_at = None;
+        doc.attempts = 1;
+        Ok(Some(doc))
+    }
+
+    /// Whether `message_id` is at or past the lease's checkpoint (read from there on).
+    async fn unread(&self, lease: &crate::lease::Lease, message_id: &str) -> Result<bool> {
+        use futures::StreamExt;
+        let mut pages = crate::cosmos::feed::open(
+            self.queue.messages(),
+            FeedScope::range(lease.feed_range()?),
+            crate::config::StartFrom::Beginning,
+            lease.continuation.as_deref(),
+            1000,
+            "read state",
+        )
+        .await?;
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(QueueError::cosmos("read state"))?;
+            self.queue
+                .charges()
+                .record_diagnostics("read state", &page.diagnostics());
+            if page.items().is_empty() {
+                return Ok(false);
+            }
+            let found = page.items().iter().any(|item| {
+                item.current()
+                    .and_then(|v| v.get("id"))
+                    .and_then(serde_json::Value::as_str)
+                    == Some(message_id)
+            });
+            if found {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// The group's state document of one message, if any.
+    pub(crate) async fn read_doc(
         &self,
         message_pk: &MessageKey,
         message_id: &str,
@@ -204,7 +292,7 @@ impl Group {
     /// (the service applied it and the response was lost); `e` when it did not, or it
     /// cannot be told.
     async fn landed(&self, doc: &StateDoc, e: QueueError) -> Result<StateDoc> {
-        match self.read_state(&doc.message_pk, &doc.id).await {
+        match self.read_doc(&doc.message_pk, &doc.id).await {
             Ok(Some(current))
                 if current.lock_token.is_some()
                     && current.lock_token == doc.lock_token
@@ -227,7 +315,7 @@ impl Group {
             Write::Lost => Write::Lost,
             other => return Ok(other),
         };
-        let Some(current) = self.read_state(&doc.message_pk, &doc.id).await? else {
+        let Some(current) = self.read_doc(&doc.message_pk, &doc.id).await? else {
             return Ok(Write::Missing);
         };
         if current.lock_token.is_none() || current.lock_token != doc.lock_token {
