@@ -190,6 +190,11 @@ impl Checkpoint {
         self.unwritten_completions
     }
 
+    /// A lease write that was to record `n` completions did not land: they are unwritten again.
+    pub(crate) fn completions_unwritten(&mut self, n: u64) {
+        self.unwritten_completions += n;
+    }
+
     /// A lease write recorded `n` of the completions (those counted before it started).
     pub(crate) fn completions_written(&mut self, n: u64) {
         self.unwritten_completions = self.unwritten_completions.saturating_sub(n);

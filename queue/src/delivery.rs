@@ -196,19 +196,17 @@ impl<H: Handler> Deliverer<H> {
         let mut held_polls = 0;
         let token = crate::state::new_lock_token();
         let ordered = self.group.config().ordered;
+        let fenced = self.group.config().lease_fenced();
         loop {
             let claimed = match path {
                 Path::Checked => {
                     self.group
-                        .claim_checked_fenced(&message, &self.owner, &token)
+                        .claim_checked_as(&message, &self.owner, &token, fenced)
                         .await
-                }
-                Path::Feed if self.group.config().lease_fenced() => {
-                    self.group.claim_fenced(&message, &self.owner, &token).await
                 }
                 Path::Feed => {
                     self.group
-                        .claim_with_token(&message, &self.owner, &token)
+                        .claim_as(&message, &self.owner, &token, fenced)
                         .await
                 }
                 Path::Recovered => {

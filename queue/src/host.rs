@@ -1176,9 +1176,29 @@ impl<H: Handler> RangeProcessor<H> {
     /// drains); a write that keeps failing is retried until the lease would expire, then the
     /// range stops (the lease, still in this host's name, is taken back at the next acquire
     /// round, and what the write would have recorded is delivered again).
+    ///
+    /// Completions are counted as the write is sent, and taken back when it is known not to
+    /// have landed: a write whose answer is lost (a timeout after the service applied it) is
+    /// recorded, and the process may die before it learns so, while a refusal is known at once.
     async fn write_record(&self, r: &mut Reading) -> Result<bool, RangeExit> {
-        let writes = self.group.config().exclusive_writes;
         let completions = r.checkpoint.unwritten_completions();
+        r.checkpoint.completions_written(completions);
+        self.stats
+            .completed
+            .fetch_add(completions, std::sync::atomic::Ordering::Relaxed);
+        let (written, result) = self.try_record(r).await;
+        if !written {
+            r.checkpoint.completions_unwritten(completions);
+            self.stats
+                .completed
+                .fetch_sub(completions, std::sync::atomic::Ordering::Relaxed);
+        }
+        result
+    }
+
+    /// [`Self::write_record`]'s write: whether it landed, and what the range does next.
+    async fn try_record(&self, r: &mut Reading) -> (bool, Result<bool, RangeExit>) {
+        let writes = self.group.config().exclusive_writes;
         let position = r.checkpoint.position().clone();
         let window = r.checkpoint.record();
         let expire = duration_ms(self.options.lease_expire);
@@ -1187,53 +1207,53 @@ impl<H: Handler> RangeProcessor<H> {
         // (the next owner delivers them again) while the lease may still be good.
         while self.now() - r.lease.timestamp < expire {
             attempt += 1;
-            match self
+            let now = self.now();
+            let written = self
                 .store
-                .record(
-                    &r.lease,
-                    position.clone(),
-                    window.clone(),
-                    writes,
-                    self.now(),
-                )
-                .await
-            {
+                .record(&r.lease, position.clone(), window.clone(), writes, now)
+                .await;
+            match written {
                 Ok(written) => {
                     r.lease = written;
                     r.unwritten = false;
-                    r.checkpoint.completions_written(completions);
-                    self.stats
-                        .completed
-                        .fetch_add(completions, std::sync::atomic::Ordering::Relaxed);
                     if r.reading && r.lease.handover_to.is_some() {
                         let current = r.lease.clone();
                         r.hand_over(current);
-                        return Ok(false);
+                        return (true, Ok(false));
                     }
-                    return Ok(true);
+                    return (true, Ok(true));
                 }
                 Err(LeaseError::Lost) => match self.current(&r.lease).await {
                     Ok(Some(current)) if current.handover_to.is_some() && r.reading => {
                         r.hand_over(current);
-                        return Ok(false);
+                        return (false, Ok(false));
                     }
                     // Still ours (asked for, or an earlier write landed unanswered): again.
                     Ok(Some(current)) => r.lease = current,
                     Ok(None) => {}
                     Err(()) => {
                         warn!(owner = %self.options.owner, in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
-                        return Err(RangeExit::Lost);
+                        return (false, Err(RangeExit::Lost));
                     }
                 },
                 Err(LeaseError::Other(e)) => {
                     ConsumerStats::bump(&self.stats.errors);
                     debug!(error = %e, attempt, "lease write failed; retrying");
+                    // It may have landed with its answer lost: then it is done.
+                    if let Ok(Some(current)) = self.current(&r.lease).await {
+                        let landed = current.window == window && current.continuation == position;
+                        r.lease = current;
+                        if landed {
+                            r.unwritten = false;
+                            return (true, Ok(true));
+                        }
+                    }
                 }
             }
             tokio::time::sleep(Duration::from_millis(50 << attempt.min(4))).await;
         }
         warn!(group = self.group.name(), lease = %r.lease.range_label(), "the lease could not be written before it expired; stopped reading the range");
-        Err(RangeExit::Lost)
+        (false, Err(RangeExit::Lost))
     }
 
     /// The lease as stored when it still names this host (`Ok(None)`: a read error; renewal

@@ -127,18 +127,6 @@ impl Group {
         self.claim_as(message, owner, token, fenced).await
     }
 
-    /// A first delivery read from the change feed by the owner of its range's lease, on a
-    /// path where the lease fences it (`stream`, and `exclusive` on the lease write path):
-    /// nothing is written unless the message is not yet visible.
-    pub(crate) async fn claim_fenced(
-        &self,
-        message: &Message,
-        owner: &str,
-        token: &str,
-    ) -> Result<ClaimOutcome> {
-        self.claim_as(message, owner, token, true).await
-    }
-
     /// A message its range's previous owner handed out and may have delivered `prior` times
     /// without recording an outcome (it died or lost the lease; lease write path). Claimed
     /// with a state document, as a redelivery: it counts the attempt, and a message that
@@ -195,14 +183,7 @@ impl Group {
             return Ok(true);
         }
         let now = self.now();
-        let mut doc = StateDoc::of_key(
-            self.name(),
-            &claim.message_id,
-            &claim.message_pk,
-            claim.enqueued_at,
-            claim.expires_at,
-            MessageState::Retry,
-        );
+        let mut doc = self.first_state(claim);
         doc.attempts = claim.attempt.saturating_sub(1);
         doc.lock(owner, now, self.config.lock_duration, token);
         doc.refresh_ttl(now, self.retention_secs());
@@ -220,7 +201,10 @@ impl Group {
         }
     }
 
-    async fn claim_as(
+    /// A claim of a message read from the feed. `fenced`: read by the owner of its range's
+    /// lease on a path where the lease fences a first delivery (`stream`, and `exclusive` on
+    /// the lease write path), so nothing is written unless the message is not yet visible.
+    pub(crate) async fn claim_as(
         &self,
         message: &Message,
         owner: &str,
@@ -275,19 +259,9 @@ impl Group {
         self.claim_checked_as(message, owner, token, fenced).await
     }
 
-    /// [`Self::claim_checked`] by the owner of the message's range: lease-fenced on the lease
-    /// write path too.
-    pub(crate) async fn claim_checked_fenced(
-        &self,
-        message: &Message,
-        owner: &str,
-        token: &str,
-    ) -> Result<ClaimOutcome> {
-        let fenced = self.config.lease_fenced();
-        self.claim_checked_as(message, owner, token, fenced).await
-    }
-
-    async fn claim_checked_as(
+    /// [`Self::claim_checked`] by `fenced`: whether a first delivery without a state document
+    /// is fenced by its range's lease (the owner of the range on a lease-fenced path).
+    pub(crate) async fn claim_checked_as(
         &self,
         message: &Message,
         owner: &str,

@@ -114,17 +114,22 @@ impl Group {
         Ok(())
     }
 
+    /// The first state document of a lease-fenced delivery (nothing recorded it yet).
+    pub(super) fn first_state(&self, claim: &Claim) -> StateDoc {
+        StateDoc::of_key(
+            self.name(),
+            &claim.message_id,
+            &claim.message_pk,
+            claim.enqueued_at,
+            claim.expires_at,
+            MessageState::Retry,
+        )
+    }
+
     /// The document a settlement writes: the claim's, or a new one for a stream first delivery.
     fn next_state(&self, claim: &Claim, now: i64) -> StateDoc {
         claim.state.as_deref().cloned().unwrap_or_else(|| {
-            let mut doc = StateDoc::of_key(
-                self.name(),
-                &claim.message_id,
-                &claim.message_pk,
-                claim.enqueued_at,
-                claim.expires_at,
-                MessageState::Retry,
-            );
+            let mut doc = self.first_state(claim);
             doc.attempts = claim.attempt;
             doc.first_attempt_at = Some(now);
             doc.last_attempt_at = Some(now);
