@@ -113,21 +113,26 @@ pub struct AdaptivePoll {
     current: Duration,
     /// Empty reads since the last page with work.
     empty: u32,
+    /// Empty reads at `min` before backing off: [`HOLD_AT_MIN`] of them.
+    hold: u32,
 }
 
-/// Empty reads at the shortest interval before backing off: a steady trickle (a message every
-/// few tens of ms per range) leaves gaps of a few empty reads, and doubling at once would make
-/// the next message wait for the longer interval (the tail of the latency).
-const EMPTY_READS_AT_MIN: u32 = 4;
+/// How long the feed stays at the shortest interval after work before backing off: a steady
+/// trickle (a message every few tens of ms per range) leaves gaps of a few hundred ms, and
+/// doubling within them makes the next message wait the longer interval (the latency's tail).
+/// An idle range pays for it once per spell of work (250 ms of reads at `min`), not per second.
+const HOLD_AT_MIN: Duration = Duration::from_millis(250);
 
 impl AdaptivePoll {
     /// Starting at `min`.
     pub fn new(min: Duration, max: Duration) -> Self {
+        let hold = HOLD_AT_MIN.as_millis() / min.as_millis().max(1);
         Self {
             min,
             max,
             current: Duration::ZERO,
             empty: 0,
+            hold: hold.clamp(1, 64) as u32,
         }
     }
 
@@ -150,11 +155,11 @@ impl AdaptivePoll {
         };
     }
 
-    /// A page came back empty: after a few reads at the shortest interval, wait longer, up to
-    /// the ceiling.
+    /// A page came back empty: after [`HOLD_AT_MIN`] of reads at the shortest interval, wait
+    /// longer, up to the ceiling.
     pub fn idle(&mut self) {
         self.empty = self.empty.saturating_add(1);
-        self.current = if self.current.is_zero() || self.empty <= EMPTY_READS_AT_MIN {
+        self.current = if self.current.is_zero() || self.empty <= self.hold {
             self.min
         } else {
             (self.current * 2).min(self.max)
@@ -175,7 +180,7 @@ mod tests {
             poll.observed(0, 100);
             seen.push(poll.delay().as_millis());
         }
-        assert_eq!(seen, vec![100, 100, 100, 100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(seen, vec![100, 100, 200, 400, 800, 1000, 1000, 1000, 1000]);
         poll.observed(100, 100);
         assert_eq!(
             poll.delay(),
@@ -194,5 +199,15 @@ mod tests {
             Duration::from_millis(100),
             "a few empty reads at the shortest interval after work"
         );
+        // At the production floor (20 ms), a quarter of a second of reads before backing off.
+        let mut poll = AdaptivePoll::new(Duration::from_millis(20), Duration::from_secs(5));
+        let at_min = (0..40)
+            .map(|_| {
+                poll.idle();
+                poll.delay()
+            })
+            .take_while(|d| *d == Duration::from_millis(20))
+            .count();
+        assert_eq!(at_min, 12);
     }
 }

@@ -647,6 +647,9 @@ struct Reading {
     checkpoint: Checkpoint,
     in_flight: usize,
     poll: AdaptivePoll,
+    /// When the next read is due: fixed once the last read's back-off is known, so the other
+    /// events of the loop (settlements, renewals, flushes) do not push it back.
+    read_at: Option<tokio::time::Instant>,
     /// Still reading the feed (not draining or handing over).
     reading: bool,
     /// Ordered groups: each key's last message's fate, which its next message waits for.
@@ -802,6 +805,10 @@ impl<H: Handler> RangeProcessor<H> {
         renew.reset(); // acquiring just renewed it
         let mut flush = tokio::time::interval(self.options.checkpoint_interval);
         while !r.drained() {
+            let delay = r.poll.delay();
+            let read_at = *r
+                .read_at
+                .get_or_insert_with(|| tokio::time::Instant::now() + delay);
             let step = tokio::select! {
                 biased;
                 _ = stop.cancelled(), if r.reading => {
@@ -814,7 +821,8 @@ impl<H: Handler> RangeProcessor<H> {
                 }
                 _ = renew.tick() => self.renew(&mut r).await,
                 _ = flush.tick(), if r.checkpoint_due() => self.flush(&mut r).await,
-                _ = tokio::time::sleep(r.poll.delay()), if r.reading && self.room(&r) => {
+                _ = tokio::time::sleep_until(read_at), if r.reading && self.room(&r) => {
+                    r.read_at = None;
                     self.read_page(&mut r).await
                 }
             };
@@ -890,6 +898,7 @@ impl<H: Handler> RangeProcessor<H> {
             },
             in_flight: 0,
             poll: AdaptivePoll::new(self.options.min_poll, self.options.max_poll),
+            read_at: None,
             reading: true,
             chains: HashMap::new(),
             read: 0,

@@ -58,6 +58,52 @@ async fn enqueue(fixture: &Fixture, range: std::ops::Range<usize>) {
     }
 }
 
+/// A host on one range whose app holds message `slow` (key `k`) until `release` is notified,
+/// and 200 messages enqueued behind it, all delivered.
+async fn a_slow_message_then_200(
+    fixture: &Fixture,
+    config: &GroupConfig,
+) -> (RunningHost, Arc<Ledger>, Arc<tokio::sync::Notify>) {
+    let release = Arc::new(tokio::sync::Notify::new());
+    let ledger = Arc::new(Ledger::default());
+    let handler = {
+        let (release, ledger) = (Arc::clone(&release), Arc::clone(&ledger));
+        move |d: Delivery| {
+            let (release, ledger) = (Arc::clone(&release), Arc::clone(&ledger));
+            async move {
+                ledger.begin(&d);
+                ledger.end(&d);
+                if d.message.id == "slow" {
+                    release.notified().await;
+                }
+                Outcome::Complete
+            }
+        }
+    };
+    fixture
+        .queue
+        .enqueue(
+            NewMessage::json(json!(0))
+                .with_id("slow")
+                .with_partition_key("k"),
+        )
+        .await
+        .unwrap();
+    let host = start(
+        fixture,
+        config,
+        HostOptions {
+            page_size: 10,
+            ..fast("h")
+        },
+        handler,
+    );
+    ledger.wait_until(|l| l.delivered("g") == 1).await;
+    enqueue(fixture, 0..200).await;
+    ledger.wait_until(|l| l.delivered("g") == 201).await;
+    (host, ledger, release)
+}
+
 async fn owners(fixture: &Fixture, group: &str) -> Vec<Option<String>> {
     LeaseStore::new(fixture.queue.clone(), group)
         .list()
@@ -200,47 +246,7 @@ async fn a_slow_message_does_not_stall_its_range_and_holds_the_checkpoint() {
         .with_start_from(StartFrom::Beginning)
         .with_exclusive_writes(ExclusiveWrites::Claims)
         .with_lock_duration(Duration::from_secs(1));
-    let release = Arc::new(tokio::sync::Notify::new());
-    let ledger = Arc::new(Ledger::default());
-    let handler = {
-        let release = Arc::clone(&release);
-        let ledger = Arc::clone(&ledger);
-        move |d: Delivery| {
-            let release = Arc::clone(&release);
-            let ledger = Arc::clone(&ledger);
-            async move {
-                ledger.begin(&d);
-                if d.message.id == "slow" {
-                    ledger.end(&d);
-                    release.notified().await;
-                } else {
-                    ledger.end(&d);
-                }
-                Outcome::Complete
-            }
-        }
-    };
-    fixture
-        .queue
-        .enqueue(
-            NewMessage::json(json!(0))
-                .with_id("slow")
-                .with_partition_key("k"),
-        )
-        .await
-        .unwrap();
-    let host = start(
-        &fixture,
-        &config,
-        HostOptions {
-            page_size: 10,
-            ..fast("h")
-        },
-        handler,
-    );
-    ledger.wait_until(|l| l.delivered("g") == 1).await;
-    enqueue(&fixture, 0..200).await;
-    ledger.wait_until(|l| l.delivered("g") == 201).await;
+    let (host, _ledger, release) = a_slow_message_then_200(&fixture, &config).await;
     eventually(
         "the range kept flowing past the slow message",
         Duration::from_secs(5),
@@ -911,43 +917,7 @@ async fn a_slow_message_gets_a_lock_of_its_own_and_the_checkpoint_passes_it() {
     let config = GroupConfig::new("g")
         .with_start_from(StartFrom::Beginning)
         .with_lock_duration(Duration::from_secs(1));
-    let release = Arc::new(tokio::sync::Notify::new());
-    let ledger = Arc::new(Ledger::default());
-    let handler = {
-        let (release, ledger) = (Arc::clone(&release), Arc::clone(&ledger));
-        move |d: Delivery| {
-            let (release, ledger) = (Arc::clone(&release), Arc::clone(&ledger));
-            async move {
-                ledger.begin(&d);
-                ledger.end(&d);
-                if d.message.id == "slow" {
-                    release.notified().await;
-                }
-                Outcome::Complete
-            }
-        }
-    };
-    fixture
-        .queue
-        .enqueue(
-            NewMessage::json(json!(0))
-                .with_id("slow")
-                .with_partition_key("k"),
-        )
-        .await
-        .unwrap();
-    let host = start(
-        &fixture,
-        &config,
-        HostOptions {
-            page_size: 10,
-            ..fast("h")
-        },
-        handler,
-    );
-    ledger.wait_until(|l| l.delivered("g") == 1).await;
-    enqueue(&fixture, 0..200).await;
-    ledger.wait_until(|l| l.delivered("g") == 201).await;
+    let (host, ledger, release) = a_slow_message_then_200(&fixture, &config).await;
     let group = fixture.group(config.clone());
     eventually(
         "the slow message has a lock of its own, renewed",
