@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use cosmosq_queue::message::MessageInput;
-use cosmosq_queue::{MessageKey, NewMessage};
+use cosmosq_queue::{MessageKey, NewMessage, TraceContext};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::QueueArgs;
@@ -27,6 +27,29 @@ pub struct EnqueueArgs {
     /// Messages per request round.
     #[arg(long, default_value_t = 100)]
     pub batch: usize,
+    /// W3C trace context stored with messages that carry none of their own, so the trace goes
+    /// on at the delivery (`TRACEPARENT`: the OpenTelemetry convention for processes).
+    #[arg(long, env = "TRACEPARENT")]
+    pub traceparent: Option<String>,
+    /// W3C `tracestate` beside --traceparent.
+    #[arg(long, env = "TRACESTATE", requires = "traceparent")]
+    pub tracestate: Option<String>,
+}
+
+impl EnqueueArgs {
+    /// The trace context given, refused with the reason when it is not W3C's.
+    fn trace(&self) -> anyhow::Result<Option<TraceContext>> {
+        self.traceparent
+            .as_deref()
+            .map(|parent| {
+                TraceContext::parse(parent, self.tracestate.as_deref()).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--traceparent {parent:?} is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)"
+                    )
+                })
+            })
+            .transpose()
+    }
 }
 
 /// Parses one input line; errors say which line and why.
@@ -46,6 +69,7 @@ pub fn parse_line(
 }
 
 pub async fn run(args: EnqueueArgs) -> anyhow::Result<()> {
+    let trace = args.trace()?;
     let queue = args.queue.open().await?;
     let messages: Vec<NewMessage> = match &args.body {
         Some(body) => {
@@ -72,6 +96,10 @@ pub async fn run(args: EnqueueArgs) -> anyhow::Result<()> {
             out
         }
     };
+    let messages: Vec<NewMessage> = messages
+        .into_iter()
+        .map(|m| m.inherit_trace(trace.as_ref()))
+        .collect();
     let bar = ProgressBar::new(messages.len() as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} messages, {per_sec}, eta {eta}")
             .expect("static template"),
@@ -118,5 +146,31 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("line 3"));
+    }
+
+    #[test]
+    fn a_traceparent_that_is_not_w3c_is_refused_by_name() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: EnqueueArgs,
+        }
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["cosmosq", "--queue", "q"];
+            argv.extend_from_slice(extra);
+            Cli::try_parse_from(argv).unwrap().args.trace()
+        };
+        let err = parse(&["--traceparent", "abc"]).unwrap_err();
+        assert!(err.to_string().contains("--traceparent \"abc\""), "{err}");
+        let trace = parse(&[
+            "--traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "--tracestate",
+            "congo=t61rcWkgMzE",
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(trace.tracestate.as_deref(), Some("congo=t61rcWkgMzE"));
     }
 }

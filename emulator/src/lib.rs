@@ -420,13 +420,19 @@ async fn sweep_container(
         if !is_expired(ts, ttl, default_ttl, now) {
             continue;
         }
-        let (Some(id), Some(pk)) = (
+        // Keys of every JSON type (other producers write numbers and booleans); an item
+        // without the key property, or with one that is not a key, is not the queue's.
+        let (Some(id), Some(key)) = (
             item.get("id").and_then(Value::as_str),
-            item.get(field).and_then(Value::as_str),
+            item.get(field)
+                .and_then(|k| cosmosq_queue::MessageKey::from_json(k.clone()).ok()),
         ) else {
             continue;
         };
-        match container.delete_item(pk.to_owned(), id, None).await {
+        match container
+            .delete_item(key.to_partition_key(), id, None)
+            .await
+        {
             Ok(_) => removed += 1,
             Err(e) if cosmosq_queue::error::status_of(&e) == cosmosq_queue::error::NOT_FOUND => {}
             Err(e) => return Err(QueueError::cosmos("TTL sweep delete")(e)),
@@ -457,14 +463,14 @@ async fn forward(
     request: axum::extract::Request,
 ) -> std::result::Result<axum::response::Response, String> {
     let (parts, body) = request.into_parts();
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/");
+    let path = resource_path(parts.uri.path());
+    let path_and_query = match parts.uri.query() {
+        Some(query) => format!("{path}?{query}"),
+        None => path.to_owned(),
+    };
     let url = emulator
         .endpoint
-        .join(path_and_query)
+        .join(&path_and_query)
         .map_err(|e| e.to_string())?;
     let method: Method = parts
         .method
@@ -480,8 +486,7 @@ async fn forward(
     let body = axum::body::to_bytes(body, 64 * 1024 * 1024)
         .await
         .map_err(|e| e.to_string())?;
-    let is_create_container =
-        parts.method == axum::http::Method::POST && parts.uri.path().ends_with("/colls");
+    let is_create_container = parts.method == axum::http::Method::POST && path.ends_with("/colls");
     core.set_body(body.to_vec());
     let response = emulator
         .http
@@ -495,7 +500,7 @@ async fn forward(
     let status = u16::from(raw.status());
     let bytes: Vec<u8> = raw.body().to_vec();
     if is_create_container && status == 201 {
-        created_container(emulator, parts.uri.path(), &bytes).await;
+        created_container(emulator, path, &bytes).await;
     }
     let mut builder = axum::response::Response::builder().status(status);
     for (name, value) in raw.headers().iter() {
@@ -504,6 +509,16 @@ async fn forward(
     builder
         .body(axum::body::Body::from(bytes))
         .map_err(|e| e.to_string())
+}
+
+/// A request path as the SDK's emulator routes it. The Python, JavaScript, .NET and Java SDKs
+/// end resource paths with a slash (`/dbs/d/colls/c/`), which the service ignores and the
+/// emulator rejects; the Rust SDK does not.
+fn resource_path(path: &str) -> &str {
+    match path.trim_end_matches('/') {
+        "" => "/",
+        trimmed => trimmed,
+    }
 }
 
 /// Applies the partition count to a container just created over HTTP.
@@ -528,6 +543,18 @@ async fn created_container(emulator: &Emulator, path: &str, body: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resource_paths_lose_the_trailing_slash_other_sdks_send() {
+        assert_eq!(resource_path("/dbs/d/colls/c/"), "/dbs/d/colls/c");
+        assert_eq!(
+            resource_path("/dbs/d/colls/c/docs/a/"),
+            "/dbs/d/colls/c/docs/a"
+        );
+        assert_eq!(resource_path("/dbs"), "/dbs");
+        assert_eq!(resource_path("/"), "/", "the account itself");
+        assert_eq!(resource_path(""), "/");
+    }
 
     #[test]
     fn ttl_rules_match_cosmos() {

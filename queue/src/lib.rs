@@ -34,6 +34,7 @@ pub mod queue;
 pub mod range;
 pub mod scaling;
 pub mod state;
+pub mod trace;
 
 pub use azure_data_cosmos::CosmosClient;
 pub use backoff::RetryPolicy;
@@ -50,3 +51,4 @@ pub use message::{Body, Message, MessageError, MessageKey, NewMessage};
 pub use producer::{EnqueueError, EnqueueOutcome};
 pub use queue::Queue;
 pub use state::{MessageState, StateDoc};
+pub use trace::TraceContext;

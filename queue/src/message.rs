@@ -265,6 +265,29 @@ impl NewMessage {
         self
     }
 
+    /// With the producer's trace context (stored in metadata as `traceparent`/`tracestate`).
+    pub fn with_trace_context(mut self, trace: &crate::trace::TraceContext) -> Self {
+        use crate::trace::{TRACEPARENT, TRACESTATE};
+        self.metadata
+            .insert(TRACEPARENT.into(), trace.traceparent.clone());
+        match &trace.tracestate {
+            Some(state) => self.metadata.insert(TRACESTATE.into(), state.clone()),
+            None => self.metadata.remove(TRACESTATE),
+        };
+        self
+    }
+
+    /// With `trace` (a request's) unless the message carries a valid context of its own,
+    /// which wins.
+    pub fn inherit_trace(self, trace: Option<&crate::trace::TraceContext>) -> Self {
+        match trace {
+            Some(trace) if crate::trace::TraceContext::from_metadata(&self.metadata).is_none() => {
+                self.with_trace_context(trace)
+            }
+            _ => self,
+        }
+    }
+
     /// Delivered no sooner than `delay` after enqueue.
     pub fn with_delay(mut self, delay: Duration) -> Self {
         self.delay = Some(delay);
@@ -530,7 +553,52 @@ impl TryFrom<MessageInput> for NewMessage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trace::{TraceContext, TRACEPARENT, TRACESTATE};
     use serde_json::json;
+
+    #[test]
+    fn a_request_trace_is_inherited_unless_the_message_has_its_own() {
+        let request = TraceContext::parse(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            Some("congo=t61rcWkgMzE"),
+        )
+        .unwrap();
+        let own = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let inherited = NewMessage::json(json!(1)).inherit_trace(Some(&request));
+        assert_eq!(
+            TraceContext::from_metadata(&inherited.metadata),
+            Some(request.clone())
+        );
+        let kept = NewMessage::json(json!(1))
+            .with_metadata(TRACEPARENT, own)
+            .inherit_trace(Some(&request));
+        assert_eq!(kept.metadata[TRACEPARENT], own);
+        assert!(
+            !kept.metadata.contains_key(TRACESTATE),
+            "not the request's state"
+        );
+        let repaired = NewMessage::json(json!(1))
+            .with_metadata(TRACEPARENT, "garbage")
+            .with_metadata(TRACESTATE, "stale=1")
+            .inherit_trace(Some(&request));
+        assert_eq!(
+            TraceContext::from_metadata(&repaired.metadata),
+            Some(request)
+        );
+        assert_eq!(
+            NewMessage::json(json!(1)).inherit_trace(None).metadata,
+            BTreeMap::new()
+        );
+        let stored = inherited.with_id("m").into_message(0).unwrap();
+        let doc = stored.to_document("pk").unwrap();
+        assert_eq!(
+            TraceContext::from_metadata(&Message::from_document(&doc, "pk").unwrap().metadata)
+                .unwrap()
+                .trace_id(),
+            "4bf92f3577b34da6a3ce929d0e0e4736",
+            "stored with the message"
+        );
+    }
 
     #[test]
     fn round_trips_json_and_bytes_bodies() {

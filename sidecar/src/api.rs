@@ -4,12 +4,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::extract::{rejection::JsonRejection, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use cosmosq_queue::message::MessageInput;
-use cosmosq_queue::{ConsumerStats, EnqueueOutcome, MessageError, NewMessage, Queue, QueueError};
+use cosmosq_queue::trace::{TRACEPARENT, TRACESTATE};
+use cosmosq_queue::{
+    ConsumerStats, EnqueueOutcome, MessageError, NewMessage, Queue, QueueError, TraceContext,
+};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -115,20 +118,29 @@ fn failure(e: &QueueError) -> StatusCode {
     }
 }
 
+/// The caller's W3C trace context, stored with what it enqueues (a message's own metadata
+/// `traceparent` wins), so the trace goes on at the delivery.
+fn caller_trace(headers: &HeaderMap) -> Option<TraceContext> {
+    let header = |name| headers.get(name).and_then(|v| v.to_str().ok());
+    TraceContext::parse(header(TRACEPARENT)?, header(TRACESTATE))
+}
+
 fn outcome_json(outcome: &EnqueueOutcome) -> serde_json::Value {
     json!({"id": outcome.id(), "duplicate": outcome.is_duplicate()})
 }
 
 async fn enqueue(
     State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
     body: Result<Json<MessageInput>, JsonRejection>,
 ) -> Response {
     let Json(input) = match body {
         Ok(b) => b,
         Err(e) => return error(e.status(), e.body_text()),
     };
+    let trace = caller_trace(&headers);
     let message = match NewMessage::try_from(input) {
-        Ok(m) => m,
+        Ok(m) => m.inherit_trace(trace.as_ref()),
         Err(e) => {
             state
                 .metrics
@@ -163,19 +175,21 @@ async fn enqueue(
 /// 200 when all were taken, 207 when some were not.
 async fn enqueue_batch(
     State(state): State<Arc<ApiState>>,
+    headers: HeaderMap,
     body: Result<Json<Vec<MessageInput>>, JsonRejection>,
 ) -> Response {
     let Json(inputs) = match body {
         Ok(b) => b,
         Err(e) => return error(e.status(), e.body_text()),
     };
+    let trace = caller_trace(&headers);
     let mut results: Vec<Option<serde_json::Value>> = vec![None; inputs.len()];
     let mut valid = Vec::new();
     let mut positions = Vec::new();
     for (i, input) in inputs.into_iter().enumerate() {
         match NewMessage::try_from(input) {
             Ok(m) => {
-                valid.push(m);
+                valid.push(m.inherit_trace(trace.as_ref()));
                 positions.push(i);
             }
             Err(e) => results[i] = Some(json!({"error": e.to_string()})),

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use cosmosq_queue::clock::format_ms;
-use cosmosq_queue::{Body, Delivery};
+use cosmosq_queue::trace::{TRACEPARENT, TRACESTATE};
+use cosmosq_queue::{Body, Delivery, TraceContext};
 use serde_json::{json, Value};
 
 /// How a message is put in the request body.
@@ -36,6 +37,8 @@ pub mod headers {
     pub const METADATA_PREFIX: &str = "cosmosq-metadata-";
     /// W3C trace context.
     pub const TRACEPARENT: &str = "traceparent";
+    /// W3C trace context: the vendors' entries, when the producer gave any.
+    pub const TRACESTATE: &str = "tracestate";
 }
 
 /// A request to the app, ready to send.
@@ -49,28 +52,10 @@ pub struct AppRequest {
     pub body: Vec<u8>,
 }
 
-/// The trace context of a message: the producer's (metadata `traceparent`) or a new one.
-pub fn traceparent(delivery: &Delivery) -> String {
-    delivery
-        .message
-        .metadata
-        .get("traceparent")
-        .filter(|t| is_traceparent(t))
-        .cloned()
-        .unwrap_or_else(|| {
-            let trace = uuid::Uuid::new_v4().simple().to_string();
-            let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
-            format!("00-{trace}-{span}-01")
-        })
-}
-
-fn is_traceparent(text: &str) -> bool {
-    let parts: Vec<&str> = text.split('-').collect();
-    parts.len() == 4
-        && [2, 32, 16, 2]
-            .iter()
-            .zip(&parts)
-            .all(|(len, p)| p.len() == *len && p.chars().all(|c| c.is_ascii_hexdigit()))
+/// The trace context of a message: the producer's (metadata `traceparent`, `tracestate`) or,
+/// for a message enqueued without one, a new trace per delivery.
+pub fn trace(delivery: &Delivery) -> TraceContext {
+    TraceContext::from_metadata(&delivery.message.metadata).unwrap_or_else(TraceContext::new_root)
 }
 
 /// Header values must be visible ASCII; anything else is left out (it is in the event).
@@ -79,7 +64,7 @@ fn header_safe(value: &str) -> bool {
 }
 
 /// The request a delivery becomes (pure): a CloudEvent or the raw body, with its headers.
-pub fn build_request(delivery: &Delivery, format: Format, traceparent: &str) -> AppRequest {
+pub fn build_request(delivery: &Delivery, format: Format, trace: &TraceContext) -> AppRequest {
     let message = &delivery.message;
     let mut headers = vec![
         (headers::MESSAGE_ID.to_owned(), message.id.clone()),
@@ -97,14 +82,17 @@ pub fn build_request(delivery: &Delivery, format: Format, traceparent: &str) -> 
         ),
         (headers::QUEUE.to_owned(), delivery.queue.clone()),
         (headers::GROUP.to_owned(), delivery.group.clone()),
-        (headers::TRACEPARENT.to_owned(), traceparent.to_owned()),
+        (headers::TRACEPARENT.to_owned(), trace.traceparent.clone()),
     ];
+    if let Some(state) = &trace.tracestate {
+        headers.push((headers::TRACESTATE.to_owned(), state.clone()));
+    }
     for (key, value) in &message.metadata {
         let name = format!("{}{}", headers::METADATA_PREFIX, key.to_ascii_lowercase());
         let name_ok = name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-        if name_ok && header_safe(value) && key != "traceparent" {
+        if name_ok && header_safe(value) && key != TRACEPARENT && key != TRACESTATE {
             headers.push((name, value.clone()));
         }
     }
@@ -133,8 +121,13 @@ pub fn build_request(delivery: &Delivery, format: Format, traceparent: &str) -> 
                 "subject": message.partition_key.to_string(),
                 "topic": delivery.queue,
                 "pubsubname": "cosmosq",
-                "traceparent": traceparent,
+                // As Dapr writes them: `traceid` holds the traceparent too.
+                "traceid": trace.traceparent,
+                "traceparent": trace.traceparent,
             });
+            if let Some(state) = &trace.tracestate {
+                event["tracestate"] = json!(state);
+            }
             match &message.body {
                 Body::Json(v) => event["data"] = v.clone(),
                 Body::Bytes(b) => {
@@ -264,6 +257,9 @@ mod tests {
     use super::*;
     use cosmosq_queue::NewMessage;
 
+    const PRODUCER_TRACE: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+    /// A delivery of a message its producer traced.
     fn delivery(body: Body) -> Delivery {
         let new = match body {
             Body::Json(v) => NewMessage::json(v),
@@ -274,6 +270,9 @@ mod tests {
             .with_partition_key("tenant-7")
             .with_metadata("source", "web")
             .with_metadata("bad", "naïve")
+            .with_trace_context(
+                &TraceContext::parse(PRODUCER_TRACE, Some("congo=t61rcWkgMzE")).unwrap(),
+            )
             .into_message(0)
             .unwrap();
         Delivery {
@@ -386,11 +385,7 @@ mod tests {
     #[test]
     fn cloudevents_carry_the_message_and_its_context() {
         let d = delivery(Body::Json(json!({"sku": 42})));
-        let req = build_request(
-            &d,
-            Format::Cloudevents,
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        );
+        let req = build_request(&d, Format::Cloudevents, &trace(&d));
         assert_eq!(req.content_type, "application/cloudevents+json");
         let event: Value = serde_json::from_slice(&req.body).unwrap();
         assert_eq!(event["specversion"], "1.0");
@@ -399,10 +394,9 @@ mod tests {
         assert_eq!(event["data"], json!({"sku": 42}));
         assert_eq!(event["datacontenttype"], "application/json");
         assert_eq!(event["time"], "1970-01-01T00:00:00.000Z");
-        assert_eq!(
-            event["traceparent"],
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-        );
+        assert_eq!(event["traceparent"], PRODUCER_TRACE);
+        assert_eq!(event["traceid"], PRODUCER_TRACE, "Dapr's field too");
+        assert_eq!(event["tracestate"], "congo=t61rcWkgMzE");
         let header = |name: &str| {
             req.headers
                 .iter()
@@ -413,6 +407,9 @@ mod tests {
         assert_eq!(header(headers::DELIVERY_COUNT), Some("3"));
         assert_eq!(header(headers::PARTITION_KEY), Some("tenant-7"));
         assert_eq!(header(headers::GROUP), Some("billing"));
+        assert_eq!(header(headers::TRACEPARENT), Some(PRODUCER_TRACE));
+        assert_eq!(header(headers::TRACESTATE), Some("congo=t61rcWkgMzE"));
+        assert_eq!(header("cosmosq-metadata-traceparent"), None, "not twice");
         assert_eq!(header("cosmosq-metadata-source"), Some("web"));
         assert_eq!(
             header("cosmosq-metadata-bad"),
@@ -454,34 +451,31 @@ mod tests {
     #[test]
     fn raw_mode_sends_the_body_as_it_is() {
         let d = delivery(Body::Bytes(vec![1, 2, 3]));
-        let req = build_request(
-            &d,
-            Format::Raw,
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        );
+        let req = build_request(&d, Format::Raw, &trace(&d));
         assert_eq!(req.body, vec![1, 2, 3]);
         assert_eq!(req.content_type, "application/octet-stream");
-        let event = build_request(&d, Format::Cloudevents, "x");
+        assert!(req
+            .headers
+            .contains(&(headers::TRACEPARENT.to_owned(), PRODUCER_TRACE.to_owned())));
+        let event = build_request(&d, Format::Cloudevents, &trace(&d));
         let event: Value = serde_json::from_slice(&event.body).unwrap();
         assert_eq!(event["data_base64"], "AQID");
     }
 
     #[test]
-    fn traceparent_is_kept_or_made() {
+    fn the_producers_trace_is_kept_and_a_message_without_one_gets_its_own() {
         let mut d = delivery(Body::Json(json!(1)));
-        let made = traceparent(&d);
-        assert!(is_traceparent(&made), "{made}");
-        d.message.metadata.insert(
-            "traceparent".into(),
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
-        );
+        assert_eq!(trace(&d).traceparent, PRODUCER_TRACE);
+        d.message.metadata.remove(TRACEPARENT);
+        let made = trace(&d);
+        assert_ne!(made.traceparent, PRODUCER_TRACE);
         assert_eq!(
-            traceparent(&d),
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            made.tracestate, None,
+            "no tracestate without its traceparent"
         );
         d.message
             .metadata
-            .insert("traceparent".into(), "garbage".into());
-        assert_ne!(traceparent(&d), "garbage");
+            .insert(TRACEPARENT.into(), "garbage".into());
+        assert_ne!(trace(&d).traceparent, "garbage");
     }
 }

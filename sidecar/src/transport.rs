@@ -62,8 +62,7 @@ impl HttpTransport {
 
 impl AppTransport for HttpTransport {
     async fn call(&self, delivery: &Delivery) -> Called {
-        let traceparent = app::traceparent(delivery);
-        let request = app::build_request(delivery, self.format, &traceparent);
+        let request = app::build_request(delivery, self.format, &app::trace(delivery));
         let mut builder = self
             .http
             .post(&self.url)

@@ -82,13 +82,25 @@ async fn ttl_sweep_expires_messages_after_retention() {
         )
         .await
         .unwrap();
+    // Keys other producers write: a number and a boolean expire like strings.
+    for (id, key) in [("short-number", json!(42)), ("short-bool", json!(true))] {
+        queue
+            .enqueue(
+                NewMessage::json(json!(3))
+                    .with_id(id)
+                    .with_partition_key(cosmosq_queue::MessageKey::from_json(key).unwrap())
+                    .with_ttl(Duration::from_secs(60)),
+            )
+            .await
+            .unwrap();
+    }
     let now = cosmosq_queue::clock::system_now_ms() / 1000;
 
     assert_eq!(emulator.sweep_ttl(&client, now).await.unwrap(), 0);
     assert_eq!(
         emulator.sweep_ttl(&client, now + 120).await.unwrap(),
-        1,
-        "per-message ttl first"
+        3,
+        "per-message ttl first, whatever the key's type"
     );
     assert!(queue
         .read_message(&"short".into(), "short")

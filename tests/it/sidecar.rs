@@ -39,6 +39,16 @@ enum HugeBody {
     Text,
 }
 
+/// What a delivery carried beside the message.
+#[derive(Clone, Debug, Default)]
+struct Context {
+    key: String,
+    traceparent: String,
+    tracestate: String,
+    event_traceparent: String,
+    event_tracestate: String,
+}
+
 const TEN_MB: usize = 10 * 1024 * 1024;
 
 type Script = Arc<dyn Fn(&str, u32) -> Act + Send + Sync>;
@@ -47,6 +57,7 @@ type Script = Arc<dyn Fn(&str, u32) -> Act + Send + Sync>;
 #[derive(Clone)]
 struct TestApp {
     seen: Arc<Mutex<Vec<(String, u32, String)>>>, // id, delivery count, group
+    context: Arc<Mutex<HashMap<String, Context>>>, // id → what came with its last delivery
     waiting: Arc<Mutex<usize>>,
     release: Arc<Notify>,
     changed: Arc<Notify>,
@@ -56,6 +67,7 @@ impl TestApp {
     fn new() -> Self {
         Self {
             seen: Arc::default(),
+            context: Arc::default(),
             waiting: Arc::default(),
             release: Arc::new(Notify::new()),
             changed: Arc::new(Notify::new()),
@@ -104,6 +116,14 @@ impl TestApp {
             id.as_str(),
             "the CloudEvent carries the message id"
         );
+        let context = Context {
+            key: header("cosmosq-partition-key"),
+            traceparent: header("traceparent"),
+            tracestate: header("tracestate"),
+            event_traceparent: event["traceparent"].as_str().unwrap_or_default().into(),
+            event_tracestate: event["tracestate"].as_str().unwrap_or_default().into(),
+        };
+        self.context.lock().unwrap().insert(id.clone(), context);
         self.seen
             .lock()
             .unwrap()
@@ -609,7 +629,15 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
             .body(body.to_string())
             .send()
     };
-    let r = post("/v1/enqueue", json!({"id": "one", "body": {"n": 1}}))
+    // The caller's trace goes on at the delivery: W3C headers on the enqueue call.
+    const TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let r = http
+        .post(format!("{}/v1/enqueue", producer.api))
+        .header("traceparent", TRACE)
+        .header("tracestate", "congo=t61rcWkgMzE")
+        .header("content-type", "application/json")
+        .body(json!({"id": "one", "body": {"n": 1}}).to_string())
+        .send()
         .await
         .unwrap();
     assert_eq!(r.status(), 201);
@@ -630,16 +658,26 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
         .await
         .unwrap();
     assert_eq!(r.status(), 413);
+    // A batch under one trace, but for a message that names its own.
+    const OWN: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let batch: Vec<_> = (0..20)
         .map(|i| json!({"id": format!("b{i}"), "partitionKey": "k", "body": i}))
+        .chain([json!({"id": "own-trace", "metadata": {"traceparent": OWN}})])
         .chain([json!({"id": "bad/id"})])
         .collect();
-    let r = post("/v1/enqueue/batch", json!(batch)).await.unwrap();
+    let r = http
+        .post(format!("{}/v1/enqueue/batch", producer.api))
+        .header("traceparent", TRACE)
+        .header("content-type", "application/json")
+        .body(json!(batch).to_string())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 207);
     let answer: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
     let results = answer["results"].as_array().unwrap().clone();
-    assert_eq!(results.len(), 21);
-    assert!(results[20].get("error").is_some());
+    assert_eq!(results.len(), 22);
+    assert!(results[21].get("error").is_some());
 
     app.wait_for("the consumer got everything", |a| {
         a.seen
@@ -648,12 +686,34 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
             .iter()
             .filter(|(_, _, g)| g == "workers")
             .count()
-            == 21
+            == 22
     })
     .await;
     let seen = app.seen.lock().unwrap().clone();
     let workers: Vec<_> = seen.iter().filter(|(_, _, g)| g == "workers").collect();
     assert!(workers.iter().all(|(_, count, _)| *count == 1));
+    let context = app.context.lock().unwrap().clone();
+    let one = &context["one"];
+    assert_eq!(
+        (one.traceparent.as_str(), one.tracestate.as_str()),
+        (TRACE, "congo=t61rcWkgMzE"),
+        "W3C headers at the app"
+    );
+    assert_eq!(
+        (
+            one.event_traceparent.as_str(),
+            one.event_tracestate.as_str()
+        ),
+        (TRACE, "congo=t61rcWkgMzE"),
+        "and in the CloudEvent"
+    );
+    assert_eq!(context["b7"].traceparent, TRACE, "the batch's trace");
+    assert_eq!(context["b7"].tracestate, "");
+    assert_eq!(
+        context["own-trace"].traceparent, OWN,
+        "a message's own wins"
+    );
+
     for s in [producer, consumer] {
         s.stop.cancel();
         s.task.await.unwrap().unwrap();
@@ -791,4 +851,113 @@ async fn a_poison_message_that_crashes_the_app_is_counted_alone_never_its_neighb
     let dead = group.dead_letters(None).await.unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].message_id, "poison");
+}
+
+/// An app team's own producer: the official Python SDK, pointed at `cosmosq emulator`'s
+/// endpoint with the well-known key as its emulator guide says, creates, reads, queries and
+/// deletes items, then writes messages with keys of three JSON types into the queue. The
+/// sidecar delivers each, its key's type kept, and a failed first attempt is retried under the
+/// same key rather than dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_the_official_python_sdk_wrote_are_delivered_with_their_key_types() {
+    cosmosq_tests::init_tracing();
+    let Some(python) = cosmosq_tests::python_cosmos_sdk() else {
+        return;
+    };
+    let served = cosmosq_emulator::Emulator::serve_localhost(
+        0,
+        cosmosq_emulator::EmulatorOptions {
+            partitions: 2,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let client = cosmosq_queue::ConnectionArgs::emulator(&served.endpoint)
+        .connect()
+        .await
+        .unwrap();
+    cosmosq_queue::provision(&client, &cosmosq_queue::QueueConfig::new("db", "q"))
+        .await
+        .unwrap();
+
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/sdk_interop.py");
+    let key = served.emulator.key();
+    let args = [script, &served.endpoint, key, "db", "q"].map(str::to_owned);
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(&python).args(args).output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the Python SDK failed against the emulator:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let steps: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let names: Vec<_> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "database",
+            "container",
+            "read",
+            "query",
+            "delete",
+            "enqueued"
+        ]
+    );
+    assert_eq!(steps[3]["count"], 2, "a cross-partition aggregate");
+
+    let app = TestApp::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app_port = listener.local_addr().unwrap().port();
+    // Each message fails its first attempt: the retry must find the message by its key.
+    app.serve(
+        listener,
+        Arc::new(|_: &str, count: u32| {
+            if count == 1 {
+                Act::Answer(500, "")
+            } else {
+                Act::Answer(200, "")
+            }
+        }),
+    )
+    .await;
+    let stop = CancellationToken::new();
+    let sidecar = tokio::spawn(cosmosq_sidecar::run::run_with_client(
+        config("workers", app_port, free_port(), &[]),
+        client.clone(),
+        stop.clone(),
+    ));
+    let ids = ["py-string", "py-number", "py-bool"];
+    app.wait_for("each Python message delivered twice", |a| {
+        ids.iter().all(|id| a.deliveries(id) == [1, 2])
+    })
+    .await;
+    let context = app.context.lock().unwrap().clone();
+    assert_eq!(context["py-string"].key, "customer-7");
+    assert_eq!(context["py-number"].key, "42");
+    assert_eq!(context["py-bool"].key, "true");
+    let queue = cosmosq_queue::Queue::open(&client, cosmosq_queue::QueueConfig::new("db", "q"))
+        .await
+        .unwrap();
+    let group = queue.group(GroupConfig::new("workers")).unwrap();
+    for (id, key) in [
+        ("py-string", json!("customer-7")),
+        ("py-number", json!(42)),
+        ("py-bool", json!(true)),
+    ] {
+        let key = cosmosq_queue::MessageKey::from_json(key).unwrap();
+        let state = group.read_state(&key, id).await.unwrap().map(|s| s.state);
+        assert_eq!(state, Some(MessageState::Completed), "{id}");
+    }
+    stop.cancel();
+    sidecar.await.unwrap().unwrap();
+    served.stop.cancel();
 }

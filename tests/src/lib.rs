@@ -224,3 +224,63 @@ pub async fn physical_ranges(queue: &Queue) -> Vec<(String, String)> {
         .map(cosmosq_queue::range::range_bounds)
         .collect()
 }
+
+/// A Python interpreter with the official Cosmos DB SDK (`azure-cosmos`, version pinned), for
+/// tests of what other SDKs see: `COSMOSQ_PYTHON` when set, else a virtualenv under `target/`
+/// made on first use from PyPI. `None`, with the reason printed, when PyPI cannot be reached.
+pub fn python_cosmos_sdk() -> Option<std::path::PathBuf> {
+    const PACKAGE: &str = "azure-cosmos==4.17.1";
+    if let Some(python) = std::env::var_os("COSMOSQ_PYTHON") {
+        return Some(python.into());
+    }
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/python");
+    let python = venv.join("bin/python");
+    let has_sdk = |python: &std::path::Path| {
+        std::process::Command::new(python)
+            .args(["-c", "import azure.cosmos"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if has_sdk(&python) {
+        return Some(python);
+    }
+    let run = |program: &std::ffi::OsStr, args: &[&std::ffi::OsStr]| {
+        std::process::Command::new(program)
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())
+            .and_then(|o| {
+                o.status
+                    .success()
+                    .then_some(())
+                    .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
+            })
+    };
+    let made = run(
+        "python3".as_ref(),
+        &["-m".as_ref(), "venv".as_ref(), venv.as_os_str()],
+    )
+    .and_then(|()| {
+        run(
+            python.as_os_str(),
+            &[
+                "-m".as_ref(),
+                "pip".as_ref(),
+                "install".as_ref(),
+                "--quiet".as_ref(),
+                PACKAGE.as_ref(),
+            ],
+        )
+    });
+    match made {
+        Ok(()) if has_sdk(&python) => Some(python),
+        Ok(()) => panic!(
+            "{PACKAGE} installed into {} but does not import",
+            venv.display()
+        ),
+        Err(e) => {
+            eprintln!("SKIPPED: could not install {PACKAGE} from PyPI (unreachable?): {e}");
+            None
+        }
+    }
+}
