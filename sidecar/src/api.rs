@@ -47,6 +47,7 @@ pub const DRAIN_START_WAIT: std::time::Duration = std::time::Duration::from_secs
 pub fn probe_router(state: Arc<ApiState>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .route("/v1.0/healthz", get(crate::dapr::healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/drained", get(drained))
@@ -72,7 +73,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
         .route("/v1/enqueue", post(enqueue))
         .route("/v1/enqueue/batch", post(enqueue_batch))
+        .route("/v1.0/publish/{pubsub}/{topic}", post(crate::dapr::publish))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/v1.0/healthz", get(crate::dapr::healthz))
+        .route("/v1.0/healthz/outbound", get(crate::dapr::healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         // Room for a message at Cosmos' 2 MB limit in JSON; the engine gives the exact error.
@@ -120,7 +124,7 @@ fn failure(e: &QueueError) -> StatusCode {
 
 /// The caller's W3C trace context, stored with what it enqueues (a message's own metadata
 /// `traceparent` wins), so the trace goes on at the delivery.
-fn caller_trace(headers: &HeaderMap) -> Option<TraceContext> {
+pub(crate) fn caller_trace(headers: &HeaderMap) -> Option<TraceContext> {
     let header = |name| headers.get(name).and_then(|v| v.to_str().ok());
     TraceContext::parse(header(TRACEPARENT)?, header(TRACESTATE))
 }

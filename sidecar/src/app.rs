@@ -19,6 +19,9 @@ pub enum Format {
     Raw,
 }
 
+/// The pub/sub name deliveries carry (`pubsubname`) and Dapr publishes name.
+pub const PUBSUB_NAME: &str = "cosmosq";
+
 /// Header names, shared with the app's documentation.
 pub mod headers {
     /// The message's id.
@@ -120,7 +123,7 @@ pub fn build_request(delivery: &Delivery, format: Format, trace: &TraceContext) 
                 "time": format_ms(message.enqueued_at),
                 "subject": message.partition_key.to_string(),
                 "topic": delivery.queue,
-                "pubsubname": "cosmosq",
+                "pubsubname": PUBSUB_NAME,
                 // As Dapr writes them: `traceid` holds the traceparent too.
                 "traceid": trace.traceparent,
                 "traceparent": trace.traceparent,

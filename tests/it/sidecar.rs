@@ -679,6 +679,54 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
     assert_eq!(results.len(), 22);
     assert!(results[21].get("error").is_some());
 
+    // Publishing the Dapr way (an app written against Dapr's pub/sub API, unchanged).
+    let dapr = |path: &str, content_type: &str, body: String| {
+        http.post(format!("{}{path}", producer.api))
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+    };
+    let r = http
+        .get(format!("{}/v1.0/healthz/outbound", producer.api))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204, "what Dapr SDKs wait on");
+    let r = dapr(
+        "/v1.0/publish/cosmosq/q?metadata.ttlInSeconds=600",
+        "application/json",
+        json!({"status": "completed"}).to_string(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 204);
+    let event = json!({"specversion": "1.0", "id": "evt-1", "source": "checkout",
+        "type": "order.created", "datacontenttype": "application/json", "data": {"sku": 7}});
+    for _ in 0..2 {
+        let r = dapr(
+            "/v1.0/publish/cosmosq/q",
+            "application/cloudevents+json",
+            event.to_string(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status(), 204, "the same event twice: one message");
+    }
+    let r = dapr("/v1.0/publish/pubsub/q", "application/json", "{}".into())
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let answer: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(answer["errorCode"], "ERR_PUBSUB_NOT_FOUND");
+    let r = dapr(
+        "/v1.0/publish/cosmosq/other",
+        "application/json",
+        "{}".into(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 403, "{:?}", r.text().await);
+
     app.wait_for("the consumer got everything", |a| {
         a.seen
             .lock()
@@ -686,7 +734,7 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
             .iter()
             .filter(|(_, _, g)| g == "workers")
             .count()
-            == 22
+            == 24
     })
     .await;
     let seen = app.seen.lock().unwrap().clone();

@@ -1,0 +1,317 @@
+//! Dapr's publish API on the sidecar's localhost port, so an app (or a Dapr SDK client) that
+//! publishes with `POST /v1.0/publish/<pubsubname>/<topic>` works unchanged: the pub/sub is
+//! [`crate::app::PUBSUB_NAME`], the topic is the sidecar's queue. Answers and error bodies are
+//! Dapr's (`204`; `{"errorCode": "ERR_PUBSUB_NOT_FOUND", "message": …}`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine as _;
+use cosmosq_queue::trace::{TRACEPARENT, TRACESTATE};
+use cosmosq_queue::{MessageError, NewMessage, QueueError, TraceContext};
+use serde_json::{json, Value};
+
+use crate::api::ApiState;
+use crate::app::PUBSUB_NAME;
+
+/// Why a publish was refused, each with Dapr's error code.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// Not this sidecar's pub/sub.
+    #[error("pubsub '{0}' not found")]
+    PubsubNotFound(String),
+    /// A topic other than this sidecar's queue.
+    #[error("topic '{topic}' is not allowed: this sidecar publishes to '{queue}' only")]
+    TopicForbidden {
+        /// Asked for.
+        topic: String,
+        /// The one there is.
+        queue: String,
+    },
+    /// A body sent as `application/cloudevents+json` that is not a CloudEvent.
+    #[error("the body is not a CloudEvent: {0}")]
+    CloudEvent(String),
+    /// A `metadata.*` query parameter that does not parse.
+    #[error("metadata.{key} {value:?} is invalid")]
+    Metadata {
+        /// The parameter, without `metadata.`.
+        key: String,
+        /// What was given.
+        value: String,
+    },
+    /// The message was refused (too large, invalid id, …).
+    #[error(transparent)]
+    Message(#[from] MessageError),
+    /// The queue did not take it.
+    #[error("publishing failed: {0}")]
+    Queue(#[from] QueueError),
+}
+
+impl PublishError {
+    fn code(&self) -> &'static str {
+        match self {
+            Self::PubsubNotFound(_) => "ERR_PUBSUB_NOT_FOUND",
+            Self::TopicForbidden { .. } => "ERR_PUBSUB_FORBIDDEN",
+            Self::CloudEvent(_) => "ERR_PUBSUB_CLOUD_EVENTS_SER",
+            Self::Metadata { .. } => "ERR_PUBSUB_REQUEST_METADATA",
+            Self::Message(_) | Self::Queue(_) => "ERR_PUBSUB_PUBLISH_MESSAGE",
+        }
+    }
+
+    fn status(&self) -> StatusCode {
+        match self {
+            Self::PubsubNotFound(_) | Self::CloudEvent(_) | Self::Metadata { .. } => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::TopicForbidden { .. } => StatusCode::FORBIDDEN,
+            Self::Message(MessageError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Message(_) => StatusCode::BAD_REQUEST,
+            Self::Queue(e) if e.status() == Some(429) => StatusCode::TOO_MANY_REQUESTS,
+            Self::Queue(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+impl IntoResponse for PublishError {
+    fn into_response(self) -> Response {
+        let body = json!({"errorCode": self.code(), "message": self.to_string()});
+        (self.status(), Json(body)).into_response()
+    }
+}
+
+/// Which pub/sub and topic a publish names, checked against this sidecar's.
+pub fn check_target(pubsub: &str, topic: &str, queue: &str) -> Result<(), PublishError> {
+    if pubsub != PUBSUB_NAME {
+        return Err(PublishError::PubsubNotFound(pubsub.to_owned()));
+    }
+    if topic != queue {
+        return Err(PublishError::TopicForbidden {
+            topic: topic.to_owned(),
+            queue: queue.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// The message a Dapr publish becomes (pure). The body is the data, with `Content-Type` as
+/// its media type (Dapr's default: `text/plain`); an `application/cloudevents+json` body is
+/// the publisher's own event: its `id` is the message id (publishing it twice enqueues it
+/// once), its `data` the body, and its `traceparent`/`tracestate` the trace, unless
+/// `metadata.rawPayload` says to keep the body as it is. `metadata.ttlInSeconds` is the
+/// message's time to live; other `metadata.*` parameters become its metadata.
+pub fn message_of(
+    content_type: Option<&str>,
+    query: &HashMap<String, String>,
+    body: &[u8],
+) -> Result<NewMessage, PublishError> {
+    let content_type = content_type.unwrap_or("text/plain");
+    let media = content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    let metadata: HashMap<&str, &str> = query
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix("metadata.")?, v.as_str())))
+        .collect();
+    let bad = |key: &str, value: &str| PublishError::Metadata {
+        key: key.to_owned(),
+        value: value.to_owned(),
+    };
+    let raw = match metadata.get("rawPayload") {
+        None => false,
+        Some(v) => v.parse::<bool>().map_err(|_| bad("rawPayload", v))?,
+    };
+    let mut message = if media == "application/cloudevents+json" && !raw {
+        from_cloud_event(body)?
+    } else {
+        let json = media == "application/json" || media.ends_with("+json");
+        match serde_json::from_slice::<Value>(body) {
+            Ok(value) if json => NewMessage::json(value),
+            Err(e) if json => return Err(PublishError::CloudEvent(format!("not JSON: {e}"))),
+            _ => NewMessage::bytes(body.to_vec()),
+        }
+        .with_content_type(content_type)
+    };
+    for (key, value) in metadata {
+        match key {
+            "ttlInSeconds" => {
+                let secs: u64 = value.parse().map_err(|_| bad(key, value))?;
+                message = message.with_ttl(Duration::from_secs(secs));
+            }
+            "rawPayload" => {}
+            _ => message = message.with_metadata(key, value),
+        }
+    }
+    Ok(message)
+}
+
+fn from_cloud_event(body: &[u8]) -> Result<NewMessage, PublishError> {
+    let event: Value =
+        serde_json::from_slice(body).map_err(|e| PublishError::CloudEvent(e.to_string()))?;
+    let Some(attributes) = event.as_object() else {
+        return Err(PublishError::CloudEvent("not a JSON object".into()));
+    };
+    let text = |name: &str| attributes.get(name).and_then(Value::as_str);
+    let mut message = match (attributes.get("data"), text("data_base64")) {
+        (Some(_), Some(_)) => {
+            return Err(PublishError::CloudEvent("both data and data_base64".into()))
+        }
+        (_, Some(b64)) => NewMessage::bytes(
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| PublishError::CloudEvent(format!("data_base64: {e}")))?,
+        ),
+        (Some(data), None) => NewMessage::json(data.clone()),
+        (None, None) => NewMessage::json(Value::Null),
+    };
+    if let Some(id) = text("id") {
+        message = message.with_id(id);
+    }
+    if let Some(media) = text("datacontenttype") {
+        message = message.with_content_type(media);
+    }
+    for name in ["type", "source", "subject"] {
+        if let Some(value) = text(name) {
+            message = message.with_metadata(format!("cloudevent.{name}"), value);
+        }
+    }
+    let trace = text(TRACEPARENT).and_then(|t| TraceContext::parse(t, text(TRACESTATE)));
+    Ok(message.inherit_trace(trace.as_ref()))
+}
+
+/// `POST /v1.0/publish/<pubsubname>/<topic>`.
+pub async fn publish(
+    State(state): State<Arc<ApiState>>,
+    Path((pubsub, topic)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let published = async {
+        check_target(&pubsub, &topic, state.queue.name())?;
+        let content_type = headers
+            .get(axum::http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok());
+        let message = message_of(content_type, &query, &body)?
+            .inherit_trace(crate::api::caller_trace(&headers).as_ref());
+        state.queue.enqueue(message).await?;
+        Ok::<_, PublishError>(())
+    }
+    .await;
+    let label = match &published {
+        Ok(()) => "enqueued",
+        Err(_) => "rejected",
+    };
+    state.metrics.enqueued.with_label_values(&[label]).inc();
+    match published {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Dapr's health endpoints (`/v1.0/healthz`, `/v1.0/healthz/outbound`, which Dapr SDKs wait
+/// on before their first call): 204 once the sidecar is up.
+pub async fn healthz() -> StatusCode {
+    StatusCode::NO_CONTENT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn query(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn only_this_sidecars_pubsub_and_queue_are_published_to() {
+        assert!(check_target("cosmosq", "orders", "orders").is_ok());
+        let e = check_target("redis-pubsub", "orders", "orders").unwrap_err();
+        assert_eq!(
+            (e.code(), e.status(), e.to_string().as_str()),
+            (
+                "ERR_PUBSUB_NOT_FOUND",
+                StatusCode::BAD_REQUEST,
+                "pubsub 'redis-pubsub' not found"
+            )
+        );
+        let e = check_target("cosmosq", "payments", "orders").unwrap_err();
+        assert_eq!(
+            (e.code(), e.status()),
+            ("ERR_PUBSUB_FORBIDDEN", StatusCode::FORBIDDEN)
+        );
+    }
+
+    #[test]
+    fn data_keeps_its_content_type_and_metadata_applies() {
+        let m = message_of(
+            Some("application/json"),
+            &query(&[("metadata.ttlInSeconds", "120"), ("metadata.source", "web")]),
+            br#"{"status":"completed"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            m.body,
+            cosmosq_queue::Body::Json(json!({"status": "completed"}))
+        );
+        assert_eq!(m.content_type.as_deref(), Some("application/json"));
+        assert_eq!(m.ttl, Some(Duration::from_secs(120)));
+        assert_eq!(m.metadata["source"], "web");
+        // Dapr's default media type: text, kept as bytes.
+        let m = message_of(None, &query(&[]), b"hello").unwrap();
+        assert_eq!(m.body, cosmosq_queue::Body::Bytes(b"hello".to_vec()));
+        assert_eq!(m.content_type.as_deref(), Some("text/plain"));
+        let e = message_of(None, &query(&[("metadata.ttlInSeconds", "soon")]), b"x").unwrap_err();
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert!(e.to_string().contains("ttlInSeconds"), "{e}");
+        assert!(message_of(Some("application/json"), &query(&[]), b"{nope").is_err());
+    }
+
+    #[test]
+    fn a_publishers_cloud_event_gives_the_id_data_and_trace() {
+        let event = json!({
+            "specversion": "1.0", "id": "evt-1", "source": "checkout", "type": "order.created",
+            "datacontenttype": "application/json", "data": {"sku": 7},
+            "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        });
+        let body = event.to_string();
+        let m = message_of(
+            Some("application/cloudevents+json"),
+            &query(&[]),
+            body.as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(
+            m.id.as_deref(),
+            Some("evt-1"),
+            "publishing twice enqueues once"
+        );
+        assert_eq!(m.body, cosmosq_queue::Body::Json(json!({"sku": 7})));
+        assert_eq!(m.metadata["cloudevent.type"], "order.created");
+        assert_eq!(
+            TraceContext::from_metadata(&m.metadata).unwrap().trace_id(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+        // rawPayload: the event is the body, as it came.
+        let raw = message_of(
+            Some("application/cloudevents+json"),
+            &query(&[("metadata.rawPayload", "true")]),
+            body.as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(raw.body, cosmosq_queue::Body::Json(event));
+        assert_eq!(raw.id, None);
+        let e = message_of(Some("application/cloudevents+json"), &query(&[]), b"[1]").unwrap_err();
+        assert_eq!(e.code(), "ERR_PUBSUB_CLOUD_EVENTS_SER");
+    }
+}
