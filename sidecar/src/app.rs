@@ -131,8 +131,13 @@ pub fn build_request(delivery: &Delivery, format: Format, trace: &TraceContext) 
             if let Some(state) = &trace.tracestate {
                 event["tracestate"] = json!(state);
             }
+            let text = body_content_type.starts_with("text/");
             match &message.body {
                 Body::Json(v) => event["data"] = v.clone(),
+                // Text as a string in `data`, as Dapr delivers what was published as text.
+                Body::Bytes(b) if text && std::str::from_utf8(b).is_ok() => {
+                    event["data"] = json!(String::from_utf8_lossy(b))
+                }
                 Body::Bytes(b) => {
                     event["data_base64"] =
                         json!(base64::engine::general_purpose::STANDARD.encode(b))
@@ -463,6 +468,18 @@ mod tests {
         let event = build_request(&d, Format::Cloudevents, &trace(&d));
         let event: Value = serde_json::from_slice(&event.body).unwrap();
         assert_eq!(event["data_base64"], "AQID");
+        // Text (a Dapr publish's default type) is a string in `data`, as Dapr delivers it.
+        let mut d = delivery(Body::Bytes(b"hello".to_vec()));
+        d.message.content_type = Some("text/plain; charset=utf-8".into());
+        let event = build_request(&d, Format::Cloudevents, &trace(&d));
+        let event: Value = serde_json::from_slice(&event.body).unwrap();
+        assert_eq!(
+            (event["data"].as_str(), event.get("data_base64")),
+            (Some("hello"), None)
+        );
+        assert_eq!(event["datacontenttype"], "text/plain; charset=utf-8");
+        let raw = build_request(&d, Format::Raw, &trace(&d));
+        assert_eq!(raw.body, b"hello", "raw: the bytes as they are");
     }
 
     #[test]
