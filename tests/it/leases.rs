@@ -58,6 +58,15 @@ async fn enqueue(fixture: &Fixture, range: std::ops::Range<usize>) {
     }
 }
 
+/// Group `g`'s lease on a one-range fixture.
+async fn the_lease(fixture: &Fixture) -> cosmosq_queue::lease::Lease {
+    LeaseStore::new(fixture.queue.clone(), "g")
+        .list()
+        .await
+        .unwrap()
+        .remove(0)
+}
+
 /// A host on one range whose app holds message `slow` (key `k`) until `release` is notified,
 /// and 200 messages enqueued behind it, all delivered.
 async fn a_slow_message_then_200(
@@ -274,11 +283,7 @@ async fn a_slow_message_does_not_stall_its_range_and_holds_the_checkpoint() {
     .await;
 
     // Resuming from the checkpoint reads the slow message again: it was not passed.
-    let lease = LeaseStore::new(fixture.queue.clone(), "g")
-        .list()
-        .await
-        .unwrap()
-        .remove(0);
+    let lease = the_lease(&fixture).await;
     let resumed = read_ids_from(&fixture, &lease).await;
     assert!(
         resumed.contains(&"slow".to_string()),
@@ -290,11 +295,7 @@ async fn a_slow_message_does_not_stall_its_range_and_holds_the_checkpoint() {
         "slow settles and the checkpoint moves past everything",
         Duration::from_secs(5),
         || async {
-            let lease = LeaseStore::new(fixture.queue.clone(), "g")
-                .list()
-                .await
-                .unwrap()
-                .remove(0);
+            let lease = the_lease(&fixture).await;
             group
                 .read_state(&"k".into(), "slow")
                 .await
@@ -936,11 +937,7 @@ async fn a_slow_message_gets_a_lock_of_its_own_and_the_checkpoint_passes_it() {
         "the range flowed past it and the checkpoint passed everything",
         Duration::from_secs(5),
         || async {
-            let lease = LeaseStore::new(fixture.queue.clone(), "g")
-                .list()
-                .await
-                .unwrap()
-                .remove(0);
+            let lease = the_lease(&fixture).await;
             host.stats.completed.load(Ordering::Relaxed) == 200
                 && read_ids_from(&fixture, &lease).await.is_empty()
                 && lease.window.pending.is_empty()
