@@ -201,17 +201,17 @@ pub async fn publish(
             .and_then(|v| v.to_str().ok());
         let message = message_of(content_type, &query, &body)?
             .inherit_trace(crate::api::caller_trace(&headers).as_ref());
-        state.queue.enqueue(message).await?;
-        Ok::<_, PublishError>(())
+        Ok::<_, PublishError>(state.queue.enqueue(message).await?)
     }
     .await;
     let label = match &published {
-        Ok(()) => "enqueued",
+        Ok(outcome) if outcome.is_duplicate() => "duplicate",
+        Ok(_) => "enqueued",
         Err(_) => "rejected",
     };
     state.metrics.enqueued.with_label_values(&[label]).inc();
     match published {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
 }
