@@ -1159,14 +1159,24 @@ impl<H: Handler> RangeProcessor<H> {
                 return exit;
             }
         }
-        match self.store.release(&r.lease).await {
-            Ok(()) => {
-                info!(owner = %self.options.owner, "lease released");
-                RangeExit::Released
+        let mut lease = r.lease.clone();
+        for _ in 0..LEASE_READ_TRIES {
+            match self.store.release(&lease).await {
+                Ok(()) => {
+                    info!(owner = %self.options.owner, "lease released");
+                    return RangeExit::Released;
+                }
+                // Changed by another host asking for it (a hand-over request), not taken:
+                // still ours, so release what is there now. Left alone, it would stay in this
+                // host's name until it expired.
+                Err(LeaseError::Lost) => match self.current_confirmed(&lease).await {
+                    Ok(Some(current)) => lease = current,
+                    _ => return RangeExit::Lost,
+                },
+                Err(LeaseError::Other(e)) => return RangeExit::Failed(e),
             }
-            Err(LeaseError::Lost) => RangeExit::Lost,
-            Err(LeaseError::Other(e)) => RangeExit::Failed(e),
         }
+        RangeExit::Lost
     }
 
     /// Writes what the range recorded: the checkpoint, and in exclusive groups the window

@@ -1060,3 +1060,55 @@ async fn a_lease_taken_mid_delivery_cuts_the_call_and_the_next_owner_redelivers_
     stop_all(vec![b]).await;
     ledger.assert_each_once("x");
 }
+
+/// A graceful stop whose release races a hand-over request (another host asking for the
+/// lease while this one drains) still releases: the request changed the lease's ETag, not
+/// its owner, so nothing is left in the stopped host's name until it expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_races_a_hand_over_request_still_releases() {
+    let fixture = Fixture::new(4).await;
+    let config = GroupConfig::new("g");
+    let mut options = fast("a");
+    options.lease_expire = Duration::from_secs(3600);
+    let ledger = Arc::new(Ledger::default());
+    let a = start(&fixture, &config, options, recording(&ledger));
+    eventually("a holds all leases", Duration::from_secs(5), || async {
+        owners(&fixture, "g")
+            .await
+            .iter()
+            .all(|o| o.as_deref() == Some("a"))
+    })
+    .await;
+    // Another host keeps asking for every lease while a stops.
+    let store = LeaseStore::new(fixture.queue.clone(), "g");
+    let asking = CancellationToken::new();
+    let asker = {
+        let (store, asking) = (store.clone(), asking.clone());
+        tokio::spawn(async move {
+            let mut asks = 0u32;
+            while !asking.is_cancelled() {
+                for lease in store.list().await.unwrap() {
+                    if lease.owner.as_deref() == Some("a")
+                        && store
+                            .request_handover(&lease, "b", lease.timestamp)
+                            .await
+                            .is_ok()
+                    {
+                        asks += 1;
+                    }
+                }
+            }
+            asks
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a.stop.cancel();
+    a.task.await.unwrap().unwrap();
+    asking.cancel();
+    assert!(asker.await.unwrap() > 0, "the requests were written");
+    assert_eq!(
+        owners(&fixture, "g").await,
+        vec![None; 4],
+        "every lease released, none left to expire"
+    );
+}
