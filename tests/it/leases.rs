@@ -58,6 +58,27 @@ async fn enqueue(fixture: &Fixture, range: std::ops::Range<usize>) {
     }
 }
 
+/// Waits for message `slow`'s lock to be renewed past its first half second while it stays
+/// locked (the app still works on it).
+async fn the_slow_lock_is_renewed(group: &cosmosq_queue::Group) {
+    let first_due = group
+        .read_state(&"k".into(), "slow")
+        .await
+        .unwrap()
+        .unwrap()
+        .due
+        .unwrap();
+    eventually("the lock was renewed", Duration::from_secs(3), || async {
+        let state = group
+            .read_state(&"k".into(), "slow")
+            .await
+            .unwrap()
+            .unwrap();
+        state.state == MessageState::Locked && state.due.unwrap() > first_due + 500
+    })
+    .await;
+}
+
 /// Group `g`'s lease on a one-range fixture.
 async fn the_lease(fixture: &Fixture) -> cosmosq_queue::lease::Lease {
     LeaseStore::new(fixture.queue.clone(), "g")
@@ -265,22 +286,7 @@ async fn a_slow_message_does_not_stall_its_range_and_holds_the_checkpoint() {
 
     // The lock is renewed while the app works (lock 1 s, we wait past it).
     let group = fixture.group(config.clone());
-    let first_due = group
-        .read_state(&"k".into(), "slow")
-        .await
-        .unwrap()
-        .unwrap()
-        .due
-        .unwrap();
-    eventually("the lock was renewed", Duration::from_secs(3), || async {
-        let state = group
-            .read_state(&"k".into(), "slow")
-            .await
-            .unwrap()
-            .unwrap();
-        state.state == MessageState::Locked && state.due.unwrap() > first_due + 500
-    })
-    .await;
+    the_slow_lock_is_renewed(&group).await;
 
     // Resuming from the checkpoint reads the slow message again: it was not passed.
     let lease = the_lease(&fixture).await;
@@ -944,21 +950,7 @@ async fn a_slow_message_gets_a_lock_of_its_own_and_the_checkpoint_passes_it() {
         },
     )
     .await;
-    let locked = group
-        .read_state(&"k".into(), "slow")
-        .await
-        .unwrap()
-        .unwrap();
-    // Renewed past its first second.
-    eventually("the lock was renewed", Duration::from_secs(3), || async {
-        let now = group
-            .read_state(&"k".into(), "slow")
-            .await
-            .unwrap()
-            .unwrap();
-        now.due.unwrap() > locked.due.unwrap() + 500
-    })
-    .await;
+    the_slow_lock_is_renewed(&group).await;
     release.notify_waiters();
     eventually(
         "slow completes through its document",
