@@ -9,6 +9,7 @@
 // kube's `printcolumn(type_ = ...)` repeats keys across columns by design.
 #![allow(clippy::duplicated_attributes)]
 
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscalerBehavior;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
@@ -238,6 +239,11 @@ pub struct CosmosQueueStatus {
     shortname = "qcg",
     category = "cosmosq",
     status = "QueueConsumerGroupStatus",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
     doc = "Worker pods consuming a cosmosq queue",
     printcolumn(
         name = "Ready",
@@ -327,6 +333,12 @@ pub struct QueueConsumerGroupSpec {
     /// How the group's workers are scaled.
     #[serde(default)]
     pub scaling: ScalingSpec,
+    /// Workers to run, as `kubectl scale qcg`, an HPA or a KEDA `ScaledObject` set them through
+    /// the scale subresource. Honoured in `scaling.mode: External` only; in the other modes the
+    /// operator (or its HPA) decides and says so in a Warning Event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 10_000))]
+    pub replicas: Option<i32>,
 }
 
 fn default_concurrency() -> i32 {
@@ -502,9 +514,12 @@ pub struct SidecarSpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("minReplicas must not exceed maxReplicas"))]
 #[x_kube(validation = Rule::new("!has(self.mode) || self.mode != 'HPA' || !has(self.scaleDownStabilization) || duration(self.scaleDownStabilization) <= duration('1h')").message("scaleDownStabilization must be at most 1h in HPA mode (the HorizontalPodAutoscaler's limit)"))]
+#[x_kube(validation = Rule::new("!has(self.behavior) || (has(self.mode) && self.mode == 'HPA')").message("behavior configures the operator's HorizontalPodAutoscaler: set mode HPA, or remove it"))]
 #[serde(rename_all = "camelCase")]
 pub struct ScalingSpec {
-    /// `Direct`: the operator sets replicas; `HPA`: an HPA scales on the operator's metrics.
+    /// `Direct`: the operator sets replicas; `HPA`: an HPA the operator owns scales on its
+    /// metrics; `External`: the operator publishes the figures and runs `spec.replicas`, which
+    /// `kubectl scale`, the user's HPA or KEDA set (min/max and targets are theirs then).
     #[serde(default)]
     pub mode: ScalingMode,
     /// Fewest workers; 0 lets an idle group scale to zero (Direct mode).
@@ -531,6 +546,10 @@ pub struct ScalingSpec {
     #[serde(default = "default_activation")]
     #[schemars(range(min = 1))]
     pub activation_threshold: i64,
+    /// HPA mode: the HorizontalPodAutoscaler's `behavior` (scale-up and scale-down policies
+    /// and windows), as is; `scaleDownStabilization` fills the scale-down window it leaves out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub behavior: Option<HorizontalPodAutoscalerBehavior>,
 }
 
 impl Default for ScalingSpec {
@@ -543,6 +562,7 @@ impl Default for ScalingSpec {
             scale_down_stabilization: default_stabilization(),
             scale_to_zero_cooldown: default_cooldown(),
             activation_threshold: default_activation(),
+            behavior: None,
         }
     }
 }
@@ -567,7 +587,8 @@ fn default_activation() -> i64 {
     1
 }
 
-/// Who scales the workers: `Direct` (the operator) or `HPA` (an HPA the operator owns).
+/// Who scales the workers: `Direct` (the operator), `HPA` (an HPA the operator owns) or
+/// `External` (whoever sets `spec.replicas`).
 // The values are described here: doc comments on unit variants would make the
 // schema a `oneOf`.
 #[allow(missing_docs)]
@@ -579,6 +600,7 @@ pub enum ScalingMode {
     Direct,
     #[serde(rename = "HPA")]
     Hpa,
+    External,
 }
 
 /// What the operator observed of a group.
@@ -593,6 +615,10 @@ pub struct QueueConsumerGroupStatus {
     /// Worker pods that exist.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<i32>,
+    /// The workers' label selector (the scale subresource's, for an HPA or KEDA that
+    /// targets the group).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
     /// Workers the scaling decision wants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired_replicas: Option<i32>,

@@ -2,7 +2,7 @@
 //! server-side apply with one field manager (so the operator owns exactly the fields it sets,
 //! and users or the HPA keep theirs — replicas among them).
 
-use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
+use cosmosq_crds::{CosmosQueue, QueueConsumerGroup, ScalingMode};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
@@ -167,8 +167,9 @@ pub async fn apply_group(
     let applied = apply::<Deployment>(client, &namespace, &deployment).await?;
     if let Some(hpa) = &hpa {
         apply::<HorizontalPodAutoscaler>(client, &namespace, hpa).await?;
-    } else if spec_changed(qcg) {
-        // Left from HPA mode: it would go on scaling the Deployment against the operator.
+    } else if spec_changed(qcg) || qcg.spec.scaling.mode == ScalingMode::Hpa {
+        // Left from HPA mode, or paused in it: it would go on scaling the Deployment against
+        // the operator or the pause.
         remove_owned_hpa(client, &namespace, qcg).await?;
     }
     Ok(Applied {

@@ -13,8 +13,7 @@ use cosmosq_queue::metric_names;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::autoscaling::v2::{
     CrossVersionObjectReference, ExternalMetricSource, HPAScalingRules, HorizontalPodAutoscaler,
-    HorizontalPodAutoscalerBehavior, HorizontalPodAutoscalerSpec, MetricIdentifier, MetricSpec,
-    MetricTarget,
+    HorizontalPodAutoscalerSpec, MetricIdentifier, MetricSpec, MetricTarget,
 };
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
@@ -29,7 +28,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
-use crate::spec::{group_name, invalid, GroupSettings, SpecError};
+use crate::spec::{control, group_name, invalid, Control, GroupSettings, SpecError};
 
 /// The injected container's name.
 pub const SIDECAR_CONTAINER: &str = "cosmosq-sidecar";
@@ -586,15 +585,23 @@ pub fn role_binding(
 }
 
 /// HPA mode: scale the Deployment on the operator's external metric, the group's backlog
-/// ([`metric_names::BACKLOG`]).
+/// ([`metric_names::BACKLOG`]), with the spec's `behavior`. None while paused, as KEDA does:
+/// an HPA would go on scaling the paused workers.
 pub fn hpa(
     qcg: &QueueConsumerGroup,
     settings: &GroupSettings,
 ) -> Result<Option<HorizontalPodAutoscaler>, SpecError> {
     let scaling = &qcg.spec.scaling;
-    if scaling.mode != ScalingMode::Hpa {
+    if scaling.mode != ScalingMode::Hpa || matches!(control(qcg).0, Control::Paused(_)) {
         return Ok(None);
     }
+    let mut behavior = scaling.behavior.clone().unwrap_or_default();
+    let scale_down = behavior
+        .scale_down
+        .get_or_insert_with(HPAScalingRules::default);
+    scale_down
+        .stabilization_window_seconds
+        .get_or_insert(settings.scale_down_stabilization_seconds);
     let selector = LabelSelector {
         match_labels: Some(BTreeMap::from([
             ("queue".into(), qcg.spec.queue_ref.name.clone()),
@@ -630,13 +637,7 @@ pub fn hpa(
                 }),
                 ..MetricSpec::default()
             }]),
-            behavior: Some(HorizontalPodAutoscalerBehavior {
-                scale_down: Some(HPAScalingRules {
-                    stabilization_window_seconds: Some(settings.scale_down_stabilization_seconds),
-                    ..HPAScalingRules::default()
-                }),
-                ..HorizontalPodAutoscalerBehavior::default()
-            }),
+            behavior: Some(behavior),
         }),
         ..HorizontalPodAutoscaler::default()
     }))
@@ -1088,6 +1089,53 @@ mod tests {
         );
     }
 
+    #[test]
+    fn hpa_behavior_is_the_specs_with_the_stabilization_filled_in() {
+        let behavior = json!({
+            "scaleUp": {"stabilizationWindowSeconds": 30,
+                        "policies": [{"type": "Pods", "value": 4, "periodSeconds": 60}]},
+            "scaleDown": {"policies": [{"type": "Percent", "value": 10, "periodSeconds": 60}],
+                          "selectPolicy": "Min"}
+        });
+        let g = group(
+            json!({"scaling": {"mode": "HPA", "scaleDownStabilization": "10m",
+                                         "behavior": behavior}}),
+        );
+        let hpa = build_hpa(&g).unwrap().unwrap();
+        let mut expected = behavior.clone();
+        expected["scaleDown"]["stabilizationWindowSeconds"] = json!(600);
+        assert_eq!(
+            serde_json::to_value(hpa.spec.unwrap().behavior).unwrap(),
+            expected
+        );
+        // A window of its own wins over scaleDownStabilization.
+        let mut own = behavior.clone();
+        own["scaleDown"]["stabilizationWindowSeconds"] = json!(45);
+        let g = group(json!({"scaling": {"mode": "HPA", "behavior": own}}));
+        let spec = build_hpa(&g).unwrap().unwrap().spec.unwrap();
+        assert_eq!(
+            spec.behavior
+                .unwrap()
+                .scale_down
+                .unwrap()
+                .stabilization_window_seconds,
+            Some(45)
+        );
+    }
+
+    #[test]
+    fn a_paused_hpa_group_owns_no_hpa() {
+        for (annotation, value) in [
+            (crate::spec::PAUSED_REPLICAS, "2"),
+            (crate::spec::PAUSED, "true"),
+            (crate::spec::PAUSED_REPLICAS, "unreadable"),
+        ] {
+            let mut g = group(json!({"scaling": {"mode": "HPA"}}));
+            g.metadata.annotations = Some(BTreeMap::from([(annotation.into(), value.into())]));
+            assert!(build_hpa(&g).unwrap().is_none(), "{annotation}: {value}");
+        }
+    }
+
     /// Every key of `input` is in `output` (serde dropped nothing as unknown), at `path`.
     fn nothing_dropped(input: &serde_json::Value, output: &serde_json::Value, path: &str) {
         if let (Some(input), Some(output)) = (input.as_object(), output.as_object()) {
@@ -1128,7 +1176,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!((queues.len(), groups.len()), (2, 2));
+        assert_eq!((queues.len(), groups.len()), (2, 3));
         for mut qcg in groups {
             qcg.metadata.uid = Some("uid".into());
             let queue = queues

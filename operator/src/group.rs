@@ -226,7 +226,20 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             &status::patch::<QueueConsumerGroup, _>(&status),
         )
         .await?;
-    if spec_changed && outcome.ok {
+    // A pause (an annotation) is acted on at once too, not at the next round.
+    let (control, pause_error) = crate::spec::control(qcg);
+    let (paused, reason, message) = crate::scaler::pause_condition(&control, pause_error.as_ref());
+    let pause_changed = !previous.conditions.iter().any(|c| {
+        c.type_ == status::PAUSED
+            && (c.status == "True") == paused
+            && c.reason == reason
+            && c.message == message
+    }) && (paused
+        || previous
+            .conditions
+            .iter()
+            .any(|c| c.type_ == status::PAUSED));
+    if (spec_changed || pause_changed) && outcome.ok {
         if let Some(changed) = &ctx.changed {
             let _ = changed.send(ObjectRef::from_obj(qcg));
         }
@@ -526,6 +539,28 @@ mod tests {
         assert!(
             changed.try_recv().is_err(),
             "the scaler already knows this generation"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pause_reaches_the_scaler_at_once() {
+        let mut spec = group_json(json!({}));
+        spec["metadata"]["annotations"] = json!({"cosmosq.io/paused-replicas": "0"});
+        spec["status"] = json!({"observedGeneration": 3, "conditions": [{
+            "type": "Ready", "status": "True", "reason": "Applied", "message": "m",
+            "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+        let (_, ctx, mut server, mut changed) = setup(json!({}));
+        let qcg: Arc<QueueConsumerGroup> = Arc::new(serde_json::from_value(spec).unwrap());
+        let verifier = tokio::spawn(async move {
+            queue_read_and_applies(&mut server, 3).await;
+            server.status(STATUS, group_json(json!({}))).await
+        });
+        reconcile_group(qcg, ctx).await.unwrap();
+        verifier.await.unwrap();
+        assert_eq!(
+            changed.try_recv().unwrap().name,
+            "billing",
+            "the same generation, but now paused: the scaler acts now, not at its next round"
         );
     }
 }

@@ -295,12 +295,24 @@ where
         })
 }
 
-/// A cache of `K` and the stream of its spec and finalizer changes. Only those trigger
-/// reconciles: the status writes of the reconcilers and the scaling loop must not trigger
-/// reconciles of their own.
+/// A hash of a group's pause annotations.
+fn pause_annotations(qcg: &QueueConsumerGroup) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let annotations = qcg.annotations();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for key in [crate::spec::PAUSED_REPLICAS, crate::spec::PAUSED] {
+        annotations.get(key).hash(&mut hasher);
+    }
+    Some(hasher.finish())
+}
+
+/// A cache of `K` and the stream of its spec and finalizer changes, and of what `also`
+/// hashes. Only those trigger reconciles: the status writes of the reconcilers and the scaling
+/// loop must not trigger reconciles of their own.
 fn spec_changes<K>(
     client: &Client,
     namespace: Option<&str>,
+    also: impl Predicate<K> + Send + 'static,
 ) -> (
     reflector::Store<K>,
     impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
@@ -317,7 +329,9 @@ where
     .reflect(writer)
     .applied_objects()
     .predicate_filter(
-        predicates::generation.combine(predicates::finalizers),
+        predicates::generation
+            .combine(predicates::finalizers)
+            .combine(also),
         Default::default(),
     );
     (store, changes)
@@ -333,10 +347,11 @@ async fn run_controllers(
     work: CancellationToken,
 ) {
     let ns = config.watch_namespace.as_deref();
-    let (queue_store, queue_changes) = spec_changes::<CosmosQueue>(client, ns);
+    let (queue_store, queue_changes) = spec_changes(client, ns, |_: &CosmosQueue| None);
     let queues = Controller::for_stream(queue_changes, queue_store.clone())
         .graceful_shutdown_on(work.clone().cancelled_owned());
-    let (group_store, group_changes) = spec_changes::<QueueConsumerGroup>(client, ns);
+    // A pause is an annotation: it changes no generation, yet its HPA must go (or come back).
+    let (group_store, group_changes) = spec_changes(client, ns, pause_annotations);
     let groups = Controller::for_stream(group_changes, group_store.clone())
         // An owned object's deletion, a spec change by someone else, or (Deployments) a
         // change of its conditions: not every replica count of a rollout or HPA status write.

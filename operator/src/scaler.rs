@@ -6,7 +6,12 @@
 //! 3. decide its replicas (`scaling::decide` through the group's `Autoscaler`, pure);
 //! 4. build what the round says: figures and status ([`group_figures`], [`group_status`],
 //!    pure and table-tested);
-//! 5. apply: the Deployment's scale subresource (Direct mode), Events, metrics, the status.
+//! 5. apply: the Deployment's scale subresource, Events, metrics, the status.
+//!
+//! Who sets the replicas is [`spec::control`]'s answer: the decision (Direct mode), nobody
+//! (HPA mode: the HPA scales the Deployment), `spec.replicas` (External mode: whoever scales
+//! the group through its scale subresource) or a pause annotation. The figures are estimated
+//! and published in every mode.
 //!
 //! A failed estimate keeps the replicas as they are and sets `Degraded`: never scale down on an
 //! error.
@@ -38,7 +43,7 @@ use crate::build::workers_name;
 use crate::context::{Context, GroupFigures};
 use crate::cosmos::CosmosError;
 use crate::scaling::{Autoscaler, Decision, Reason};
-use crate::spec::{self, group_name};
+use crate::spec::{self, group_name, Control};
 use crate::status::{self, reasons, SCALER_MANAGER};
 
 /// Ranges listed in a group's status; beyond this the status would grow past what `kubectl`
@@ -63,6 +68,8 @@ struct GroupState {
     /// The status last written (as [`comparable`]), so an unchanged one is not written again,
     /// and when.
     written: Option<(QueueConsumerGroupStatus, tokio::time::Instant)>,
+    /// The generation whose ignored `spec.replicas` was last reported (once per change).
+    replicas_ignored: Option<i64>,
 }
 
 /// How often a status whose only change is in the figures (backlog, lag, ranges) is written:
@@ -108,7 +115,7 @@ fn status_due(
 pub enum Round {
     /// Nothing to do yet: no queue, an invalid spec, or no Deployment (the reconciler reports).
     Skipped(&'static str),
-    /// The round decided.
+    /// The round decided (Direct mode).
     Decided {
         /// What it decided.
         decision: Decision,
@@ -117,15 +124,74 @@ pub enum Round {
         /// Whether the Deployment was scaled.
         scaled: bool,
     },
+    /// Someone else sets the replicas (HPA, External, paused); the round measured.
+    Held {
+        /// Who.
+        by: Control,
+        /// Replicas the round leaves the Deployment at.
+        replicas: u32,
+        /// Replicas before.
+        current: u32,
+        /// Whether the Deployment was scaled.
+        scaled: bool,
+    },
+}
+
+/// The replicas the round sets, and why, when it sets any (pure): the decision in Direct
+/// mode, `spec.replicas` in External mode, a pause's count; `None` leaves the Deployment to
+/// its HPA, or where it is.
+pub fn target(
+    control: &Control,
+    decision: &Decision,
+    backlog: Option<u64>,
+) -> Option<(u32, String)> {
+    match control {
+        Control::Operator => Some((
+            decision.replicas,
+            decision.reason.describe(decision, backlog),
+        )),
+        Control::External(Some(n)) => Some((*n, format!("spec.replicas {n} (External mode)"))),
+        Control::Paused(Some(n)) => {
+            Some((*n, format!("paused at {n} ({})", spec::PAUSED_REPLICAS)))
+        }
+        Control::Hpa | Control::External(None) | Control::Paused(None) => None,
+    }
+}
+
+/// The `Paused` condition's status, reason and message (pure).
+pub(crate) fn pause_condition(
+    control: &Control,
+    error: Option<&spec::PauseError>,
+) -> (bool, &'static str, String) {
+    match (control, error) {
+        (_, Some(e)) => (true, reasons::INVALID_PAUSE, e.to_string()),
+        (Control::Paused(Some(n)), None) => (
+            true,
+            reasons::PAUSED,
+            format!("held at {n} replicas by {}", spec::PAUSED_REPLICAS),
+        ),
+        (Control::Paused(None), None) => (
+            true,
+            reasons::PAUSED,
+            format!("held where they are by {}", spec::PAUSED),
+        ),
+        _ => (
+            false,
+            reasons::NOT_PAUSED,
+            "scaling is not paused".to_owned(),
+        ),
+    }
 }
 
 /// The group's workers as the round found them.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 struct Workers {
     /// The Deployment's `spec.replicas`: what the last scale asked for.
     current: u32,
     /// Its `status.replicas`: pods that exist.
     running: i32,
+    /// Its pods' label selector, as the scale subresource gives it (`k=v,k2=v2`).
+    selector: Option<String>,
 }
 
 impl Workers {
@@ -142,6 +208,18 @@ impl Workers {
                 .as_ref()
                 .and_then(|s| s.replicas)
                 .unwrap_or(0),
+            selector: deployment
+                .spec
+                .as_ref()
+                .and_then(|s| s.selector.match_labels.as_ref())
+                .filter(|labels| !labels.is_empty())
+                .map(|labels| {
+                    labels
+                        .iter()
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                }),
         }
     }
 }
@@ -153,10 +231,14 @@ pub struct RoundView<'a> {
     pub previous: Option<&'a QueueConsumerGroupStatus>,
     /// The group's generation.
     pub generation: Option<i64>,
-    /// Pods that exist, and the replicas the round leaves the Deployment at.
+    /// Pods that exist.
     pub running: i32,
     /// Replicas the round leaves the Deployment at.
     pub desired: u32,
+    /// The workers' label selector.
+    pub selector: Option<String>,
+    /// The `Paused` condition: paused, its reason and message.
+    pub paused: (bool, &'a str, String),
     /// The estimate, or why it failed (the message says what was kept).
     pub estimate: Result<&'a GroupEstimate, String>,
     /// The last scale: when, and why.
@@ -194,8 +276,18 @@ pub fn group_status(view: &RoundView<'_>) -> QueueConsumerGroupStatus {
             view.now.clone(),
         )
     };
+    let paused = status::condition(
+        previous,
+        status::PAUSED,
+        view.paused.0,
+        view.paused.1,
+        view.paused.2.clone(),
+        view.generation,
+        view.now.clone(),
+    );
     let mut status = QueueConsumerGroupStatus {
         replicas: Some(view.running),
+        selector: view.selector.clone(),
         desired_replicas: Some(i32::try_from(view.desired).unwrap_or(i32::MAX)),
         last_scale_time: view.last_scale.map(|(at, _)| at.clone()),
         last_scale_reason: view.last_scale.map(|(_, reason)| reason.clone()),
@@ -217,6 +309,7 @@ pub fn group_status(view: &RoundView<'_>) -> QueueConsumerGroupStatus {
             status.conditions = vec![degraded(true, reasons::ESTIMATE_FAILED, message.clone())];
         }
     }
+    status.conditions.push(paused);
     status
 }
 
@@ -404,26 +497,28 @@ impl Scaler {
                 .and_then(|s| s.last_scale_time.clone())
                 .zip(status.and_then(|s| s.last_scale_reason.clone()));
         }
+        // Every round feeds the autoscaler, so its rates and windows are current when it
+        // decides again (after a pause, or a switch to Direct).
         let (observation, decision) = state.scaling.round(
             &settings.policy,
             now,
             estimate.as_ref().ok(),
             workers.current,
         );
-        let direct = qcg.spec.scaling.mode == ScalingMode::Direct;
-        let scaled = direct && decision.replicas != workers.current;
-        if scaled {
-            let description = decision.reason.describe(&decision, observation.backlog);
-            self.scale(qcg, workers.current, &decision, &description)
+        let (control, pause_error) = spec::control(qcg);
+        let target = target(&control, &decision, observation.backlog);
+        let scaled = target
+            .as_ref()
+            .is_some_and(|(replicas, _)| *replicas != workers.current);
+        if let Some((replicas, description)) = target.as_ref().filter(|_| scaled) {
+            self.scale(qcg, workers.current, *replicas, description)
                 .await?;
-            state.last_scale = Some((status::now(), description));
+            state.last_scale = Some((status::now(), description.clone()));
         }
-        // In HPA mode the HPA decides; what it set is the desired count.
-        let desired = if direct {
-            decision.replicas
-        } else {
-            workers.current
-        };
+        // Left to the HPA or held: what the Deployment runs is the desired count.
+        let desired = target.as_ref().map_or(workers.current, |(r, _)| *r);
+        self.report_control(qcg, &control, pause_error.as_ref(), &mut state)
+            .await;
 
         let figures = group_figures(qcg, estimate.as_ref(), desired, now);
         let seen = estimate
@@ -434,6 +529,8 @@ impl Scaler {
             generation: qcg.metadata.generation,
             running: workers.running,
             desired,
+            selector: workers.selector.clone(),
+            paused: pause_condition(&control, pause_error.as_ref()),
             estimate: seen.clone(),
             last_scale: state.last_scale.as_ref(),
             now: status::now(),
@@ -466,11 +563,70 @@ impl Scaler {
         if decision.reason == Reason::EstimateFailed {
             debug!("replicas kept: the estimate failed");
         }
-        Ok(Round::Decided {
-            decision,
-            current: workers.current,
-            scaled,
+        Ok(match control {
+            Control::Operator => Round::Decided {
+                decision,
+                current: workers.current,
+                scaled,
+            },
+            by => Round::Held {
+                by,
+                replicas: desired,
+                current: workers.current,
+                scaled,
+            },
         })
+    }
+
+    /// Events for who scales, once per change: a pause that starts or cannot be read, and a
+    /// `spec.replicas` that this mode ignores (someone ran `kubectl scale` or pointed KEDA at
+    /// a group the operator scales).
+    async fn report_control(
+        &self,
+        qcg: &QueueConsumerGroup,
+        control: &Control,
+        pause_error: Option<&spec::PauseError>,
+        state: &mut GroupState,
+    ) {
+        let was_paused = qcg.status.as_ref().and_then(|s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == status::PAUSED)
+                .map(|c| (c.status == "True", c.reason.clone()))
+        });
+        let (paused, reason, message) = pause_condition(control, pause_error);
+        if paused && was_paused != Some((true, reason.to_owned())) {
+            let kind = if pause_error.is_some() {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            };
+            info!(reason, "{message}");
+            self.ctx.event(qcg, kind, reason, "Pause", message).await;
+        }
+        let mode = qcg.spec.scaling.mode;
+        let ignored = qcg.spec.replicas.is_some() && mode != ScalingMode::External;
+        if ignored && state.replicas_ignored != qcg.metadata.generation {
+            state.replicas_ignored = qcg.metadata.generation;
+            let (mode, decides) = if mode == ScalingMode::Hpa {
+                ("HPA", "its HorizontalPodAutoscaler decides")
+            } else {
+                ("Direct", "the operator decides")
+            };
+            let message = format!(
+                "spec.replicas is ignored in {mode} mode: {decides}; set spec.scaling.mode: External to scale the group with kubectl, an HPA or KEDA"
+            );
+            warn!("{message}");
+            self.ctx
+                .event(
+                    qcg,
+                    EventType::Warning,
+                    reasons::REPLICAS_IGNORED,
+                    "Scale",
+                    message,
+                )
+                .await;
+        }
     }
 
     fn deployments(&self, qcg: &QueueConsumerGroup) -> Api<Deployment> {
@@ -506,13 +662,13 @@ impl Scaler {
         Ok(())
     }
 
-    /// Direct mode: the decision to the Deployment's scale subresource, with its Event
+    /// The round's replicas to the Deployment's scale subresource, with its Event
     /// (Kubernetes).
     async fn scale(
         &self,
         qcg: &QueueConsumerGroup,
         current: u32,
-        decision: &Decision,
+        replicas: u32,
         description: &str,
     ) -> Result<(), ScalerError> {
         self.deployments(qcg)
@@ -522,14 +678,10 @@ impl Scaler {
                     field_manager: Some(SCALER_MANAGER.into()),
                     ..PatchParams::default()
                 },
-                &Patch::Merge(json!({"spec": {"replicas": decision.replicas}})),
+                &Patch::Merge(json!({"spec": {"replicas": replicas}})),
             )
             .await?;
-        let direction = if decision.replicas > current {
-            "up"
-        } else {
-            "down"
-        };
+        let direction = if replicas > current { "up" } else { "down" };
         let namespace = qcg.namespace().unwrap_or_default();
         self.ctx
             .metrics
@@ -541,7 +693,7 @@ impl Scaler {
                 direction,
             ])
             .inc();
-        info!(from = current, to = decision.replicas, "{description}");
+        info!(from = current, to = replicas, "{description}");
         self.ctx
             .event(
                 qcg,
@@ -738,6 +890,8 @@ mod tests {
             generation: Some(3),
             running: 1,
             desired: 2,
+            selector: Some("group=billing,queue=orders".into()),
+            paused: (false, reasons::NOT_PAUSED, "scaling is not paused".into()),
             estimate,
             last_scale: Some(&scaled),
             now: at(1_000),
@@ -769,12 +923,17 @@ mod tests {
             },
         ] {
             let s = group_status(&case.view);
-            let [c] = s.conditions.as_slice() else {
+            let [c, paused] = s.conditions.as_slice() else {
                 panic!(
-                    "{}: one condition, the scaler's: {:?}",
+                    "{}: the scaler's two conditions: {:?}",
                     case.name, s.conditions
                 )
             };
+            assert_eq!(
+                (paused.type_.as_str(), paused.status.as_str()),
+                (status::PAUSED, "False")
+            );
+            assert_eq!(s.selector.as_deref(), Some("group=billing,queue=orders"));
             assert_eq!(
                 (c.type_.as_str(), c.status.as_str(), c.reason.as_str()),
                 (status::DEGRADED, case.degraded.0, case.degraded.1),
@@ -1084,16 +1243,14 @@ mod tests {
             .scale_group(&scaler.groups.state()[0], now_ms())
             .await
             .unwrap();
-        assert!(
-            matches!(
-                round,
-                Round::Decided {
-                    scaled: false,
-                    current: 2,
-                    ..
-                }
-            ),
-            "{round:?}"
+        assert_eq!(
+            round,
+            Round::Held {
+                by: Control::Hpa,
+                replicas: 2,
+                current: 2,
+                scaled: false
+            }
         );
         let status = verifier.await.unwrap();
         assert_eq!(
@@ -1110,6 +1267,187 @@ mod tests {
             figures[&("shop".to_owned(), "billing".to_owned())].backlog,
             Some(150)
         );
+    }
+
+    /// A scaler over `group` as changed by `change` (its spec or metadata), on `setup`'s queue.
+    fn with_group(scaler: &Scaler, group: &Value) -> Scaler {
+        Scaler::new(
+            scaler.ctx.clone(),
+            store(vec![group.clone()]),
+            scaler.queues.clone(),
+        )
+    }
+
+    #[tokio::test]
+    async fn external_mode_runs_spec_replicas_whatever_the_backlog() {
+        let (scaler, mut server, mut group) =
+            setup(json!({"mode": "External", "maxReplicas": 3}), 500, "orders").await;
+        group["spec"]["replicas"] = json!(5);
+        let scaler = with_group(&scaler, &group);
+        let verifier = tokio::spawn(async move {
+            server.deployment(1).await;
+            assert_eq!(server.scale().await, json!({"spec": {"replicas": 5}}));
+            let event = server.event().await;
+            assert!(
+                event["note"]
+                    .as_str()
+                    .unwrap()
+                    .contains("spec.replicas 5 (External mode) (from 1)"),
+                "{event}"
+            );
+            server.scaler_status(GROUP_STATUS, group).await
+        });
+        let round = scaler
+            .scale_group(&scaler.groups.state()[0], now_ms())
+            .await
+            .unwrap();
+        assert_eq!(
+            round,
+            Round::Held {
+                by: Control::External(Some(5)),
+                replicas: 5,
+                current: 1,
+                scaled: true
+            },
+            "not capped by maxReplicas: the external scaler's bounds are its own"
+        );
+        let status = verifier.await.unwrap();
+        assert_eq!(status["backlog"], 500, "the figures are published");
+        assert_eq!(status["desiredReplicas"], 5);
+        assert_eq!(status["lastScaleReason"], "spec.replicas 5 (External mode)");
+        let figures = scaler.ctx.figures.read().await;
+        let f = &figures[&("shop".to_owned(), "billing".to_owned())];
+        assert_eq!((f.backlog, f.desired_replicas), (Some(500), 5));
+    }
+
+    #[tokio::test]
+    async fn external_mode_without_replicas_leaves_the_workers_where_they_are() {
+        let (scaler, mut server, group) = setup(json!({"mode": "External"}), 500, "orders").await;
+        let verifier = tokio::spawn(async move {
+            server.deployment(2).await;
+            // No scale request, no Event: straight to the status.
+            server.scaler_status(GROUP_STATUS, group).await
+        });
+        let round = scaler
+            .scale_group(&scaler.groups.state()[0], now_ms())
+            .await
+            .unwrap();
+        assert_eq!(
+            round,
+            Round::Held {
+                by: Control::External(None),
+                replicas: 2,
+                current: 2,
+                scaled: false
+            }
+        );
+        assert_eq!(verifier.await.unwrap()["desiredReplicas"], 2);
+    }
+
+    #[tokio::test]
+    async fn a_pause_holds_the_workers_at_its_count_in_every_mode() {
+        for mode in ["Direct", "External", "HPA"] {
+            let (scaler, mut server, mut group) = setup(json!({"mode": mode}), 500, "orders").await;
+            group["spec"]["replicas"] = json!(4);
+            group["metadata"]["annotations"] = json!({"cosmosq.io/paused-replicas": "1"});
+            let scaler = with_group(&scaler, &group);
+            let verifier = tokio::spawn(async move {
+                server.deployment(3).await;
+                assert_eq!(server.scale().await, json!({"spec": {"replicas": 1}}));
+                server.event().await; // Scaled
+                let paused = server.event().await;
+                assert_eq!(
+                    (&paused["type"], &paused["reason"]),
+                    (&json!("Normal"), &json!("PausedByAnnotation"))
+                );
+                if mode != "External" {
+                    // spec.replicas means nothing here; the pause still wins.
+                    assert_eq!(server.event().await["reason"], "ReplicasIgnored");
+                }
+                server.scaler_status(GROUP_STATUS, group).await
+            });
+            let round = scaler
+                .scale_group(&scaler.groups.state()[0], now_ms())
+                .await
+                .unwrap();
+            assert_eq!(
+                round,
+                Round::Held {
+                    by: Control::Paused(Some(1)),
+                    replicas: 1,
+                    current: 3,
+                    scaled: true
+                },
+                "{mode}"
+            );
+            let status = verifier.await.unwrap();
+            let paused = status["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["type"] == "Paused")
+                .unwrap()
+                .clone();
+            assert_eq!(paused["status"], "True", "{mode}");
+            assert_eq!(
+                paused["message"], "held at 1 replicas by cosmosq.io/paused-replicas",
+                "{mode}"
+            );
+            assert_eq!(status["backlog"], 500, "{mode}: still measured");
+        }
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_pause_holds_the_workers_and_warns_once() {
+        let (unpaused, mut server, mut group) = setup(json!({}), 500, "orders").await;
+        group["metadata"]["annotations"] = json!({"cosmosq.io/paused-replicas": "two"});
+        let scaler = with_group(&unpaused, &group);
+        drop(unpaused);
+        let verifier = tokio::spawn(async move {
+            server.deployment(1).await;
+            let warning = server.event().await;
+            assert_eq!(
+                (&warning["type"], &warning["reason"]),
+                (&json!("Warning"), &json!("InvalidPauseAnnotation"))
+            );
+            assert!(
+                warning["note"].as_str().unwrap().contains("\"two\""),
+                "{warning}"
+            );
+            let status = server.scaler_status(GROUP_STATUS, group.clone()).await;
+            let mut group = group;
+            group["status"] = status;
+            (server, group)
+        });
+        let round = scaler
+            .scale_group(&scaler.groups.state()[0], now_ms())
+            .await
+            .unwrap();
+        assert_eq!(
+            round,
+            Round::Held {
+                by: Control::Paused(None),
+                replicas: 1,
+                current: 1,
+                scaled: false
+            },
+            "a backlog of 500 does not scale a group its user meant to pause"
+        );
+        // The next round (a new process: its first status write) sees the status the first
+        // wrote: no second Warning.
+        let (mut server, group) = verifier.await.unwrap();
+        let next = with_group(&scaler, &group);
+        let verifier = tokio::spawn(async move {
+            server.deployment(1).await;
+            server.scaler_status(GROUP_STATUS, group).await;
+            server
+        });
+        next.scale_group(&next.groups.state()[0], now_ms())
+            .await
+            .unwrap();
+        let server = verifier.await.unwrap();
+        drop((scaler, next));
+        server.done().await;
     }
 
     #[tokio::test]

@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use cosmosq_crds::{CosmosQueueSpec, DeliveryMode, QueueConsumerGroup, StartFrom, ThroughputMode};
+use cosmosq_crds::{
+    CosmosQueueSpec, DeliveryMode, QueueConsumerGroup, ScalingMode, StartFrom, ThroughputMode,
+};
 use cosmosq_queue::backoff::RetryPolicy;
 use cosmosq_queue::config::{self, GroupConfig, QueueConfig, Throughput};
 use cosmosq_queue::scaling::Policy;
@@ -69,6 +71,81 @@ pub struct GroupSettings {
 /// The consumer group's name in the queue: `spec.group`, or the resource's name.
 pub fn group_name(qcg: &QueueConsumerGroup) -> String {
     qcg.spec.group.clone().unwrap_or_else(|| qcg.name_any())
+}
+
+/// The annotation that holds a group's workers at a count (as KEDA's
+/// `autoscaling.keda.sh/paused-replicas`): no scaling decision, HPA or `spec.replicas` moves
+/// them while it is set.
+pub const PAUSED_REPLICAS: &str = "cosmosq.io/paused-replicas";
+/// The annotation that holds a group's workers where they are (`"true"`).
+pub const PAUSED: &str = "cosmosq.io/paused";
+
+/// Who sets a group's replicas this round.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Control {
+    /// The operator's scaling decision (`Direct`).
+    Operator,
+    /// The HorizontalPodAutoscaler the operator owns (`HPA`).
+    Hpa,
+    /// `spec.replicas`, as the scale subresource's users set it (`External`); `None` while
+    /// it is unset (the workers stay where they are).
+    External(Option<u32>),
+    /// A pause annotation: at this count, or where they are (`None`).
+    Paused(Option<u32>),
+}
+
+/// A pause annotation that cannot be read: the group is held where it is (what its user
+/// wanted most likely), and told why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("annotation {annotation}: {value:?} is not {expected}; holding the workers where they are")]
+pub struct PauseError {
+    /// The annotation.
+    pub annotation: &'static str,
+    /// Its value.
+    pub value: String,
+    /// What it must be.
+    pub expected: &'static str,
+}
+
+/// Who sets the group's replicas (pure: its mode, `spec.replicas` and pause annotations). A
+/// pause wins over every mode; an unreadable one still pauses, with the error to report.
+pub fn control(qcg: &QueueConsumerGroup) -> (Control, Option<PauseError>) {
+    let annotations = qcg.annotations();
+    if let Some(value) = annotations.get(PAUSED_REPLICAS) {
+        return match value.trim().parse::<u32>() {
+            Ok(n) => (Control::Paused(Some(n)), None),
+            Err(_) => (
+                Control::Paused(None),
+                Some(PauseError {
+                    annotation: PAUSED_REPLICAS,
+                    value: value.clone(),
+                    expected: "a whole number of replicas",
+                }),
+            ),
+        };
+    }
+    if let Some(value) = annotations.get(PAUSED) {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "true" => return (Control::Paused(None), None),
+            "false" => {}
+            _ => {
+                return (
+                    Control::Paused(None),
+                    Some(PauseError {
+                        annotation: PAUSED,
+                        value: value.clone(),
+                        expected: "\"true\" or \"false\"",
+                    }),
+                )
+            }
+        }
+    }
+    let control = match qcg.spec.scaling.mode {
+        ScalingMode::Direct => Control::Operator,
+        ScalingMode::Hpa => Control::Hpa,
+        ScalingMode::External => Control::External(qcg.spec.replicas.map(|r| r.max(0) as u32)),
+    };
+    (control, None)
 }
 
 /// The settings of a QueueConsumerGroup.
@@ -160,6 +237,58 @@ mod tests {
             "spec": base
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn who_scales_follows_the_mode_replicas_and_pause_annotations() {
+        let with = |spec: serde_json::Value, annotations: serde_json::Value| {
+            let mut g = qcg(spec);
+            g.metadata.annotations = serde_json::from_value(annotations).unwrap();
+            control(&g)
+        };
+        let external = json!({"scaling": {"mode": "External"}, "replicas": 4});
+        for (spec, annotations, expected) in [
+            (json!({}), json!({}), Control::Operator),
+            (json!({"replicas": 4}), json!({}), Control::Operator),
+            (json!({"scaling": {"mode": "HPA"}}), json!({}), Control::Hpa),
+            (external.clone(), json!({}), Control::External(Some(4))),
+            (
+                json!({"scaling": {"mode": "External"}}),
+                json!({}),
+                Control::External(None),
+            ),
+            // A pause wins over every mode.
+            (
+                external.clone(),
+                json!({PAUSED_REPLICAS: "0"}),
+                Control::Paused(Some(0)),
+            ),
+            (
+                json!({"scaling": {"mode": "HPA"}}),
+                json!({PAUSED_REPLICAS: " 2 "}),
+                Control::Paused(Some(2)),
+            ),
+            (json!({}), json!({PAUSED: "True"}), Control::Paused(None)),
+            (json!({}), json!({PAUSED: "false"}), Control::Operator),
+        ] {
+            assert_eq!(
+                with(spec.clone(), annotations.clone()),
+                (expected, None),
+                "{spec} {annotations}"
+            );
+        }
+        // Unreadable pauses hold the workers where they are, and say why.
+        for (annotations, named) in [
+            (json!({PAUSED_REPLICAS: "three"}), PAUSED_REPLICAS),
+            (json!({PAUSED_REPLICAS: "-1"}), PAUSED_REPLICAS),
+            (json!({PAUSED: "yes"}), PAUSED),
+        ] {
+            let (control, error) = with(external.clone(), annotations);
+            assert_eq!(control, Control::Paused(None));
+            let message = error.expect("an error to report").to_string();
+            assert!(message.contains(named), "{message}");
+            assert!(message.contains("holding the workers"), "{message}");
+        }
     }
 
     #[test]

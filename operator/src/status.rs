@@ -16,6 +16,8 @@ pub const READY: &str = "Ready";
 pub const AVAILABLE: &str = "Available";
 /// Condition type: the estimate failed (group), or provisioning did (queue).
 pub const DEGRADED: &str = "Degraded";
+/// Condition type of a group: a pause annotation holds its workers.
+pub const PAUSED: &str = "Paused";
 /// Condition type of a queue: its database and containers exist.
 pub const PROVISIONED: &str = "Provisioned";
 
@@ -40,6 +42,14 @@ pub mod reasons {
     pub const ESTIMATE_HEALTHY: &str = "EstimateHealthy";
     /// The estimate failed: the replicas are kept as they are.
     pub const ESTIMATE_FAILED: &str = "EstimateFailed";
+    /// A pause annotation holds the group's workers.
+    pub const PAUSED: &str = "PausedByAnnotation";
+    /// A pause annotation cannot be read: the workers are held where they are.
+    pub const INVALID_PAUSE: &str = "InvalidPauseAnnotation";
+    /// No pause annotation.
+    pub const NOT_PAUSED: &str = "NotPaused";
+    /// Event: `spec.replicas` is set but the mode is not `External`.
+    pub const REPLICAS_IGNORED: &str = "ReplicasIgnored";
     /// Event: the scaling loop changed the workers' replicas.
     pub const SCALED: &str = "Scaled";
     /// Event: a deleted `Retain` queue's containers were kept.

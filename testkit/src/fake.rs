@@ -127,6 +127,21 @@ fn parse(path: &str) -> Option<Target> {
     })
 }
 
+/// An object's `autoscaling/v1` Scale, from the paths cosmosq's CRD and Deployments use
+/// (`.spec.replicas`, `.status.replicas`, `.status.selector`).
+fn scale_of(object: &Value) -> Value {
+    let mut scale = json!({"apiVersion": "autoscaling/v1", "kind": "Scale",
+        "metadata": {"name": object["metadata"]["name"],
+                     "namespace": object["metadata"]["namespace"],
+                     "resourceVersion": object["metadata"]["resourceVersion"]},
+        "spec": {"replicas": object["spec"]["replicas"].as_i64().unwrap_or(0)},
+        "status": {"replicas": object["status"]["replicas"].as_i64().unwrap_or(0)}});
+    if let Some(selector) = object["status"]["selector"].as_str() {
+        scale["status"]["selector"] = json!(selector);
+    }
+    scale
+}
+
 fn query_param(query: &str, key: &str) -> Option<String> {
     url::form_urlencoded::parse(query.as_bytes())
         .find(|(k, _)| k == key)
@@ -444,6 +459,9 @@ impl FakeApiServer {
                 target.namespace.as_deref().unwrap_or_default(),
                 name,
             ) {
+                Some(object) if target.subresource.as_deref() == Some("scale") => {
+                    full(StatusCode::OK, &scale_of(&object))
+                }
                 Some(object) => full(StatusCode::OK, &object),
                 None => status_error(StatusCode::NOT_FOUND, "NotFound", "not found"),
             },
@@ -657,7 +675,11 @@ impl FakeApiServer {
             Some("scale") => {
                 if let Some(replicas) = body["spec"].get("replicas") {
                     object["spec"]["replicas"] = replicas.clone();
-                    object["status"]["replicas"] = replicas.clone();
+                    // Standing in for the Deployment controller; a custom resource's status
+                    // is its controller's to write.
+                    if target.collection.ends_with("/deployments") {
+                        object["status"]["replicas"] = replicas.clone();
+                    }
                 }
             }
             Some(_) => return status_error(StatusCode::NOT_FOUND, "NotFound", "subresource"),
@@ -722,12 +744,7 @@ impl FakeApiServer {
             Self::collect_garbage(&mut state, &self.changes, &stored);
         }
         if target.subresource.as_deref() == Some("scale") {
-            return full(
-                StatusCode::OK,
-                &json!({"apiVersion": "autoscaling/v1", "kind": "Scale",
-                        "metadata": {"name": name, "namespace": namespace},
-                        "spec": {"replicas": stored["spec"]["replicas"]}}),
-            );
+            return full(StatusCode::OK, &scale_of(&stored));
         }
         full(StatusCode::OK, &stored)
     }

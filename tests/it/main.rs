@@ -5,6 +5,7 @@ mod consume;
 mod contract;
 mod crds;
 mod emulator;
+mod examples;
 mod faults;
 mod guarantees;
 mod histories;

@@ -162,6 +162,37 @@ pub fn cases() -> Vec<RuleCase> {
             None,
             true,
         ),
+        case(
+            "behavior-direct",
+            Kind::Group,
+            group_spec(
+                json!({"scaling": {"behavior": {"scaleUp": {"stabilizationWindowSeconds": 60}}}}),
+            ),
+            Some("behavior configures the operator's HorizontalPodAutoscaler"),
+            true,
+        ),
+        case(
+            "behavior-hpa",
+            Kind::Group,
+            group_spec(json!({"scaling": {"mode": "HPA", "behavior": {
+                "scaleUp": {"policies": [{"type": "Pods", "value": 4, "periodSeconds": 60}]}}}})),
+            None,
+            true,
+        ),
+        case(
+            "external-replicas",
+            Kind::Group,
+            group_spec(json!({"scaling": {"mode": "External"}, "replicas": 3})),
+            None,
+            true,
+        ),
+        case(
+            "replicas-negative",
+            Kind::Group,
+            group_spec(json!({"scaling": {"mode": "External"}, "replicas": -1})),
+            Some("spec.replicas"),
+            false,
+        ),
         // Names that become label values.
         case(
             "group-label",

@@ -284,3 +284,50 @@ pub fn python_cosmos_sdk() -> Option<std::path::PathBuf> {
         }
     }
 }
+
+/// KEDA's CRD schema as its published models carry it (`@kubernetes-models/keda` from npm,
+/// generated from KEDA's CRDs, with TypeScript to check objects against them), installed into
+/// `target/tools/keda-models` on first use. `None`, with a line saying so, when node/npm or
+/// the registry is unreachable.
+pub fn keda_models() -> Option<std::path::PathBuf> {
+    const PACKAGES: [&str; 2] = ["@kubernetes-models/keda@2.0.0", "typescript@5.9.3"];
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/keda-models");
+    let installed = |dir: &std::path::Path| {
+        dir.join("node_modules/typescript/bin/tsc").exists()
+            && dir
+                .join("node_modules/@kubernetes-models/keda/package.json")
+                .exists()
+    };
+    if installed(&dir) {
+        return Some(dir);
+    }
+    let made = std::fs::create_dir_all(&dir)
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            std::process::Command::new("npm")
+                .arg("install")
+                .arg("--prefix")
+                .arg(&dir)
+                .args(["--no-audit", "--no-fund", "--loglevel=error"])
+                .args(PACKAGES)
+                .output()
+                .map_err(|e| format!("npm: {e}"))
+        })
+        .and_then(|o| {
+            o.status
+                .success()
+                .then_some(())
+                .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
+        });
+    match made {
+        Ok(()) if installed(&dir) => Some(dir),
+        Ok(()) => panic!(
+            "{PACKAGES:?} installed into {} but incomplete",
+            dir.display()
+        ),
+        Err(e) => {
+            eprintln!("SKIPPED: could not install {PACKAGES:?} from npm (unreachable?): {e}");
+            None
+        }
+    }
+}

@@ -420,6 +420,127 @@ pub async fn operator_scenario(mut s: Scenario) {
         .await;
     }
 
+    // Paused in HPA mode: the HPA goes (it would scale the paused workers) and comes back
+    // when the pause is lifted.
+    let annotate = |value: Option<&str>| {
+        let groups = groups.clone();
+        let patch = json!({"metadata": {"annotations": {"cosmosq.io/paused-replicas": value}}});
+        async move {
+            groups
+                .patch("billing", &PatchParams::default(), &Patch::Merge(patch))
+                .await
+                .expect("annotate the group");
+        }
+    };
+    let mode = |mode: &'static str| {
+        let groups = groups.clone();
+        async move {
+            groups
+                .patch(
+                    "billing",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"scaling": {"mode": mode}}})),
+                )
+                .await
+                .expect("switch the scaling mode");
+        }
+    };
+    mode("HPA").await;
+    until(&hpas, "billing-workers", "HPA mode's HPA", |h| h.is_some()).await;
+    annotate(Some("1")).await;
+    until(
+        &hpas,
+        "billing-workers",
+        "the paused group's HPA to go",
+        |h| h.is_none(),
+    )
+    .await;
+    until(
+        &deployments,
+        "billing-workers",
+        "the pause's 1 replica",
+        |d| d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(1),
+    )
+    .await;
+    annotate(None).await;
+    until(
+        &hpas,
+        "billing-workers",
+        "the HPA back after the pause",
+        |h| h.is_some(),
+    )
+    .await;
+
+    // External mode: the group's scale subresource (what `kubectl scale qcg`, an HPA or a KEDA
+    // ScaledObject use) sets the workers; the operator only measures.
+    mode("External").await;
+    until(
+        &hpas,
+        "billing-workers",
+        "External mode without an HPA",
+        |h| h.is_none(),
+    )
+    .await;
+    groups
+        .patch_scale(
+            "billing",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 2}})),
+        )
+        .await
+        .expect("scale the group");
+    until(
+        &deployments,
+        "billing-workers",
+        "the group's 2 replicas",
+        |d| d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(2),
+    )
+    .await;
+    let selector = "app.kubernetes.io/instance=billing,app.kubernetes.io/name=cosmosq-worker";
+    until(&groups, "billing", "External mode's status", |g| {
+        g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
+            s.desired_replicas == Some(2)
+                && s.backlog == Some(100)
+                && s.selector.as_deref() == Some(selector)
+        })
+    })
+    .await;
+    let scale = groups
+        .get_scale("billing")
+        .await
+        .expect("the group's scale");
+    assert_eq!(scale.spec.and_then(|s| s.replicas), Some(2));
+    assert_eq!(
+        scale.status.and_then(|s| s.selector).as_deref(),
+        Some(selector),
+        "an HPA on the group finds its pods"
+    );
+    // A pause wins over spec.replicas, and lifting it gives the workers back to it.
+    annotate(Some("0")).await;
+    until(
+        &deployments,
+        "billing-workers",
+        "the pause's 0 replicas",
+        |d| d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(0),
+    )
+    .await;
+    until(&groups, "billing", "the Paused condition", |g| {
+        g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
+            s.conditions
+                .iter()
+                .any(|c| c.type_ == "Paused" && c.status == "True")
+        })
+    })
+    .await;
+    annotate(None).await;
+    until(
+        &deployments,
+        "billing-workers",
+        "spec.replicas again",
+        |d| d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(2),
+    )
+    .await;
+
     // Deleting the group removes what it owned; deleting the queue honours `Delete`.
     groups
         .delete("billing", &DeleteParams::background())
