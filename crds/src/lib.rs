@@ -429,6 +429,10 @@ pub struct AppSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^/"))]
     pub health_path: Option<String>,
+    /// Set `DAPR_HTTP_PORT` in the app's containers to the sidecar's localhost API, so Dapr
+    /// SDKs and apps publish through it unchanged (a container's own value is kept).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dapr_env: bool,
 }
 
 fn default_app_path() -> String {

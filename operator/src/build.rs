@@ -160,6 +160,11 @@ fn metadata(qcg: &QueueConsumerGroup) -> Result<ObjectMeta, SpecError> {
     })
 }
 
+/// What Dapr SDKs and apps read to find their sidecar's HTTP API.
+pub const DAPR_HTTP_PORT: &str = "DAPR_HTTP_PORT";
+/// The sidecar's localhost API port: its default `--listen` (Dapr's port, 3500).
+pub const SIDECAR_API_PORT: u16 = 3500;
+
 fn env(name: &str, value: impl Into<String>) -> EnvVar {
     EnvVar {
         name: name.into(),
@@ -396,6 +401,12 @@ pub fn deployment(
                 .get_or_insert_with(Vec::new)
                 .push(env(env_names::GRACE_PERIOD, format!("{drain}s")));
             continue;
+        }
+        if qcg.spec.app.dapr_env {
+            let vars = container.env.get_or_insert_with(Vec::new);
+            if !vars.iter().any(|v| v.name == DAPR_HTTP_PORT) {
+                vars.push(env(DAPR_HTTP_PORT, SIDECAR_API_PORT.to_string()));
+            }
         }
         let lifecycle = container.lifecycle.get_or_insert_with(Lifecycle::default);
         if lifecycle.pre_stop.is_none() {
@@ -1086,6 +1097,43 @@ mod tests {
                 .unwrap()
                 .stabilization_window_seconds,
             Some(120)
+        );
+    }
+
+    #[test]
+    fn dapr_env_points_the_apps_at_the_sidecar_and_keeps_their_own() {
+        let dapr_port = |g: &QueueConsumerGroup| {
+            let d = build(g, &key_queue(), &defaults()).unwrap();
+            let pod = d.spec.unwrap().template.spec.unwrap();
+            pod.containers
+                .iter()
+                .map(|c| {
+                    let value = c
+                        .env
+                        .iter()
+                        .flatten()
+                        .find(|v| v.name == DAPR_HTTP_PORT)
+                        .and_then(|v| v.value.clone());
+                    (c.name.clone(), value)
+                })
+                .collect::<Vec<_>>()
+        };
+        let off = dapr_port(&group(json!({})));
+        assert!(off.iter().all(|(_, v)| v.is_none()), "{off:?}");
+        let on = group(json!({
+            "app": {"port": 8080, "daprEnv": true},
+            "template": {"spec": {"containers": [
+                {"name": "app", "image": "example/app:1"},
+                {"name": "helper", "image": "example/helper:1",
+                 "env": [{"name": "DAPR_HTTP_PORT", "value": "3600"}]}]}}
+        }));
+        assert_eq!(
+            dapr_port(&on),
+            [
+                ("app".to_owned(), Some("3500".to_owned())),
+                ("helper".to_owned(), Some("3600".to_owned())),
+                (SIDECAR_CONTAINER.to_owned(), None),
+            ]
         );
     }
 

@@ -35,6 +35,8 @@ pub struct ApiState {
     pub stopping: CancellationToken,
     /// Cancelled once it has drained: deliveries settled, leases released.
     pub drained: CancellationToken,
+    /// The pub/sub name of the app's subscription, accepted for publishing too.
+    pub pubsub_name: std::sync::OnceLock<String>,
 }
 
 /// How long `/drained` waits for this sidecar to begin stopping. A pod being deleted sends

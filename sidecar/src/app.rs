@@ -68,6 +68,65 @@ fn header_safe(value: &str) -> bool {
 
 /// The request a delivery becomes (pure): a CloudEvent or the raw body, with its headers.
 pub fn build_request(delivery: &Delivery, format: Format, trace: &TraceContext) -> AppRequest {
+    let event = (format == Format::Cloudevents).then(|| cloud_event(delivery, trace, PUBSUB_NAME));
+    request_with_event(delivery, event, trace)
+}
+
+/// The `Content-Type` of a message's body: its own, or what its body is.
+fn body_content_type(delivery: &Delivery) -> String {
+    let message = &delivery.message;
+    message
+        .content_type
+        .clone()
+        .unwrap_or_else(|| match message.body {
+            Body::Json(_) => "application/json".into(),
+            Body::Bytes(_) => "application/octet-stream".into(),
+        })
+}
+
+/// The CloudEvent of a delivery (pure), under the pub/sub name the app knows: what the app
+/// receives, and what subscription rules are judged on.
+pub fn cloud_event(delivery: &Delivery, trace: &TraceContext, pubsub_name: &str) -> Value {
+    let message = &delivery.message;
+    let body_content_type = body_content_type(delivery);
+    let mut event = json!({
+        "specversion": "1.0",
+        "id": message.id,
+        "source": format!("cosmosq/{}", delivery.queue),
+        "type": "io.cosmosq.message",
+        "datacontenttype": body_content_type,
+        "time": format_ms(message.enqueued_at),
+        "subject": message.partition_key.to_string(),
+        "topic": delivery.queue,
+        "pubsubname": pubsub_name,
+        // As Dapr writes them: `traceid` holds the traceparent too.
+        "traceid": trace.traceparent,
+        "traceparent": trace.traceparent,
+    });
+    if let Some(state) = &trace.tracestate {
+        event["tracestate"] = json!(state);
+    }
+    let text = body_content_type.starts_with("text/");
+    match &message.body {
+        Body::Json(v) => event["data"] = v.clone(),
+        // Text as a string in `data`, as Dapr delivers what was published as text.
+        Body::Bytes(b) if text && std::str::from_utf8(b).is_ok() => {
+            event["data"] = json!(String::from_utf8_lossy(b))
+        }
+        Body::Bytes(b) => {
+            event["data_base64"] = json!(base64::engine::general_purpose::STANDARD.encode(b))
+        }
+    }
+    event
+}
+
+/// The request of a delivery (pure): `event` as the body when given (a CloudEvent), else
+/// the message's body as it is; the headers either way.
+pub fn request_with_event(
+    delivery: &Delivery,
+    event: Option<Value>,
+    trace: &TraceContext,
+) -> AppRequest {
     let message = &delivery.message;
     let mut headers = vec![
         (headers::MESSAGE_ID.to_owned(), message.id.clone()),
@@ -100,55 +159,17 @@ pub fn build_request(delivery: &Delivery, format: Format, trace: &TraceContext) 
         }
     }
     headers.retain(|(_, v)| header_safe(v));
-    let body_content_type = message
-        .content_type
-        .clone()
-        .unwrap_or_else(|| match message.body {
-            Body::Json(_) => "application/json".into(),
-            Body::Bytes(_) => "application/octet-stream".into(),
-        });
-    match format {
-        Format::Raw => AppRequest {
-            content_type: body_content_type,
+    match event {
+        None => AppRequest {
+            content_type: body_content_type(delivery),
             headers,
             body: message.body.to_bytes(),
         },
-        Format::Cloudevents => {
-            let mut event = json!({
-                "specversion": "1.0",
-                "id": message.id,
-                "source": format!("cosmosq/{}", delivery.queue),
-                "type": "io.cosmosq.message",
-                "datacontenttype": body_content_type,
-                "time": format_ms(message.enqueued_at),
-                "subject": message.partition_key.to_string(),
-                "topic": delivery.queue,
-                "pubsubname": PUBSUB_NAME,
-                // As Dapr writes them: `traceid` holds the traceparent too.
-                "traceid": trace.traceparent,
-                "traceparent": trace.traceparent,
-            });
-            if let Some(state) = &trace.tracestate {
-                event["tracestate"] = json!(state);
-            }
-            let text = body_content_type.starts_with("text/");
-            match &message.body {
-                Body::Json(v) => event["data"] = v.clone(),
-                // Text as a string in `data`, as Dapr delivers what was published as text.
-                Body::Bytes(b) if text && std::str::from_utf8(b).is_ok() => {
-                    event["data"] = json!(String::from_utf8_lossy(b))
-                }
-                Body::Bytes(b) => {
-                    event["data_base64"] =
-                        json!(base64::engine::general_purpose::STANDARD.encode(b))
-                }
-            }
-            AppRequest {
-                content_type: "application/cloudevents+json".into(),
-                headers,
-                body: serde_json::to_vec(&event).unwrap_or_default(),
-            }
-        }
+        Some(event) => AppRequest {
+            content_type: "application/cloudevents+json".into(),
+            headers,
+            body: serde_json::to_vec(&event).unwrap_or_default(),
+        },
     }
 }
 

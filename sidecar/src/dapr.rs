@@ -1,6 +1,7 @@
 //! Dapr's publish API on the sidecar's localhost port, so an app (or a Dapr SDK client) that
 //! publishes with `POST /v1.0/publish/<pubsubname>/<topic>` works unchanged: the pub/sub is
-//! [`crate::app::PUBSUB_NAME`], the topic is the sidecar's queue. Answers and error bodies are
+//! [`crate::app::PUBSUB_NAME`] or the name the app's own subscription gives, the topic is the
+//! sidecar's queue. Answers and error bodies are
 //! Dapr's (`204`; `{"errorCode": "ERR_PUBSUB_NOT_FOUND", "message": …}`).
 
 use std::collections::HashMap;
@@ -84,9 +85,15 @@ impl IntoResponse for PublishError {
     }
 }
 
-/// Which pub/sub and topic a publish names, checked against this sidecar's.
-pub fn check_target(pubsub: &str, topic: &str, queue: &str) -> Result<(), PublishError> {
-    if pubsub != PUBSUB_NAME {
+/// Which pub/sub and topic a publish names, checked against this sidecar's: its own name, or
+/// the one the app's subscription gave (an unmodified Dapr app publishes under that).
+pub fn check_target(
+    pubsub: &str,
+    topic: &str,
+    queue: &str,
+    apps_name: Option<&str>,
+) -> Result<(), PublishError> {
+    if pubsub != PUBSUB_NAME && Some(pubsub) != apps_name {
         return Err(PublishError::PubsubNotFound(pubsub.to_owned()));
     }
     if topic != queue {
@@ -195,7 +202,8 @@ pub async fn publish(
     body: axum::body::Bytes,
 ) -> Response {
     let published = async {
-        check_target(&pubsub, &topic, state.queue.name())?;
+        let apps_name = state.pubsub_name.get().map(String::as_str);
+        check_target(&pubsub, &topic, state.queue.name(), apps_name)?;
         let content_type = headers
             .get(axum::http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok());
@@ -235,8 +243,10 @@ mod tests {
 
     #[test]
     fn only_this_sidecars_pubsub_and_queue_are_published_to() {
-        assert!(check_target("cosmosq", "orders", "orders").is_ok());
-        let e = check_target("redis-pubsub", "orders", "orders").unwrap_err();
+        assert!(check_target("cosmosq", "orders", "orders", None).is_ok());
+        // The name the app's own subscription uses, as an unmodified Dapr app publishes.
+        assert!(check_target("pubsub", "orders", "orders", Some("pubsub")).is_ok());
+        let e = check_target("redis-pubsub", "orders", "orders", Some("pubsub")).unwrap_err();
         assert_eq!(
             (e.code(), e.status(), e.to_string().as_str()),
             (
@@ -245,7 +255,7 @@ mod tests {
                 "pubsub 'redis-pubsub' not found"
             )
         );
-        let e = check_target("cosmosq", "payments", "orders").unwrap_err();
+        let e = check_target("cosmosq", "payments", "orders", None).unwrap_err();
         assert_eq!(
             (e.code(), e.status()),
             ("ERR_PUBSUB_FORBIDDEN", StatusCode::FORBIDDEN)

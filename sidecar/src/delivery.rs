@@ -33,6 +33,11 @@ pub struct AppClient<T = HttpTransport> {
 }
 
 impl<T: AppTransport> AppClient<T> {
+    /// How it reaches the app.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
     /// The app, reached through `transport`.
     pub fn new(transport: T, metrics: Arc<Metrics>) -> Self {
         Self {

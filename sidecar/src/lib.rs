@@ -16,4 +16,5 @@ pub mod error;
 pub mod isolation;
 pub mod metrics;
 pub mod run;
+pub mod subscribe;
 pub mod transport;

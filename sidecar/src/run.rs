@@ -16,6 +16,7 @@ use crate::deletion_cost::{self, PodPatcher};
 use crate::delivery::AppClient;
 use crate::error::SidecarError;
 use crate::metrics::Metrics;
+use crate::subscribe;
 use crate::transport::HttpTransport;
 
 /// The app client shared between the lease loop (as its handler) and readiness.
@@ -68,6 +69,7 @@ pub async fn run_with_client(
         ready: false.into(),
         stopping: shutdown.clone(),
         drained: CancellationToken::new(),
+        pubsub_name: std::sync::OnceLock::new(),
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -103,14 +105,30 @@ pub async fn run_with_client(
     info!(listen = %config.listen, queue = %config.queue, group = %config.group, %owner, "sidecar started; waiting for the app");
 
     let background = CancellationToken::new();
-    if !wait_for_app(&config, &shutdown).await {
+    // Nothing is delivered to routes the app did not mean: broken subscriptions stop the
+    // sidecar, saying why.
+    let started = if wait_for_app(&config, &shutdown).await {
+        match subscribe::discover(config.app_port, &config.queue).await {
+            Ok(subscription) => {
+                if let Some(subscription) = subscription {
+                    let _ = state.pubsub_name.set(subscription.pubsub_name.clone());
+                    app.transport().subscribe(subscription);
+                }
+                Ok(true)
+            }
+            Err(e) => Err(SidecarError::Config(e.to_string())),
+        }
+    } else {
+        Ok(false)
+    };
+    if !matches!(started, Ok(true)) {
         state.drained.cancel();
         api_stop.cancel();
         let _ = server.await;
         if let Some(probes) = probes {
             let _ = probes.await;
         }
-        return Ok(());
+        return started.map(|_| ());
     }
     state.ready.store(true, Ordering::Relaxed);
     info!(

@@ -5,12 +5,14 @@
 //! for every transport.
 
 use std::future::Future;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use cosmosq_queue::Delivery;
 use tracing::warn;
 
 use crate::app::{self, Answer, Format};
+use crate::subscribe::{Route, Subscription};
 
 /// The most of an answer's body we read: enough for `{"status": ...}`. A longer answer is
 /// judged by [`app::classify_prefix`]; the rest is dropped with the connection.
@@ -39,9 +41,12 @@ pub trait AppTransport: Send + Sync + 'static {
 /// `POST http://127.0.0.1:<port><path>`, as Dapr's pub/sub delivers.
 pub struct HttpTransport {
     http: reqwest::Client,
-    url: String,
+    base: String,
+    path: String,
     format: Format,
     timeout: Duration,
+    /// The app's own subscription, once discovered (before the first delivery).
+    subscription: OnceLock<Subscription>,
 }
 
 impl HttpTransport {
@@ -53,19 +58,55 @@ impl HttpTransport {
                 .pool_idle_timeout(Duration::from_secs(30))
                 .build()
                 .expect("a plain HTTP client builds"),
-            url: format!("http://127.0.0.1:{port}{path}"),
+            base: format!("http://127.0.0.1:{port}"),
+            path: path.to_owned(),
             format,
             timeout,
+            subscription: OnceLock::new(),
         }
+    }
+
+    /// Routes by the app's own subscription (from `GET /dapr/subscribe`) instead of the
+    /// path, from now on; the first one set stays.
+    pub fn subscribe(&self, subscription: Subscription) {
+        let _ = self.subscription.set(subscription);
+    }
+
+    /// The path and request of a delivery, or why it has no route (pure but for the clock
+    /// of a new trace).
+    fn request(&self, delivery: &Delivery) -> Result<(&str, app::AppRequest), String> {
+        let trace = app::trace(delivery);
+        let Some(subscription) = self.subscription.get() else {
+            let request = app::build_request(delivery, self.format, &trace);
+            return Ok((&self.path, request));
+        };
+        let event = app::cloud_event(delivery, &trace, &subscription.pubsub_name);
+        let path = match subscription.route(&event) {
+            Route::Path(path) => path,
+            Route::Unmatched(reason) => return Err(reason),
+        };
+        let raw = subscription.raw_payload || self.format == Format::Raw;
+        let event = (!raw).then_some(event);
+        Ok((path, app::request_with_event(delivery, event, &trace)))
     }
 }
 
 impl AppTransport for HttpTransport {
     async fn call(&self, delivery: &Delivery) -> Called {
-        let request = app::build_request(delivery, self.format, &app::trace(delivery));
+        let (path, request) = match self.request(delivery) {
+            Ok(routed) => routed,
+            // Not dropped as Dapr would: dead-lettered with the reason, for someone to see.
+            Err(reason) => {
+                return Called {
+                    answer: Answer::Drop { reason },
+                    failure: None,
+                    crashed: false,
+                }
+            }
+        };
         let mut builder = self
             .http
-            .post(&self.url)
+            .post(format!("{}{path}", self.base))
             .timeout(self.timeout)
             .header(reqwest::header::CONTENT_TYPE, request.content_type)
             .body(request.body);
@@ -140,5 +181,64 @@ impl AppTransport for HttpTransport {
                 crashed: true,
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cosmosq_queue::NewMessage;
+    use serde_json::json;
+
+    fn delivery(data: serde_json::Value) -> Delivery {
+        Delivery {
+            message: NewMessage::json(data)
+                .with_id("m-1")
+                .into_message(0)
+                .unwrap(),
+            delivery_count: 1,
+            group: "billing".into(),
+            queue: "orders".into(),
+        }
+    }
+
+    fn subscribed(entry: serde_json::Value) -> HttpTransport {
+        let transport = HttpTransport::new(1, "/configured", Format::Cloudevents, Duration::ZERO);
+        let body = serde_json::to_vec(&json!([entry])).unwrap();
+        transport.subscribe(crate::subscribe::parse(&body, "orders").unwrap().unwrap());
+        transport
+    }
+
+    #[test]
+    fn a_subscription_picks_the_path_the_body_and_the_pubsub_name() {
+        let plain = HttpTransport::new(1, "/configured", Format::Cloudevents, Duration::ZERO);
+        let (path, _) = plain.request(&delivery(json!({"kind": "a"}))).unwrap();
+        assert_eq!(path, "/configured", "no subscription: the configured path");
+
+        let routed = subscribed(
+            json!({"pubsubname": "pubsub", "topic": "orders", "routes": {
+            "rules": [{"match": "event.data.kind == \"a\"", "path": "/a"}]}}),
+        );
+        let (path, request) = routed.request(&delivery(json!({"kind": "a"}))).unwrap();
+        assert_eq!(path, "/a");
+        let event: serde_json::Value = serde_json::from_slice(&request.body).unwrap();
+        assert_eq!(event["pubsubname"], "pubsub");
+        assert_eq!(request.content_type, "application/cloudevents+json");
+        let unmatched = routed.request(&delivery(json!({"kind": "b"}))).unwrap_err();
+        assert!(
+            unmatched.contains("no subscription rule matched"),
+            "{unmatched}"
+        );
+
+        let raw = subscribed(json!({"pubsubname": "pubsub", "topic": "orders",
+            "route": "/raw", "metadata": {"rawPayload": "true"}}));
+        let (path, request) = raw.request(&delivery(json!({"kind": "b"}))).unwrap();
+        assert_eq!(path, "/raw");
+        assert_eq!(request.content_type, "application/json");
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(&request.body).unwrap(),
+            json!({"kind": "b"}),
+            "rawPayload: the body as it was enqueued"
+        );
     }
 }

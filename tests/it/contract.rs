@@ -202,3 +202,18 @@ fn the_dashboard_queries_only_metrics_that_exist() {
         operator.render()
     );
 }
+
+/// `app.daprEnv`: the app's `DAPR_HTTP_PORT` is the port the sidecar, configured as the
+/// operator configures it, serves its localhost API (and Dapr's publish) on.
+#[test]
+fn dapr_http_port_names_the_port_the_sidecar_listens_on() {
+    let environment = sidecar_environment(json!({}));
+    let config = parse(&environment);
+    assert_eq!(
+        config.listen.port(),
+        cosmosq_operator::build::SIDECAR_API_PORT,
+        "{:?}",
+        config.listen
+    );
+    assert!(config.listen.ip().is_loopback(), "localhost only");
+}

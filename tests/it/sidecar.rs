@@ -1009,3 +1009,159 @@ async fn messages_the_official_python_sdk_wrote_are_delivered_with_their_key_typ
     sidecar.await.unwrap().unwrap();
     served.stop.cancel();
 }
+
+/// Ends the child process when the test ends, passed or not.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A Dapr pub/sub app written from Dapr's documentation alone (`tests/python/dapr_app.py`, a
+/// Python process that knows nothing of cosmosq) runs unchanged next to the sidecar: its
+/// programmatic subscription is discovered, each message goes to the route its CEL rules pick
+/// (or the default), its `RETRY` and `DROP` answers settle as Dapr's do, and what it publishes
+/// through `DAPR_HTTP_PORT` under its own pub/sub name is enqueued and routed in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unmodified_dapr_app_subscribes_routes_and_publishes() {
+    use std::io::BufRead;
+    let fixture = Fixture::new(2).await;
+    let (app_port, api_port) = (free_port(), free_port());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/dapr_app.py");
+    let mut child = std::process::Command::new("python3")
+        .args([script, &app_port.to_string(), "q"])
+        .env("DAPR_HTTP_PORT", api_port.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs the Dapr app");
+    let stdout = child.stdout.take().unwrap();
+    let _app = Killed(child);
+    let (lines, mut events) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines.send(line);
+        }
+    });
+    let sidecar = start_sidecar(&fixture, config("dapr", app_port, api_port, &[]));
+
+    let messages = [
+        ("widget", json!({"kind": "widget"})),
+        ("urgent", json!({"priority": 9})),
+        ("plain", json!({"priority": 1})),
+        ("flaky", json!({"flaky": true})),
+        ("publisher", json!({"publish": true})),
+        ("dropped", json!({"drop": true})),
+    ];
+    for (id, data) in &messages {
+        fixture
+            .queue
+            .enqueue(NewMessage::json(data.clone()).with_id(*id))
+            .await
+            .unwrap();
+    }
+    // Eight events: one per message, the flaky one twice, and the one the app published.
+    let mut seen: Vec<serde_json::Value> = Vec::new();
+    while seen.len() < 8 {
+        let line = tokio::time::timeout(Duration::from_secs(60), events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("the app got only {seen:?}"))
+            .expect("the app is running");
+        seen.push(serde_json::from_str(&line).unwrap());
+    }
+    let routes = |id: &str| -> Vec<&str> {
+        seen.iter()
+            .filter(|e| e["id"] == id)
+            .map(|e| e["route"].as_str().unwrap())
+            .collect()
+    };
+    assert_eq!(routes("widget"), ["/widgets"], "rule 1");
+    assert_eq!(routes("urgent"), ["/urgent"], "rule 2");
+    assert_eq!(routes("plain"), ["/orders"], "the default");
+    assert_eq!(
+        routes("flaky"),
+        ["/orders", "/orders"],
+        "RETRY delivers again"
+    );
+    assert_eq!(routes("publisher"), ["/orders"]);
+    assert_eq!(routes("dropped"), ["/orders"]);
+    let published = seen
+        .iter()
+        .find(|e| e["data"]["from"] == "app")
+        .expect("what the app published came back");
+    assert_eq!(published["route"], "/widgets", "routed by its own rules");
+    for event in &seen {
+        assert_eq!(
+            (&event["pubsubname"], &event["topic"]),
+            (&json!("pubsub"), &json!("q")),
+            "the names the app subscribed with: {event}"
+        );
+    }
+
+    let published_id = published["id"].as_str().unwrap().to_owned();
+    let ids: Vec<String> = messages
+        .iter()
+        .map(|(id, _)| (*id).to_owned())
+        .chain([published_id])
+        .collect();
+    eventually("every message settled", Duration::from_secs(30), || async {
+        let mut settled = true;
+        for id in &ids {
+            let want = if id == "dropped" {
+                MessageState::DeadLettered
+            } else {
+                MessageState::Completed
+            };
+            settled &= state(&fixture, "dapr", id).await == Some(want);
+        }
+        settled
+    })
+    .await;
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+}
+
+/// An app whose subscription cannot be used (a rule that is not CEL) stops the sidecar with
+/// the rule named, before any lease is taken: nothing goes to a route the app did not mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_dapr_subscription_stops_the_sidecar_with_the_rule_named() {
+    let fixture = Fixture::new(1).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app_port = listener.local_addr().unwrap().port();
+    let router = axum::Router::new().route(
+        "/dapr/subscribe",
+        axum::routing::get(|| async {
+            axum::Json(json!([{"pubsubname": "pubsub", "topic": "q", "routes": {
+                "rules": [{"match": "event.data.kind ==", "path": "/x"}]}}]))
+        }),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    fixture
+        .queue
+        .enqueue(NewMessage::json(json!({"kind": "x"})).with_id("kept"))
+        .await
+        .unwrap();
+    let sidecar = start_sidecar(&fixture, config("broken", app_port, free_port(), &[]));
+    let error = tokio::time::timeout(Duration::from_secs(30), sidecar.task)
+        .await
+        .expect("the sidecar stops")
+        .unwrap()
+        .expect_err("a refused subscription")
+        .to_string();
+    assert!(
+        error.contains("/dapr/subscribe") && error.contains("event.data.kind =="),
+        "{error}"
+    );
+    assert_eq!(
+        state(&fixture, "broken", "kept").await,
+        None,
+        "never delivered"
+    );
+}
