@@ -422,6 +422,11 @@ pub struct AppSpec {
     #[serde(default = "default_app_timeout")]
     #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h|d))+$"))]
     pub timeout: String,
+    /// `Push` (default): the sidecar posts each message to the app; `Pull`: the app's workers
+    /// receive and settle messages in batches through the sidecar's localhost API
+    /// (`/v1/receive`, see the README), and `port`, `path` and `format` are not used.
+    #[serde(default)]
+    pub mode: AppMode,
     /// `CloudEvents` (default: a structured CloudEvent, the message in `data`) or `Raw` (the body as is).
     #[serde(default)]
     pub format: AppFormat,
@@ -441,6 +446,18 @@ fn default_app_path() -> String {
 
 fn default_app_timeout() -> String {
     "60s".into()
+}
+
+/// How messages reach the app: `Push` or `Pull`.
+// The values are described on the field.
+#[allow(missing_docs)]
+#[derive(
+    schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
+)]
+pub enum AppMode {
+    #[default]
+    Push,
+    Pull,
 }
 
 /// What the app receives: `CloudEvents` (a CloudEvents 1.0 structured event, as Dapr

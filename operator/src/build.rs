@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use cosmosq_crds::{
-    AppFormat, CosmosQueue, Credentials, DeliveryMode, ExclusiveWrites, QueueConsumerGroup,
-    ScalingMode, StartFrom,
+    AppFormat, AppMode, CosmosQueue, Credentials, DeliveryMode, ExclusiveWrites,
+    QueueConsumerGroup, ScalingMode, StartFrom,
 };
 use cosmosq_queue::env as env_names;
 use cosmosq_queue::metric_names;
@@ -228,6 +228,13 @@ pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar>
         ),
         env(env_names::ORDERED, s.ordered.to_string()),
         env(env_names::APP_PORT, s.app.port.to_string()),
+        env(
+            env_names::APP_MODE,
+            match s.app.mode {
+                AppMode::Push => "push",
+                AppMode::Pull => "pull",
+            },
+        ),
         env(env_names::APP_PATH, s.app.path.clone()),
         env(
             env_names::APP_FORMAT,

@@ -501,6 +501,19 @@ impl<H: Handler> Deliverer<H> {
             };
             // Ordered groups retry in place, keeping the key, until the attempts run out.
             match outcome {
+                // The range stops and the app never saw it: give it back as it was, no
+                // attempt counted (a recorded claim), or leave it before the checkpoint for
+                // the range's next reader (an unrecorded one).
+                Outcome::Undelivered { error, .. } if give_up.is_cancelled() => {
+                    debug!(group = self.group.name(), message_id = %id, %error, "not delivered before the range stopped; given back");
+                    if !claim.is_recorded() {
+                        return Fate::Unstarted;
+                    }
+                    if let Err(e) = self.group.release(&claim).await {
+                        self.failed("release", &id, e);
+                    }
+                    return Fate::Pending;
+                }
                 Outcome::Undelivered { error, delay }
                     if undelivered_since
                         .get_or_insert_with(tokio::time::Instant::now)

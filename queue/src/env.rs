@@ -35,6 +35,8 @@ pub const APP_PORT: &str = "COSMOSQ_APP_PORT";
 pub const APP_PATH: &str = "COSMOSQ_APP_PATH";
 /// `cloudevents` or `raw`.
 pub const APP_FORMAT: &str = "COSMOSQ_APP_FORMAT";
+/// `push` (deliveries posted to the app) or `pull` (workers receive through the API).
+pub const APP_MODE: &str = "COSMOSQ_APP_MODE";
 /// How long the app may take for one message.
 pub const APP_TIMEOUT: &str = "COSMOSQ_APP_TIMEOUT";
 /// The app's readiness path (a TCP connect when unset).

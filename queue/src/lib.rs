@@ -30,6 +30,7 @@ pub mod message;
 pub mod metric_names;
 pub mod process;
 pub mod producer;
+pub mod pull;
 pub mod queue;
 pub mod range;
 pub mod scaling;

@@ -37,6 +37,8 @@ pub struct ApiState {
     pub drained: CancellationToken,
     /// The pub/sub name of the app's subscription, accepted for publishing too.
     pub pubsub_name: std::sync::OnceLock<String>,
+    /// A pull group's receive side; `None` for push.
+    pub puller: Option<cosmosq_queue::pull::Puller>,
 }
 
 /// How long `/drained` waits for this sidecar to begin stopping. A pod being deleted sends
@@ -76,6 +78,12 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/enqueue", post(enqueue))
         .route("/v1/enqueue/batch", post(enqueue_batch))
         .route("/v1.0/publish/{pubsub}/{topic}", post(crate::dapr::publish))
+        .route("/v1/receive", post(crate::pull::receive))
+        .route(
+            "/v1/messages/{lock_token}/{action}",
+            post(crate::pull::settle_one),
+        )
+        .route("/v1/settle", post(crate::pull::settle_many))
         .route("/healthz", get(|| async { "ok" }))
         .route("/v1.0/healthz", get(crate::dapr::healthz))
         .route("/v1.0/healthz/outbound", get(crate::dapr::healthz))

@@ -17,6 +17,16 @@ fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| e.to_string())
 }
 
+/// How messages reach the app.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum AppMode {
+    /// Posted to the app, one request per message.
+    #[default]
+    Push,
+    /// Received by workers through the localhost API.
+    Pull,
+}
+
 /// Delivers a cosmosq queue to the app next to it.
 ///
 /// Every setting is a flag or the `COSMOSQ_*` variable the operator sets.
@@ -56,6 +66,10 @@ pub struct Config {
     /// The path messages are POSTed to.
     #[arg(long, env = env::APP_PATH, default_value = "/")]
     pub app_path: String,
+    /// `push`: each message is posted to the app; `pull`: workers receive and settle them
+    /// through the localhost API (`/v1/receive`), and the app's port is not waited for.
+    #[arg(long, env = env::APP_MODE, value_enum, default_value_t = AppMode::Push)]
+    pub app_mode: AppMode,
     /// What the app receives: `cloudevents` or `raw`.
     #[arg(long, env = env::APP_FORMAT, value_enum, default_value_t = Format::Cloudevents)]
     pub app_format: Format,

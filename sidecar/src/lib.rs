@@ -15,6 +15,7 @@ pub mod delivery;
 pub mod error;
 pub mod isolation;
 pub mod metrics;
+pub mod pull;
 pub mod run;
 pub mod subscribe;
 pub mod transport;

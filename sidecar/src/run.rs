@@ -5,13 +5,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cosmosq_queue::host::Host;
+use cosmosq_queue::pull::Pull;
 use cosmosq_queue::{CosmosClient, Delivery, Handler, Outcome, Queue};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::api::{self, ApiState};
-use crate::config::Config;
+use crate::config::{AppMode, Config};
 use crate::deletion_cost::{self, PodPatcher};
 use crate::delivery::AppClient;
 use crate::error::SidecarError;
@@ -20,11 +21,18 @@ use crate::subscribe;
 use crate::transport::HttpTransport;
 
 /// The app client shared between the lease loop (as its handler) and readiness.
-struct SharedApp(Arc<AppClient>);
+/// The group's handler: the app pushed to, or the workers' pull queue.
+enum App {
+    Push(Arc<AppClient>),
+    Pull(Pull),
+}
 
-impl Handler for SharedApp {
+impl Handler for App {
     async fn handle(&self, delivery: Delivery) -> Outcome {
-        self.0.handle(delivery).await
+        match self {
+            App::Push(app) => app.handle(delivery).await,
+            App::Pull(pull) => pull.handle(delivery).await,
+        }
     }
 }
 
@@ -61,7 +69,17 @@ pub async fn run_with_client(
         config.app_timeout,
     );
     let app = Arc::new(AppClient::new(transport, Arc::clone(&metrics)));
-    let host = Host::new(group.clone(), SharedApp(Arc::clone(&app)), options);
+    let (handler, puller) = match config.app_mode {
+        AppMode::Push => (App::Push(Arc::clone(&app)), None),
+        AppMode::Pull => {
+            let (pull, puller) = cosmosq_queue::pull::pull();
+            (
+                App::Pull(pull.stopping_with(shutdown.clone())),
+                Some(puller),
+            )
+        }
+    };
+    let host = Host::new(group.clone(), handler, options);
     let state = Arc::new(ApiState {
         queue: queue.clone(),
         metrics: Arc::clone(&metrics),
@@ -70,6 +88,7 @@ pub async fn run_with_client(
         stopping: shutdown.clone(),
         drained: CancellationToken::new(),
         pubsub_name: std::sync::OnceLock::new(),
+        puller,
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -107,7 +126,10 @@ pub async fn run_with_client(
     let background = CancellationToken::new();
     // Nothing is delivered to routes the app did not mean: broken subscriptions stop the
     // sidecar, saying why.
-    let started = if wait_for_app(&config, &shutdown).await {
+    let started = if config.app_mode == AppMode::Pull {
+        // Workers come to the sidecar: there is no app port to wait for.
+        Ok(true)
+    } else if wait_for_app(&config, &shutdown).await {
         match subscribe::discover(config.app_port, &config.queue).await {
             Ok(subscription) => {
                 if let Some(subscription) = subscription {

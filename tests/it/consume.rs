@@ -325,3 +325,85 @@ async fn a_stream_host_retries_failures_and_dead_letters_drops() {
         "retry m7, claim m7, complete m7, dead-letter m9: {spent:?}"
     );
 }
+
+/// A pull consumer that stops while messages wait for a worker gives them back at once,
+/// without counting a delivery (nobody saw them), in both write paths and stream mode: the
+/// next consumer receives each as its first delivery, and the stop did not wait out a lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_consumer_stopping_gives_back_what_no_worker_received() {
+    use cosmosq_queue::pull::{pull, Verdict};
+    for (name, config) in [
+        ("lease", GroupConfig::new("pull-lease")),
+        (
+            "claims",
+            GroupConfig::new("pull-claims")
+                .with_exclusive_writes(cosmosq_queue::ExclusiveWrites::Claims),
+        ),
+        (
+            "stream",
+            GroupConfig::new("pull-stream").with_mode(DeliveryMode::Stream),
+        ),
+    ] {
+        let fixture = Fixture::new(1).await;
+        let config = config
+            .with_start_from(StartFrom::Beginning)
+            .with_lock_duration(Duration::from_secs(300));
+        fixture
+            .enqueue_all(
+                (0..3)
+                    .map(|i| NewMessage::json(json!({"i": i})).with_id(format!("m{i}")))
+                    .collect(),
+            )
+            .await;
+        let stop = CancellationToken::new();
+        let (handler, puller) = pull();
+        let first = spawn_host(
+            &fixture,
+            config.clone(),
+            "first".into(),
+            FAST_SWEEP,
+            handler.stopping_with(stop.clone()),
+            &stop,
+        );
+        cosmosq_tests::eventually(
+            &format!("{name}: the messages wait for a worker"),
+            Duration::from_secs(30),
+            || async { puller.counts().0 == 3 },
+        )
+        .await;
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(30), first)
+            .await
+            .unwrap_or_else(|_| panic!("{name}: the stop waited for a worker or a lock"))
+            .unwrap();
+
+        let again = CancellationToken::new();
+        let (handler, puller) = pull();
+        let second = spawn_host(
+            &fixture,
+            config,
+            "second".into(),
+            FAST_SWEEP,
+            handler,
+            &again,
+        );
+        let mut seen = Vec::new();
+        while seen.len() < 3 {
+            for r in puller
+                .receive(3, Duration::from_secs(30), Duration::from_secs(30))
+                .await
+            {
+                seen.push((r.delivery.message.id.clone(), r.delivery.delivery_count));
+                puller.settle(&r.lock_token, Verdict::Complete).unwrap();
+            }
+        }
+        seen.sort();
+        assert_eq!(
+            seen,
+            [("m0".into(), 1), ("m1".into(), 1), ("m2".into(), 1)],
+            "{name}: no delivery counted for what nobody received"
+        );
+        again.cancel();
+        second.await.unwrap();
+    }
+}

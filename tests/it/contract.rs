@@ -95,6 +95,7 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
                "retry": {"maxDeliveryAttempts": 4, "initialBackoff": "2s", "maxBackoff": "2m"}}),
         // The lowercase spellings of earlier versions mean the same.
         json!({"deliveryMode": "stream", "startFrom": "beginning", "app": {"port": 9000, "format": "raw"}}),
+        json!({"deliveryMode": "Stream", "startFrom": "Beginning", "app": {"port": 9000, "mode": "Pull"}}),
     ] {
         let environment = sidecar_environment(group.clone());
         let config = parse(&environment);
@@ -113,6 +114,16 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
             assert_eq!(config.grace_period, std::time::Duration::from_secs(70));
         }
         assert_eq!(config.ordered, group["ordered"] == true, "{group}");
+        let pull = group["app"]["mode"] == "Pull";
+        assert_eq!(
+            config.app_mode,
+            if pull {
+                cosmosq_sidecar::config::AppMode::Pull
+            } else {
+                cosmosq_sidecar::config::AppMode::Push
+            },
+            "{group}"
+        );
         if group["app"]["timeout"] == "5m" {
             assert_eq!(config.app_timeout, std::time::Duration::from_secs(300));
             assert_eq!(config.grace_period, std::time::Duration::from_secs(310));

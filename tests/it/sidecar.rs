@@ -1165,3 +1165,141 @@ async fn a_broken_dapr_subscription_stops_the_sidecar_with_the_rule_named() {
         "never delivered"
     );
 }
+
+/// Runs `tests/python/pull_worker.py` with `args` to its end; its JSON lines.
+async fn pull_worker(args: Vec<String>) -> (bool, Vec<serde_json::Value>) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/pull_worker.py");
+    let run = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg(script)
+            .args(args)
+            .output()
+            .expect("python3 runs the worker")
+    });
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the worker ends")
+        .unwrap();
+    let lines = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    if !out.status.success() {
+        eprintln!("worker stderr: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    (out.status.success(), lines)
+}
+
+/// A pull group (`--app-mode pull`) served to a worker process that only pulls: a first
+/// worker takes a batch and crashes without settling it, and its messages come back to the
+/// next worker after the visibility timeout, their delivery count one higher; that worker
+/// receives in batches with long polling, completes in a batch, renews, abandons and
+/// dead-letters, and every message ends as it decided.
+/// In each delivery mode and exclusive write path, and in an ordered group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_worker_receives_settles_in_batches_and_a_crashed_ones_messages_come_back() {
+    for (group, extra) in [
+        ("pullers", &[][..]),
+        ("stream-pullers", &["--mode", "stream"][..]),
+        ("claims-pullers", &["--exclusive-writes", "claims"][..]),
+        ("ordered-pullers", &["--ordered"][..]),
+    ] {
+        pull_group(group, extra).await;
+    }
+}
+
+async fn pull_group(group: &str, extra: &[&str]) {
+    let fixture = Fixture::new(2).await;
+    let api_port = free_port();
+    let mut args = vec!["--app-mode", "pull"];
+    args.extend_from_slice(extra);
+    // No app listens: a pull group does not wait for one.
+    let sidecar = start_sidecar(&fixture, config(group, free_port(), api_port, &args));
+    let fate = |i: usize| match i {
+        3 => "abandon-once",
+        7 => "dead",
+        _ => "ok",
+    };
+    let batch = (0..20)
+        .map(|i| NewMessage::json(json!({"fate": fate(i)})).with_id(format!("m{i:02}")))
+        .collect();
+    for result in fixture.queue.enqueue_batch(batch).await {
+        result.unwrap();
+    }
+    let api = sidecar.api.clone();
+    let http = reqwest::Client::new();
+    eventually("the sidecar is ready", Duration::from_secs(10), || async {
+        http.get(format!("{api}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+
+    let (clean, crashed) = pull_worker(vec![api.clone(), "crash".into()]).await;
+    assert!(!clean, "{group}: the first worker died");
+    assert!(!crashed.is_empty(), "it had received a batch");
+    assert!(
+        crashed.iter().all(|m| m["deliveryCount"] == 1),
+        "{crashed:?}"
+    );
+
+    let (clean, worked) = pull_worker(vec![api.clone(), "work".into(), "20".into()]).await;
+    assert!(clean, "{group}: {worked:?}");
+    let counts = |id: &str| -> Vec<(u64, String)> {
+        worked
+            .iter()
+            .filter(|m| m["id"] == id)
+            .map(|m| {
+                (
+                    m["deliveryCount"].as_u64().unwrap(),
+                    m["action"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    };
+    for m in &crashed {
+        let id = m["id"].as_str().unwrap();
+        let (count, _) = counts(id)[0].clone();
+        assert_eq!(
+            count, 2,
+            "{group} {id}: back after the visibility timeout, count + 1"
+        );
+    }
+    let abandoned = counts("m03");
+    assert_eq!(abandoned.len(), 2, "{abandoned:?}");
+    assert_eq!(abandoned[0].1, "abandon");
+    assert_eq!(
+        abandoned[1].0,
+        abandoned[0].0 + 1,
+        "delivered again after abandon"
+    );
+    assert_eq!(counts("m07").last().unwrap().1, "dead-letter");
+
+    eventually(
+        "every message as the worker decided",
+        Duration::from_secs(30),
+        || async {
+            let mut settled = true;
+            for i in 0..20 {
+                let want = if i == 7 {
+                    MessageState::DeadLettered
+                } else {
+                    MessageState::Completed
+                };
+                settled &= state(&fixture, group, &format!("m{i:02}")).await == Some(want);
+            }
+            settled
+        },
+    )
+    .await;
+    // A lock that is no longer held is refused, not settled twice.
+    let gone = http
+        .post(format!("{api}/v1/messages/not-a-token/complete"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 410);
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+}
