@@ -78,6 +78,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/enqueue", post(enqueue))
         .route("/v1/enqueue/batch", post(enqueue_batch))
         .route("/v1.0/publish/{pubsub}/{topic}", post(crate::dapr::publish))
+        .route(
+            "/v1.0-alpha1/publish/bulk/{pubsub}/{topic}",
+            post(crate::dapr::publish_bulk),
+        )
         .route("/v1/receive", post(crate::pull::receive))
         .route(
             "/v1/messages/{lock_token}/{action}",

@@ -51,6 +51,9 @@ pub enum PublishError {
     /// The queue did not take it.
     #[error("publishing failed: {0}")]
     Queue(#[from] QueueError),
+    /// A bulk publish whose body is not a list of entries.
+    #[error("the body is not a list of bulk publish entries: {0}")]
+    BulkBody(String),
 }
 
 impl PublishError {
@@ -61,14 +64,16 @@ impl PublishError {
             Self::CloudEvent(_) => "ERR_PUBSUB_CLOUD_EVENTS_SER",
             Self::Metadata { .. } => "ERR_PUBSUB_REQUEST_METADATA",
             Self::Message(_) | Self::Queue(_) => "ERR_PUBSUB_PUBLISH_MESSAGE",
+            Self::BulkBody(_) => "ERR_PUBSUB_EVENTS_SER",
         }
     }
 
     fn status(&self) -> StatusCode {
         match self {
-            Self::PubsubNotFound(_) | Self::CloudEvent(_) | Self::Metadata { .. } => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::PubsubNotFound(_)
+            | Self::CloudEvent(_)
+            | Self::Metadata { .. }
+            | Self::BulkBody(_) => StatusCode::BAD_REQUEST,
             Self::TopicForbidden { .. } => StatusCode::FORBIDDEN,
             Self::Message(MessageError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Message(_) => StatusCode::BAD_REQUEST,
@@ -224,6 +229,135 @@ pub async fn publish(
     }
 }
 
+/// One entry of a bulk publish, as Dapr's API takes it.
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct BulkEntry {
+    entry_id: String,
+    event: Value,
+    #[serde(default)]
+    content_type: Option<String>,
+    #[serde(default)]
+    metadata: HashMap<String, String>,
+}
+
+/// The messages of a bulk publish (pure), each under its `entryId`, and the entries refused
+/// with why. Each entry is what a single publish of its `event` with its `contentType` (a
+/// string event: `text/plain`, other JSON: `application/json`) would be, with the request's
+/// `metadata.*` and the entry's own `metadata` (which wins).
+pub fn bulk_messages(query: &HashMap<String, String>, body: &[u8]) -> Result<Bulk, PublishError> {
+    let entries: Vec<BulkEntry> =
+        serde_json::from_slice(body).map_err(|e| PublishError::BulkBody(e.to_string()))?;
+    let mut ids = std::collections::HashSet::new();
+    if let Some(e) = entries.iter().find(|e| !ids.insert(e.entry_id.as_str())) {
+        return Err(PublishError::BulkBody(format!(
+            "entryId {:?} appears twice",
+            e.entry_id
+        )));
+    }
+    let (mut messages, mut failed) = (Vec::new(), Vec::new());
+    for entry in entries {
+        let content_type = entry.content_type.unwrap_or_else(|| {
+            if entry.event.is_string() {
+                "text/plain".into()
+            } else {
+                "application/json".into()
+            }
+        });
+        let bytes = match (&entry.event, content_type.starts_with("text/")) {
+            (Value::String(text), true) => text.clone().into_bytes(),
+            (event, _) => serde_json::to_vec(event).unwrap_or_default(),
+        };
+        let mut params = query.clone();
+        for (key, value) in entry.metadata {
+            params.insert(format!("metadata.{key}"), value);
+        }
+        match message_of(Some(&content_type), &params, &bytes) {
+            Ok(message) => messages.push((entry.entry_id, message)),
+            Err(e) => failed.push((entry.entry_id, e.to_string())),
+        }
+    }
+    Ok(Bulk { messages, failed })
+}
+
+/// A bulk publish's entries: the messages by `entryId`, and the entries refused with why.
+#[derive(Debug)]
+pub struct Bulk {
+    /// Messages to enqueue, by entry.
+    pub messages: Vec<(String, NewMessage)>,
+    /// Entries refused, with the reason.
+    pub failed: Vec<(String, String)>,
+}
+
+/// `POST /v1.0-alpha1/publish/bulk/<pubsubname>/<topic>`: `204` when every entry was
+/// enqueued; otherwise Dapr's `500` with `{"failedEntries": [{"entryId", "error"}],
+/// "errorCode": "ERR_PUBSUB_PUBLISH_MESSAGE"}` (the others were enqueued).
+pub async fn publish_bulk(
+    State(state): State<Arc<ApiState>>,
+    Path((pubsub, topic)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let apps_name = state.pubsub_name.get().map(String::as_str);
+    let parsed = check_target(&pubsub, &topic, state.queue.name(), apps_name)
+        .and_then(|()| bulk_messages(&query, &body));
+    let Bulk {
+        messages,
+        mut failed,
+    } = match parsed {
+        Ok(parsed) => {
+            for _ in &parsed.failed {
+                state
+                    .metrics
+                    .enqueued
+                    .with_label_values(&["rejected"])
+                    .inc();
+            }
+            parsed
+        }
+        Err(e) => {
+            state
+                .metrics
+                .enqueued
+                .with_label_values(&["rejected"])
+                .inc();
+            return e.into_response();
+        }
+    };
+    let trace = crate::api::caller_trace(&headers);
+    let (entry_ids, messages): (Vec<String>, Vec<NewMessage>) = messages
+        .into_iter()
+        .map(|(id, m)| (id, m.inherit_trace(trace.as_ref())))
+        .unzip();
+    for (entry_id, result) in entry_ids
+        .into_iter()
+        .zip(state.queue.enqueue_batch(messages).await)
+    {
+        let label = match &result {
+            Ok(outcome) if outcome.is_duplicate() => "duplicate",
+            Ok(_) => "enqueued",
+            Err(_) => "rejected",
+        };
+        state.metrics.enqueued.with_label_values(&[label]).inc();
+        if let Err(e) = result {
+            failed.push((entry_id, e.to_string()));
+        }
+    }
+    if failed.is_empty() {
+        return StatusCode::NO_CONTENT.into_response();
+    }
+    let failed: Vec<Value> = failed
+        .into_iter()
+        .map(|(entry_id, error)| json!({"entryId": entry_id, "error": error}))
+        .collect();
+    (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        Json(json!({"failedEntries": failed, "errorCode": "ERR_PUBSUB_PUBLISH_MESSAGE"})),
+    )
+        .into_response()
+}
+
 /// Dapr's health endpoints (`/v1.0/healthz`, `/v1.0/healthz/outbound`, which Dapr SDKs wait
 /// on before their first call): 204 once the sidecar is up.
 pub async fn healthz() -> StatusCode {
@@ -239,6 +373,48 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn bulk_entries_are_single_publishes_each_and_fail_alone() {
+        let body = serde_json::to_vec(&json!([
+            {"entryId": "1", "event": "first text message", "contentType": "text/plain"},
+            {"entryId": "2", "event": {"message": "second JSON message"}},
+            {"entryId": "3", "event": {"specversion": "1.0", "id": "ev-3", "source": "s",
+                "type": "t", "data": {"n": 3}}, "contentType": "application/cloudevents+json",
+                "metadata": {"ttlInSeconds": "10"}},
+            {"entryId": "4", "event": {"x": 1}, "metadata": {"ttlInSeconds": "soon"}}
+        ]))
+        .unwrap();
+        let Bulk { messages, failed } =
+            bulk_messages(&query(&[("metadata.source", "bulk")]), &body).unwrap();
+        let ids: Vec<&str> = messages.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, ["1", "2", "3"]);
+        let built: Vec<cosmosq_queue::Message> = messages
+            .into_iter()
+            .map(|(_, m)| m.into_message(0).unwrap())
+            .collect();
+        assert_eq!(built[0].body.to_bytes(), b"first text message");
+        assert_eq!(built[0].content_type.as_deref(), Some("text/plain"));
+        assert_eq!(
+            built[1].body,
+            cosmosq_queue::Body::Json(json!({"message": "second JSON message"}))
+        );
+        assert_eq!(built[2].id, "ev-3", "the publisher's event id");
+        assert_eq!(built[2].ttl_secs, Some(10));
+        assert!(built.iter().all(|m| m.metadata["source"] == "bulk"));
+        assert_eq!(failed.len(), 1);
+        assert_eq!(failed[0].0, "4");
+        assert!(failed[0].1.contains("ttlInSeconds"), "{failed:?}");
+
+        for bad in [
+            &b"{}"[..],
+            br#"[{"event": 1}]"#,
+            br#"[{"entryId":"a","event":1},{"entryId":"a","event":2}]"#,
+        ] {
+            let e = bulk_messages(&HashMap::new(), bad).unwrap_err();
+            assert_eq!(e.code(), "ERR_PUBSUB_EVENTS_SER", "{e}");
+        }
     }
 
     #[test]

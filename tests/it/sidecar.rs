@@ -1057,6 +1057,7 @@ async fn an_unmodified_dapr_app_subscribes_routes_and_publishes() {
         ("flaky", json!({"flaky": true})),
         ("publisher", json!({"publish": true})),
         ("dropped", json!({"drop": true})),
+        ("bulk-publisher", json!({"bulk": true})),
     ];
     for (id, data) in &messages {
         fixture
@@ -1065,9 +1066,10 @@ async fn an_unmodified_dapr_app_subscribes_routes_and_publishes() {
             .await
             .unwrap();
     }
-    // Eight events: one per message, the flaky one twice, and the one the app published.
+    // Eleven events: one per message, the flaky one twice, the one the app published and the
+    // two it published in bulk.
     let mut seen: Vec<serde_json::Value> = Vec::new();
-    while seen.len() < 8 {
+    while seen.len() < 11 {
         let line = tokio::time::timeout(Duration::from_secs(60), events.recv())
             .await
             .unwrap_or_else(|_| panic!("the app got only {seen:?}"))
@@ -1095,6 +1097,19 @@ async fn an_unmodified_dapr_app_subscribes_routes_and_publishes() {
         .find(|e| e["data"]["from"] == "app")
         .expect("what the app published came back");
     assert_eq!(published["route"], "/widgets", "routed by its own rules");
+    let bulk_widget = seen
+        .iter()
+        .find(|e| e["data"]["from"] == "bulk")
+        .expect("the bulk JSON entry");
+    assert_eq!(bulk_widget["route"], "/widgets");
+    let bulk_text = seen
+        .iter()
+        .find(|e| e["data"] == "bulk text")
+        .expect("the bulk text entry, its data a string as Dapr delivers text");
+    assert_eq!(
+        bulk_text["route"], "/orders",
+        "no rule matches a string's fields"
+    );
     for event in &seen {
         assert_eq!(
             (&event["pubsubname"], &event["topic"]),
@@ -1103,11 +1118,10 @@ async fn an_unmodified_dapr_app_subscribes_routes_and_publishes() {
         );
     }
 
-    let published_id = published["id"].as_str().unwrap().to_owned();
     let ids: Vec<String> = messages
         .iter()
         .map(|(id, _)| (*id).to_owned())
-        .chain([published_id])
+        .chain([published, bulk_widget, bulk_text].map(|e| e["id"].as_str().unwrap().to_owned()))
         .collect();
     eventually("every message settled", Duration::from_secs(30), || async {
         let mut settled = true;
@@ -1117,7 +1131,11 @@ async fn an_unmodified_dapr_app_subscribes_routes_and_publishes() {
             } else {
                 MessageState::Completed
             };
-            settled &= state(&fixture, "dapr", id).await == Some(want);
+            let now = state(&fixture, "dapr", id).await;
+            if now != Some(want) {
+                eprintln!("{id}: {now:?}, want {want:?}");
+                settled = false;
+            }
         }
         settled
     })

@@ -3,7 +3,7 @@
 Usage: dapr_app.py PORT TOPIC
 It declares its subscription programmatically (GET /dapr/subscribe) with routing rules, takes
 CloudEvents on the routes it declared, answers with Dapr's statuses, and publishes through the
-Dapr HTTP API at DAPR_HTTP_PORT, as Dapr's own samples do. It knows nothing of cosmosq.
+Dapr HTTP API at DAPR_HTTP_PORT (one event, and in bulk), as Dapr's own samples do. It knows nothing of cosmosq.
 Prints one JSON line per event it receives: {"route", "id", "pubsubname", "topic", "data"}.
 """
 import json
@@ -58,6 +58,18 @@ def publish(data):
         return response.status
 
 
+def publish_bulk(entries):
+    # "Bulk publish": POST /v1.0-alpha1/publish/bulk/<pubsub-name>/<topic>.
+    request = urllib.request.Request(
+        "{}/v1.0-alpha1/publish/bulk/{}/{}".format(DAPR, PUBSUB, TOPIC),
+        data=json.dumps(entries).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.status
+
+
 class Handler(BaseHTTPRequestHandler):
     def reply(self, status, body):
         payload = json.dumps(body).encode()
@@ -79,7 +91,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         length = int(self.headers.get("Content-Length", "0"))
         event = json.loads(self.rfile.read(length))
-        data = event.get("data") or {}
+        data = event.get("data")
+        fields = data if isinstance(data, dict) else {}
         record(
             {
                 "route": self.path,
@@ -90,17 +103,28 @@ class Handler(BaseHTTPRequestHandler):
             }
         )
         # Dapr's statuses: SUCCESS, RETRY, DROP.
-        if data.get("flaky") and event["id"] not in failed_once:
+        if fields.get("flaky") and event["id"] not in failed_once:
             failed_once.add(event["id"])
             self.reply(200, {"status": "RETRY"})
             return
-        if data.get("drop"):
+        if fields.get("drop"):
             self.reply(200, {"status": "DROP"})
             return
-        if data.get("publish"):
+        if fields.get("publish"):
             status = publish({"kind": "widget", "from": "app"})
             if status != 204:
                 self.reply(500, {"error": "publish answered {}".format(status)})
+                return
+        if fields.get("bulk"):
+            status = publish_bulk(
+                [
+                    {"entryId": "1", "event": "bulk text", "contentType": "text/plain"},
+                    {"entryId": "2", "event": {"kind": "widget", "from": "bulk"},
+                     "contentType": "application/json"},
+                ]
+            )
+            if status != 204:
+                self.reply(500, {"error": "bulk publish answered {}".format(status)})
                 return
         self.reply(200, {"status": "SUCCESS"})
 
