@@ -1174,10 +1174,7 @@ mod tests {
             server.event().await;
             server.scaler_status(GROUP_STATUS, group).await
         });
-        let round = scaler
-            .scale_group(&scaler.groups.state()[0], now_ms())
-            .await
-            .unwrap();
+        let round = one_round(&scaler).await;
         assert_eq!(
             round,
             Round::Decided {
@@ -1239,10 +1236,7 @@ mod tests {
             server.deployment(2).await;
             server.scaler_status(GROUP_STATUS, group).await
         });
-        let round = scaler
-            .scale_group(&scaler.groups.state()[0], now_ms())
-            .await
-            .unwrap();
+        let round = one_round(&scaler).await;
         assert_eq!(
             round,
             Round::Held {
@@ -1269,7 +1263,15 @@ mod tests {
         );
     }
 
-    /// A scaler over `group` as changed by `change` (its spec or metadata), on `setup`'s queue.
+    /// One round of the (only) group a scaler has.
+    async fn one_round(scaler: &Scaler) -> Round {
+        scaler
+            .scale_group(&scaler.groups.state()[0], now_ms())
+            .await
+            .unwrap()
+    }
+
+    /// A scaler over `group` (its spec or metadata changed), on `setup`'s queue.
     fn with_group(scaler: &Scaler, group: &Value) -> Scaler {
         Scaler::new(
             scaler.ctx.clone(),
@@ -1297,10 +1299,7 @@ mod tests {
             );
             server.scaler_status(GROUP_STATUS, group).await
         });
-        let round = scaler
-            .scale_group(&scaler.groups.state()[0], now_ms())
-            .await
-            .unwrap();
+        let round = one_round(&scaler).await;
         assert_eq!(
             round,
             Round::Held {
@@ -1328,10 +1327,7 @@ mod tests {
             // No scale request, no Event: straight to the status.
             server.scaler_status(GROUP_STATUS, group).await
         });
-        let round = scaler
-            .scale_group(&scaler.groups.state()[0], now_ms())
-            .await
-            .unwrap();
+        let round = one_round(&scaler).await;
         assert_eq!(
             round,
             Round::Held {
@@ -1366,10 +1362,7 @@ mod tests {
                 }
                 server.scaler_status(GROUP_STATUS, group).await
             });
-            let round = scaler
-                .scale_group(&scaler.groups.state()[0], now_ms())
-                .await
-                .unwrap();
+            let round = one_round(&scaler).await;
             assert_eq!(
                 round,
                 Round::Held {
@@ -1419,10 +1412,7 @@ mod tests {
             group["status"] = status;
             (server, group)
         });
-        let round = scaler
-            .scale_group(&scaler.groups.state()[0], now_ms())
-            .await
-            .unwrap();
+        let round = one_round(&scaler).await;
         assert_eq!(
             round,
             Round::Held {
@@ -1442,9 +1432,7 @@ mod tests {
             server.scaler_status(GROUP_STATUS, group).await;
             server
         });
-        next.scale_group(&next.groups.state()[0], now_ms())
-            .await
-            .unwrap();
+        one_round(&next).await;
         let server = verifier.await.unwrap();
         drop((scaler, next));
         server.done().await;
@@ -1488,10 +1476,7 @@ mod tests {
                 .unwrap();
         }
         // Round 2 sees the three messages: the threshold wakes the group.
-        let round = scaler
-            .scale_group(&scaler.groups.state()[0], now_ms())
-            .await
-            .unwrap();
+        let round = one_round(&scaler).await;
         assert_eq!(
             round,
             Round::Decided {

@@ -92,6 +92,19 @@ where
         .unwrap_or_else(|_| panic!("timed out waiting for {what}: {:?}", store.state()));
 }
 
+/// Whether the Deployment asks for `n` replicas.
+fn replicas(d: Option<&Deployment>, n: i32) -> bool {
+    d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(n)
+}
+
+/// Merges `patch` into the group `name`, as `kubectl patch --type merge` does.
+async fn change(groups: &Api<QueueConsumerGroup>, name: &str, patch: serde_json::Value) {
+    groups
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap_or_else(|e| panic!("patch the group with {patch}: {e}"));
+}
+
 fn ready(conditions: &[Condition]) -> bool {
     conditions
         .iter()
@@ -253,14 +266,7 @@ pub async fn operator_scenario(mut s: Scenario) {
     assert!(roles.get_opt("billing-workers").await.unwrap().is_none());
 
     // A spec change reaches the Deployment.
-    groups
-        .patch(
-            "billing",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"concurrency": 4}})),
-        )
-        .await
-        .expect("change the group");
+    change(&groups, "billing", json!({"spec": {"concurrency": 4}})).await;
     until(
         &deployments,
         "billing-workers",
@@ -287,7 +293,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         result.expect("enqueue");
     }
     until(&deployments, "billing-workers", "3 replicas", |d| {
-        d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(3)
+        replicas(d, 3)
     })
     .await;
     if s.controllers {
@@ -403,14 +409,12 @@ pub async fn operator_scenario(mut s: Scenario) {
     // removes it (two scalers on one Deployment would fight).
     let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(s.client.clone(), ns);
     for (mode, present) in [("HPA", true), ("Direct", false)] {
-        groups
-            .patch(
-                "billing",
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"scaling": {"mode": mode}}})),
-            )
-            .await
-            .expect("switch the scaling mode");
+        change(
+            &groups,
+            "billing",
+            json!({"spec": {"scaling": {"mode": mode}}}),
+        )
+        .await;
         until(
             &hpas,
             "billing-workers",
@@ -423,27 +427,15 @@ pub async fn operator_scenario(mut s: Scenario) {
     // Paused in HPA mode: the HPA goes (it would scale the paused workers) and comes back
     // when the pause is lifted.
     let annotate = |value: Option<&str>| {
-        let groups = groups.clone();
         let patch = json!({"metadata": {"annotations": {"cosmosq.io/paused-replicas": value}}});
-        async move {
-            groups
-                .patch("billing", &PatchParams::default(), &Patch::Merge(patch))
-                .await
-                .expect("annotate the group");
-        }
+        change(&groups, "billing", patch)
     };
-    let mode = |mode: &'static str| {
-        let groups = groups.clone();
-        async move {
-            groups
-                .patch(
-                    "billing",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"scaling": {"mode": mode}}})),
-                )
-                .await
-                .expect("switch the scaling mode");
-        }
+    let mode = |mode: &str| {
+        change(
+            &groups,
+            "billing",
+            json!({"spec": {"scaling": {"mode": mode}}}),
+        )
     };
     mode("HPA").await;
     until(&hpas, "billing-workers", "HPA mode's HPA", |h| h.is_some()).await;
@@ -459,7 +451,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         &deployments,
         "billing-workers",
         "the pause's 1 replica",
-        |d| d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(1),
+        |d| replicas(d, 1),
     )
     .await;
     annotate(None).await;
@@ -493,7 +485,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         &deployments,
         "billing-workers",
         "the group's 2 replicas",
-        |d| d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(2),
+        |d| replicas(d, 2),
     )
     .await;
     let selector = "app.kubernetes.io/instance=billing,app.kubernetes.io/name=cosmosq-worker";
@@ -521,7 +513,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         &deployments,
         "billing-workers",
         "the pause's 0 replicas",
-        |d| d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(0),
+        |d| replicas(d, 0),
     )
     .await;
     until(&groups, "billing", "the Paused condition", |g| {
@@ -537,7 +529,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         &deployments,
         "billing-workers",
         "spec.replicas again",
-        |d| d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(2),
+        |d| replicas(d, 2),
     )
     .await;
 
