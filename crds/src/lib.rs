@@ -434,6 +434,10 @@ pub struct AppSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^/"))]
     pub health_path: Option<String>,
+    /// A declarative subscription, as Dapr's: routes by CEL rules over the CloudEvent. Without
+    /// it the sidecar asks the app (`GET /dapr/subscribe`), then falls back to `path`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subscription: Option<SubscriptionSpec>,
     /// Set `DAPR_HTTP_PORT` in the app's containers to the sidecar's localhost API, so Dapr
     /// SDKs and apps publish through it unchanged (a container's own value is kept).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -446,6 +450,39 @@ fn default_app_path() -> String {
 
 fn default_app_timeout() -> String {
     "60s".into()
+}
+
+/// A Dapr-style subscription declared in the group (Dapr's `Subscription` `routes` and
+/// `metadata.rawPayload`).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct SubscriptionSpec {
+    /// The pub/sub name the CloudEvents carry (and publishing accepts); `cosmosq` when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pubsubname: Option<String>,
+    /// Tried in order; the first whose CEL `match` is true routes the message.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
+    pub rules: Vec<RouteRule>,
+    /// Where messages no rule matches go; without it they are dead-lettered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^/"))]
+    pub default: Option<String>,
+    /// Deliver the body as it is, not a CloudEvent (rules still see the CloudEvent).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub raw_payload: bool,
+}
+
+/// One routing rule.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct RouteRule {
+    /// A CEL expression over the CloudEvent as `event`, e.g. `event.data.priority > 5`.
+    #[serde(rename = "match")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub matches: String,
+    /// The path matched messages are posted to.
+    #[schemars(regex(pattern = r"^/"))]
+    pub path: String,
 }
 
 /// How messages reach the app: `Push` or `Pull`.

@@ -165,6 +165,28 @@ pub const DAPR_HTTP_PORT: &str = "DAPR_HTTP_PORT";
 /// The sidecar's localhost API port: its default `--listen` (Dapr's port, 3500).
 pub const SIDECAR_API_PORT: u16 = 3500;
 
+/// A declared subscription as the entry of Dapr's `GET /dapr/subscribe` answer the sidecar
+/// reads (pure): one format for both ways of subscribing.
+pub fn subscription_entry(s: &cosmosq_crds::SubscriptionSpec, topic: &str) -> serde_json::Value {
+    let rules: Vec<serde_json::Value> = s
+        .rules
+        .iter()
+        .map(|r| serde_json::json!({"match": r.matches, "path": r.path}))
+        .collect();
+    let mut entry = serde_json::json!({
+        "pubsubname": s.pubsubname.as_deref().unwrap_or(cosmosq_queue::PUBSUB_NAME),
+        "topic": topic,
+        "routes": {"rules": rules},
+    });
+    if let Some(default) = &s.default {
+        entry["routes"]["default"] = serde_json::json!(default);
+    }
+    if s.raw_payload {
+        entry["metadata"] = serde_json::json!({"rawPayload": "true"});
+    }
+    entry
+}
+
 fn env(name: &str, value: impl Into<String>) -> EnvVar {
     EnvVar {
         name: name.into(),
@@ -259,6 +281,12 @@ pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar>
         env_field(env_names::POD_NAME, "metadata.name"),
         env_field(env_names::POD_NAMESPACE, "metadata.namespace"),
     ];
+    if let Some(subscription) = &s.app.subscription {
+        vars.push(env(
+            env_names::APP_SUBSCRIPTION,
+            subscription_entry(subscription, &q.container).to_string(),
+        ));
+    }
     if let Some(path) = &s.app.health_path {
         vars.push(env(env_names::APP_HEALTH_PATH, path.clone()));
     }

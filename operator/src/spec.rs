@@ -195,6 +195,14 @@ pub fn group(qcg: &QueueConsumerGroup) -> Result<GroupSettings, SpecError> {
         scale_to_zero_cooldown_ms: millis(cooldown),
         activation_threshold: scaling.activation_threshold.max(1) as u64,
     };
+    for rule in s.app.subscription.iter().flat_map(|sub| &sub.rules) {
+        if let Err(e) = cel::Program::compile(&rule.matches) {
+            return Err(invalid(
+                "spec.app.subscription.rules",
+                format!("{:?} is not a CEL expression: {e}", rule.matches),
+            ));
+        }
+    }
     let app_timeout = duration("spec.app.timeout", &s.app.timeout)?;
     if i32::try_from(app_timeout.as_secs()).is_err() {
         return Err(invalid("spec.app.timeout", "too long"));
@@ -289,6 +297,18 @@ mod tests {
             assert!(message.contains(named), "{message}");
             assert!(message.contains("holding the workers"), "{message}");
         }
+    }
+
+    #[test]
+    fn a_subscription_rule_that_is_not_cel_is_refused() {
+        let e = group(&qcg(json!({"app": {"port": 8080, "subscription": {
+            "rules": [{"match": "event.data.kind ==", "path": "/x"}]}}})))
+        .unwrap_err();
+        assert_eq!(e.field, "spec.app.subscription.rules");
+        assert!(e.reason.contains("event.data.kind =="), "{e}");
+        group(&qcg(json!({"app": {"port": 8080, "subscription": {
+            "rules": [{"match": "event.data.kind == \"x\"", "path": "/x"}]}}})))
+        .expect("a CEL rule");
     }
 
     #[test]

@@ -41,6 +41,8 @@ pub const APP_MODE: &str = "COSMOSQ_APP_MODE";
 pub const APP_TIMEOUT: &str = "COSMOSQ_APP_TIMEOUT";
 /// The app's readiness path (a TCP connect when unset).
 pub const APP_HEALTH_PATH: &str = "COSMOSQ_APP_HEALTH_PATH";
+/// A declared subscription: one entry of Dapr's `GET /dapr/subscribe` answer, as JSON.
+pub const APP_SUBSCRIPTION: &str = "COSMOSQ_APP_SUBSCRIPTION";
 /// Deliveries in flight at most.
 pub const MAX_CONCURRENCY: &str = "COSMOSQ_MAX_CONCURRENCY";
 /// Deliveries before a message is dead-lettered.

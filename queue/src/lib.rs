@@ -38,6 +38,10 @@ pub mod state;
 pub mod trace;
 
 pub use azure_data_cosmos::CosmosClient;
+
+/// The pub/sub name of cosmosq's Dapr-compatible API: what deliveries carry (`pubsubname`)
+/// and what publishing accepts, unless the app's subscription names its own.
+pub const PUBSUB_NAME: &str = "cosmosq";
 pub use backoff::RetryPolicy;
 pub use clock::Clock;
 pub use config::{DeliveryMode, ExclusiveWrites, GroupConfig, QueueConfig, StartFrom, Throughput};

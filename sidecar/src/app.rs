@@ -19,8 +19,7 @@ pub enum Format {
     Raw,
 }
 
-/// The pub/sub name deliveries carry (`pubsubname`) and Dapr publishes name.
-pub const PUBSUB_NAME: &str = "cosmosq";
+pub use cosmosq_queue::PUBSUB_NAME;
 
 /// Header names, shared with the app's documentation.
 pub mod headers {

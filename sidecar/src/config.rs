@@ -76,6 +76,10 @@ pub struct Config {
     /// Longest the app may take with one message; the lock is renewed meanwhile.
     #[arg(long, env = env::APP_TIMEOUT, default_value = "60s", value_parser = duration)]
     pub app_timeout: Duration,
+    /// A declared subscription (one entry of Dapr's `GET /dapr/subscribe` answer, as JSON):
+    /// routes by it instead of asking the app.
+    #[arg(long, env = env::APP_SUBSCRIPTION)]
+    pub app_subscription: Option<String>,
     /// A path answering 2xx when the app is ready; without it, a TCP connect is the check.
     #[arg(long, env = env::APP_HEALTH_PATH)]
     pub app_health_path: Option<String>,

@@ -130,7 +130,11 @@ pub async fn run_with_client(
         // Workers come to the sidecar: there is no app port to wait for.
         Ok(true)
     } else if wait_for_app(&config, &shutdown).await {
-        match subscribe::discover(config.app_port, &config.queue).await {
+        let subscription = match &config.app_subscription {
+            Some(entry) => subscribe::declared(entry, &config.queue).map(Some),
+            None => subscribe::discover(config.app_port, &config.queue).await,
+        };
+        match subscription {
             Ok(subscription) => {
                 if let Some(subscription) = subscription {
                     let _ = state.pubsub_name.set(subscription.pubsub_name.clone());

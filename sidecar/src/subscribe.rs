@@ -33,6 +33,14 @@ pub enum SubscribeError {
         /// The parser's complaint.
         error: String,
     },
+    /// A declared subscription for another topic than the queue.
+    #[error("the declared subscription is for topic {declared:?}, not this queue's {queue:?}")]
+    Topic {
+        /// Its topic.
+        declared: String,
+        /// The queue.
+        queue: String,
+    },
     /// A route that is not a path.
     #[error(
         "GET {SUBSCRIBE_PATH}: topic {topic:?}: {path:?} is not a path (it must start with '/')"
@@ -210,6 +218,21 @@ pub fn parse(body: &[u8], topic: &str) -> Result<Option<Subscription>, Subscribe
     }))
 }
 
+/// A subscription declared in the sidecar's settings (`--app-subscription`, from the group's
+/// `app.subscription`): one entry in Dapr's format, for `topic`.
+pub fn declared(entry: &str, topic: &str) -> Result<Subscription, SubscribeError> {
+    let entry: Value = serde_json::from_str(entry).map_err(SubscribeError::Shape)?;
+    let named = entry
+        .get("topic")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    let body = serde_json::to_vec(&[entry]).unwrap_or_default();
+    parse(&body, topic)?.ok_or_else(|| SubscribeError::Topic {
+        declared: named.unwrap_or_default(),
+        queue: topic.to_owned(),
+    })
+}
+
 /// Asks the app for its subscriptions (once, at start). An app that does not serve them (an
 /// error status, a refused or failed request) keeps the configured path.
 pub async fn discover(port: u16, topic: &str) -> Result<Option<Subscription>, SubscribeError> {
@@ -329,6 +352,19 @@ mod tests {
         }
         let other = serde_json::to_vec(&json!([{"topic": "other", "route": "/x"}])).unwrap();
         assert!(parse(&other, "orders").unwrap().is_none());
+    }
+
+    #[test]
+    fn a_declared_subscription_reads_as_a_discovered_one() {
+        let s = declared(
+            r#"{"pubsubname": "cosmosq", "topic": "orders", "routes": {"rules": [{"match": "event.data.n > 1", "path": "/big"}], "default": "/small"}}"#,
+            "orders",
+        )
+        .unwrap();
+        assert_eq!(s.route(&json!({"data": {"n": 2}})), Route::Path("/big"));
+        assert_eq!(s.route(&json!({"data": {"n": 1}})), Route::Path("/small"));
+        let other = declared(r#"{"topic": "payments", "route": "/p"}"#, "orders").unwrap_err();
+        assert!(other.to_string().contains("payments"), "{other}");
     }
 
     #[test]

@@ -228,3 +228,27 @@ fn dapr_http_port_names_the_port_the_sidecar_listens_on() {
     );
     assert!(config.listen.ip().is_loopback(), "localhost only");
 }
+
+/// `app.subscription`: what the operator declares is what the sidecar routes by, in the
+/// format of Dapr's `GET /dapr/subscribe` entries.
+#[test]
+fn a_declared_subscription_reaches_the_sidecar_as_routes() {
+    let environment = sidecar_environment(json!({"app": {"port": 8080, "subscription": {
+        "pubsubname": "pubsub",
+        "rules": [{"match": "event.data.priority > 5", "path": "/urgent"}],
+        "default": "/orders", "rawPayload": true}}}));
+    let config = parse(&environment);
+    let declared = config.app_subscription.as_deref().expect("declared");
+    let s = cosmosq_sidecar::subscribe::declared(declared, &config.queue).unwrap();
+    use cosmosq_sidecar::subscribe::Route;
+    assert_eq!(
+        s.route(&json!({"data": {"priority": 9}})),
+        Route::Path("/urgent")
+    );
+    assert_eq!(
+        s.route(&json!({"data": {"priority": 1}})),
+        Route::Path("/orders")
+    );
+    assert_eq!(s.pubsub_name, "pubsub");
+    assert!(s.raw_payload);
+}
