@@ -105,18 +105,26 @@ pub fn cloud_event(delivery: &Delivery, trace: &TraceContext, pubsub_name: &str)
     if let Some(state) = &trace.tracestate {
         event["tracestate"] = json!(state);
     }
-    let text = body_content_type.starts_with("text/");
-    match &message.body {
-        Body::Json(v) => event["data"] = v.clone(),
-        // Text as a string in `data`, as Dapr delivers what was published as text.
-        Body::Bytes(b) if text && std::str::from_utf8(b).is_ok() => {
-            event["data"] = json!(String::from_utf8_lossy(b))
-        }
-        Body::Bytes(b) => {
-            event["data_base64"] = json!(base64::engine::general_purpose::STANDARD.encode(b))
-        }
+    match body_json(&message.body, &body_content_type) {
+        (data, false) => event["data"] = data,
+        (data, true) => event["data_base64"] = data,
     }
     event
+}
+
+/// A body as JSON (pure): JSON as it is, text (a `text/*` media type, valid UTF-8) as a
+/// string, as Dapr delivers what was published as text; other bytes base64 (`true`).
+pub fn body_json(body: &Body, content_type: &str) -> (Value, bool) {
+    match body {
+        Body::Json(v) => (v.clone(), false),
+        Body::Bytes(b) if content_type.starts_with("text/") && std::str::from_utf8(b).is_ok() => {
+            (json!(String::from_utf8_lossy(b)), false)
+        }
+        Body::Bytes(b) => (
+            json!(base64::engine::general_purpose::STANDARD.encode(b)),
+            true,
+        ),
+    }
 }
 
 /// The request of a delivery (pure): `event` as the body when given (a CloudEvent), else

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
 use cosmosq_queue::trace::{TRACEPARENT, TRACESTATE};
-use cosmosq_queue::{MessageError, NewMessage, QueueError, TraceContext};
+use cosmosq_queue::{EnqueueOutcome, MessageError, NewMessage, QueueError, TraceContext};
 use serde_json::{json, Value};
 
 use crate::api::ApiState;
@@ -198,6 +198,16 @@ fn from_cloud_event(body: &[u8]) -> Result<NewMessage, PublishError> {
     Ok(message.inherit_trace(trace.as_ref()))
 }
 
+/// A publish's result in the enqueue metric.
+fn count<E>(state: &ApiState, result: &Result<EnqueueOutcome, E>) {
+    let label = match result {
+        Ok(outcome) if outcome.is_duplicate() => "duplicate",
+        Ok(_) => "enqueued",
+        Err(_) => "rejected",
+    };
+    state.metrics.enqueued.with_label_values(&[label]).inc();
+}
+
 /// `POST /v1.0/publish/<pubsubname>/<topic>`.
 pub async fn publish(
     State(state): State<Arc<ApiState>>,
@@ -217,12 +227,7 @@ pub async fn publish(
         Ok::<_, PublishError>(state.queue.enqueue(message).await?)
     }
     .await;
-    let label = match &published {
-        Ok(outcome) if outcome.is_duplicate() => "duplicate",
-        Ok(_) => "enqueued",
-        Err(_) => "rejected",
-    };
-    state.metrics.enqueued.with_label_values(&[label]).inc();
+    count(&state, &published);
     match published {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
@@ -334,12 +339,7 @@ pub async fn publish_bulk(
         .into_iter()
         .zip(state.queue.enqueue_batch(messages).await)
     {
-        let label = match &result {
-            Ok(outcome) if outcome.is_duplicate() => "duplicate",
-            Ok(_) => "enqueued",
-            Err(_) => "rejected",
-        };
-        state.metrics.enqueued.with_label_values(&[label]).inc();
+        count(&state, &result);
         if let Err(e) = result {
             failed.push((entry_id, e.to_string()));
         }

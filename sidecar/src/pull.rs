@@ -19,10 +19,8 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use base64::Engine as _;
 use cosmosq_queue::clock::{format_ms, system_now_ms};
 use cosmosq_queue::pull::{LockLost, Received, Verdict, MAX_RECEIVE};
-use cosmosq_queue::Body;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -108,18 +106,9 @@ pub fn message_json(r: &Received, now: tokio::time::Instant, now_ms: i64) -> Val
     if let Some(ct) = &m.content_type {
         out["contentType"] = json!(ct);
     }
-    let text = m
-        .content_type
-        .as_deref()
-        .is_some_and(|c| c.starts_with("text/"));
-    match &m.body {
-        Body::Json(v) => out["body"] = v.clone(),
-        Body::Bytes(b) if text && std::str::from_utf8(b).is_ok() => {
-            out["body"] = json!(String::from_utf8_lossy(b))
-        }
-        Body::Bytes(b) => {
-            out["bodyBase64"] = json!(base64::engine::general_purpose::STANDARD.encode(b))
-        }
+    match crate::app::body_json(&m.body, m.content_type.as_deref().unwrap_or_default()) {
+        (body, false) => out["body"] = body,
+        (body, true) => out["bodyBase64"] = body,
     }
     out
 }

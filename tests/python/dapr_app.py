@@ -46,28 +46,25 @@ def subscriptions():
     ]
 
 
-def publish(data):
-    # "Publish a message": POST /v1.0/publish/<pubsub-name>/<topic>.
+def post_json(path, payload):
     request = urllib.request.Request(
-        "{}/v1.0/publish/{}/{}".format(DAPR, PUBSUB, TOPIC),
-        data=json.dumps(data).encode(),
+        DAPR + path,
+        data=json.dumps(payload).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
     )
     with urllib.request.urlopen(request, timeout=10) as response:
         return response.status
+
+
+def publish(data):
+    # "Publish a message": POST /v1.0/publish/<pubsub-name>/<topic>.
+    return post_json("/v1.0/publish/{}/{}".format(PUBSUB, TOPIC), data)
 
 
 def publish_bulk(entries):
     # "Bulk publish": POST /v1.0-alpha1/publish/bulk/<pubsub-name>/<topic>.
-    request = urllib.request.Request(
-        "{}/v1.0-alpha1/publish/bulk/{}/{}".format(DAPR, PUBSUB, TOPIC),
-        data=json.dumps(entries).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return response.status
+    return post_json("/v1.0-alpha1/publish/bulk/{}/{}".format(PUBSUB, TOPIC), entries)
 
 
 class Handler(BaseHTTPRequestHandler):
