@@ -40,8 +40,18 @@ struct PageSlot {
     done: Vec<String>,
     pending: Vec<String>,
     unstarted: Vec<String>,
-    /// The page's last document.
-    last: Option<Marker>,
+    /// The page's last document (several once token-less pages are carried into this one).
+    last: Vec<PageEnd>,
+}
+
+/// A page's last document, and the EPK sub-range of the feed the page was read from: the
+/// continuation keeps one position per sub-range, so each keeps its own last document.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PageEnd {
+    pub(crate) marker: Marker,
+    /// The document's effective partition key.
+    pub(crate) epk: String,
+    pub(crate) range: (String, String),
 }
 
 /// The pages of a range in flight, and the position that is safe to write.
@@ -54,8 +64,8 @@ pub(crate) struct Checkpoint {
     track_ids: bool,
     /// Completions in the window that no lease write has recorded yet.
     unwritten_completions: u64,
-    /// The last document before the position.
-    passed: Option<Marker>,
+    /// The last document before the position in each sub-range, with its EPK; newest last.
+    passed: Vec<(String, Marker)>,
 }
 
 impl Checkpoint {
@@ -67,13 +77,13 @@ impl Checkpoint {
             next_seq: 0,
             track_ids: false,
             unwritten_completions: 0,
-            passed: None,
+            passed: Vec::new(),
         }
     }
 
-    /// Knowing `marker` as the last document before the starting position.
-    pub(crate) fn after(mut self, marker: Option<Marker>) -> Self {
-        self.passed = marker;
+    /// Knowing `markers` (with their EPKs) as the last documents before the starting position.
+    pub(crate) fn after(mut self, markers: Vec<(String, Marker)>) -> Self {
+        self.passed = markers;
         self
     }
 
@@ -96,7 +106,7 @@ impl Checkpoint {
         token: Option<String>,
         docs: u32,
         messages: usize,
-        last: Option<Marker>,
+        last: Option<PageEnd>,
     ) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -109,7 +119,7 @@ impl Checkpoint {
             done: Vec::new(),
             pending: Vec::new(),
             unstarted: Vec::new(),
-            last,
+            last: last.into_iter().collect(),
         });
         self.advance();
         seq
@@ -168,7 +178,11 @@ impl Checkpoint {
     /// What is past the position, as a lease records it.
     pub(crate) fn record(&self) -> Window {
         let mut window = Window {
-            after: self.passed.clone(),
+            after: self.passed.last().map(|(_, m)| m.clone()),
+            after_each: match self.passed.len() {
+                0 | 1 => Vec::new(),
+                _ => self.passed.iter().map(|(_, m)| m.clone()).collect(),
+            },
             ..Window::default()
         };
         for slot in &self.window {
@@ -200,6 +214,35 @@ impl Checkpoint {
         self.unwritten_completions = self.unwritten_completions.saturating_sub(n);
     }
 
+    /// A split child starts with its parent's markers, of both halves: one of the other half
+    /// stands in for its own (see `host::Rewind`) until each of the position's sub-ranges has
+    /// one of its own, then it goes.
+    fn forget_foreign_markers(&mut self) {
+        if self.passed.len() < 2 {
+            return; // nothing stands in for another
+        }
+        let Some(ranges) = self
+            .position
+            .as_deref()
+            .and_then(crate::range::continuation_ranges)
+        else {
+            return;
+        };
+        let within = |epk: &str| {
+            ranges
+                .iter()
+                .any(|(lo, hi)| crate::range::epk_in(epk, lo, hi))
+        };
+        let covered = ranges.iter().all(|(lo, hi)| {
+            self.passed
+                .iter()
+                .any(|(epk, _)| crate::range::epk_in(epk, lo, hi))
+        });
+        if covered {
+            self.passed.retain(|(epk, _)| within(epk));
+        }
+    }
+
     /// Pops the settled pages at the front of the window; the position becomes the one after
     /// the last of them — never past a page with an unsettled or unrecorded message.
     fn advance(&mut self) {
@@ -220,17 +263,20 @@ impl Checkpoint {
                 next.done.splice(0..0, slot.done);
                 next.pending.splice(0..0, slot.pending);
                 next.unstarted.splice(0..0, slot.unstarted);
-                if next.last.is_none() {
-                    next.last = slot.last;
-                }
+                next.last.splice(0..0, slot.last);
                 continue;
             }
             let slot = self.window.pop_front().expect("checked");
             if slot.token.is_some() {
                 self.position = slot.token;
-                if slot.last.is_some() {
-                    self.passed = slot.last;
+                for end in slot.last {
+                    // The newer last document of its sub-range replaces what was before it.
+                    let (lo, hi) = &end.range;
+                    self.passed
+                        .retain(|(epk, _)| !crate::range::epk_in(epk, lo, hi));
+                    self.passed.push((end.epk, end.marker));
                 }
+                self.forget_foreign_markers();
             }
         }
     }
@@ -339,5 +385,88 @@ mod tests {
         c.settle(p1, "b", Settle::Completed);
         assert_eq!(c.position(), &token("t1"));
         assert!(c.record().is_empty());
+    }
+
+    fn end(id: &str, epk: &str, range: (&str, &str)) -> PageEnd {
+        PageEnd {
+            marker: Marker {
+                id: id.into(),
+                pk: serde_json::json!(id),
+            },
+            epk: epk.into(),
+            range: (range.0.into(), range.1.into()),
+        }
+    }
+
+    #[test]
+    fn each_sub_range_keeps_its_own_last_document() {
+        let left = ("", "40");
+        let right = ("40", "80");
+        let mut c = Checkpoint::new(token("start")).tracking_ids();
+        let p0 = c.read_docs(token("t0"), 1, 1, Some(end("a", "10", left)));
+        let p1 = c.read_docs(token("t1"), 1, 1, Some(end("b", "50", right)));
+        // A page without a position carries its last document into the next page.
+        let p2 = c.read_docs(None, 1, 1, Some(end("c", "20", left)));
+        let p3 = c.read_docs(token("t3"), 1, 1, Some(end("d", "60", right)));
+        for (p, id) in [(p0, "a"), (p1, "b"), (p2, "c"), (p3, "d")] {
+            c.settle(p, id, Settle::Completed);
+        }
+        let record = c.record();
+        assert_eq!(
+            record.after.map(|m| m.id).as_deref(),
+            Some("d"),
+            "the newest, for older readers"
+        );
+        let each: Vec<String> = record.after_each.into_iter().map(|m| m.id).collect();
+        assert_eq!(
+            each,
+            ["c", "d"],
+            "one per sub-range, the newer replacing the older"
+        );
+        // One sub-range only: `after` says it all.
+        let mut c =
+            Checkpoint::new(token("start")).after(vec![("10".into(), end("a", "10", left).marker)]);
+        c.read_docs(token("t0"), 0, 0, Some(end("b", "20", left)));
+        let record = c.record();
+        assert_eq!(record.after.map(|m| m.id).as_deref(), Some("b"));
+        assert!(record.after_each.is_empty());
+    }
+
+    fn split_token(ranges: &[(&str, &str)]) -> Option<String> {
+        use base64::Engine as _;
+        let active: Vec<serde_json::Value> = ranges
+            .iter()
+            .map(|(lo, hi)| serde_json::json!({"min_epk": lo, "max_epk": hi, "server_continuation": "x"}))
+            .collect();
+        let state = serde_json::json!({"root": {"active_tokens": active}});
+        Some(format!(
+            "c1.{}",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .encode(serde_json::to_vec(&state).unwrap())
+        ))
+    }
+
+    #[test]
+    fn a_split_childs_parent_marker_stands_in_until_it_has_its_own() {
+        let child = ("", "40");
+        let foreign = end("other-half", "50", ("40", "80"));
+        let mut c = Checkpoint::new(split_token(&[child]))
+            .tracking_ids()
+            .after(vec![(foreign.epk.clone(), foreign.marker.clone())]);
+        c.read_docs(split_token(&[child]), 0, 0, None);
+        assert_eq!(
+            c.record().after,
+            Some(foreign.marker.clone()),
+            "kept while the child has none of its own"
+        );
+        let p = c.read_docs(split_token(&[child]), 1, 1, Some(end("mine", "10", child)));
+        c.settle(p, "mine", Settle::Completed);
+        let record = c.record();
+        assert_eq!(record.after.map(|m| m.id).as_deref(), Some("mine"));
+        assert!(
+            record.after_each.is_empty(),
+            "the parent's went: {:?}",
+            record.after_each
+        );
     }
 }

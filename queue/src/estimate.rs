@@ -335,6 +335,12 @@ impl Group {
 
     /// The LSN of a message from a point read (for feeds whose items carry no `_lsn`).
     pub(crate) async fn item_lsn(&self, doc: &Value) -> Result<Option<u64>> {
+        Ok(self.item_position(doc).await?.map(|(lsn, _)| lsn))
+    }
+
+    /// [`Self::item_lsn`], with the physical partition that holds the message: LSNs compare
+    /// only within one partition.
+    pub(crate) async fn item_position(&self, doc: &Value) -> Result<Option<(u64, Option<String>)>> {
         let field = self.queue().config().partition_key_field();
         let (Some(id), Some(pk)) = (
             doc.get("id").and_then(Value::as_str),
@@ -353,7 +359,8 @@ impl Group {
                 self.queue()
                     .charges()
                     .record_diagnostics("estimate", &r.diagnostics());
-                Ok(r.headers().item_lsn())
+                let partition = r.headers().partition_key_range_id().map(str::to_owned);
+                Ok(r.headers().item_lsn().map(|lsn| (lsn, partition)))
             }
             Err(e) if crate::error::status_of(&e) == crate::error::NOT_FOUND => Ok(None),
             Err(e) => Err(QueueError::cosmos("estimate lag")(e)),

@@ -19,8 +19,7 @@ use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 use tracing::{debug, info, instrument, warn};
 
 use crate::balance::{self, LeaseView};
-use crate::checkpoint::Checkpoint;
-use crate::checkpoint::Settle;
+use crate::checkpoint::{Checkpoint, PageEnd, Settle};
 use crate::clock::duration_ms;
 use crate::config::DeliveryMode;
 use crate::consumer::{AdaptivePoll, ConsumerStats, Handler};
@@ -28,7 +27,7 @@ use crate::cosmos::feed::FeedReader;
 use crate::delivery::{Deliverer, Fate, Fence, Path, Permit};
 use crate::error::{QueueError, Result};
 use crate::group::Group;
-use crate::lease::{Lease, LeaseError, LeaseStore};
+use crate::lease::{Lease, LeaseError, LeaseStore, Marker};
 use crate::message::Message;
 
 /// How a [`Host`] runs: its identity, concurrency, polling and lease timings.
@@ -663,9 +662,8 @@ struct Reading {
     recovery: Option<Recovery>,
     /// The lease write path: the window changed since the lease was last written.
     unwritten: bool,
-    /// The lease write path: the last document before the continuation, until the feed
-    /// shows it does not serve earlier ones again.
-    seek: Option<Seek>,
+    /// The lease write path: where each sub-range of the feed was read up to (see [`SubFeed`]).
+    rewind: Option<Rewind>,
     /// The lease write path: ids this processor has read, newest last (bounded): a feed that
     /// serves earlier documents again mid-read (the emulator renumbers LSNs when partitions
     /// merge) must not deliver again what this range completed with nothing but its lease.
@@ -715,12 +713,96 @@ impl Seen {
     }
 }
 
-/// Guards a range against a feed that serves its continuation from an earlier position.
+/// The lease write path's guard against a feed that serves again what was read before, with
+/// no state document to say it was completed: the emulator renumbers LSNs when partitions
+/// merge, so a position taken before the merge reads from elsewhere after it. One entry per
+/// EPK sub-range the continuation keeps a position for (a range that spanned a split has
+/// several, each read on its own, from its own partition).
+#[derive(Debug, Default)]
+struct Rewind {
+    feeds: Vec<SubFeed>,
+}
+
+#[derive(Debug)]
+struct SubFeed {
+    range: (String, String),
+    /// The last document read, with its EPK (before this processor read any: the lease's).
+    last: Option<(String, Marker)>,
+    /// The partition that served the last page: a change (a split or a merge) arms `seek`.
+    partition: Option<String>,
+    /// The next page is checked against this (see `RangeProcessor::past_marker`).
+    seek: Option<Seek>,
+}
+
+/// Checking pages against the last document read before.
 #[derive(Debug)]
 struct Seek {
-    marker: crate::lease::Marker,
-    /// The first page began before the marker: skip until it.
+    marker: Marker,
+    epk: String,
+    /// The marker's LSN and partition, once read (the pages are compared with it).
+    position: Option<Option<(u64, Option<String>)>>,
+    /// Pages came that were all before the marker: skipping until it.
     seeking: bool,
+}
+
+impl Seek {
+    fn new((epk, marker): (String, Marker)) -> Self {
+        Seek {
+            marker,
+            epk,
+            position: None,
+            seeking: false,
+        }
+    }
+}
+
+impl Rewind {
+    /// What the range starts from: for each sub-range of the continuation, the lease's
+    /// newest marker in it, checked on the sub-range's first page. A sub-range without one (a
+    /// split child whose parent last read the other half) is checked against the newest
+    /// marker of all: by LSN, which compares while both are in one partition.
+    fn start(markers: &[(String, Marker)], ranges: &[(String, String)]) -> Self {
+        let feeds = ranges
+            .iter()
+            .filter_map(|(lo, hi)| {
+                let own = markers
+                    .iter()
+                    .rev()
+                    .find(|(epk, _)| crate::range::epk_in(epk, lo, hi));
+                let marker = own.or(markers.last())?.clone();
+                Some(SubFeed {
+                    range: (lo.clone(), hi.clone()),
+                    last: Some(marker.clone()),
+                    partition: None,
+                    seek: Some(Seek::new(marker)),
+                })
+            })
+            .collect();
+        Rewind { feeds }
+    }
+
+    /// The entry of sub-range `range`; a new one (the range split since) inherits what the
+    /// narrowest entry holding it knew.
+    fn feed(&mut self, range: &(String, String)) -> &mut SubFeed {
+        if let Some(i) = self.feeds.iter().position(|f| &f.range == range) {
+            return &mut self.feeds[i];
+        }
+        let parent = self
+            .feeds
+            .iter()
+            .filter(|f| crate::range::epk_in(&range.0, &f.range.0, &f.range.1))
+            .max_by(|a, b| crate::range::epk_cmp(&a.range.0, &b.range.0));
+        let feed = SubFeed {
+            range: range.clone(),
+            last: parent.and_then(|p| p.last.clone()),
+            partition: parent.and_then(|p| p.partition.clone()),
+            seek: parent
+                .and_then(|p| p.seek.as_ref())
+                .map(|s| Seek::new((s.epk.clone(), s.marker.clone()))),
+        };
+        self.feeds.push(feed);
+        self.feeds.last_mut().expect("pushed")
+    }
 }
 
 impl Reading {
@@ -784,6 +866,15 @@ impl Reading {
             }
         }
     }
+}
+
+/// The EPK sub-ranges `token` keeps a position for; `whole` alone when it does not say.
+fn continuation_ranges(token: &Option<String>, whole: &(String, String)) -> Vec<(String, String)> {
+    token
+        .as_deref()
+        .and_then(crate::range::continuation_ranges)
+        .filter(|ranges| !ranges.is_empty())
+        .unwrap_or_else(|| vec![whole.clone()])
 }
 
 /// What a step of a range's loop leaves it with: go on, or stop with this exit (the lease is
@@ -853,23 +944,21 @@ impl<H: Handler> RangeProcessor<H> {
             };
             Recovery::new(&lease, look_up)
         });
-        let checkpoint =
-            Checkpoint::new(lease.continuation.clone()).after(lease.window.after.clone());
-        let seek = lease
+        // The lease's markers (a split child holds its parent's, of both halves).
+        let markers: Vec<(String, Marker)> = lease
             .window
-            .after
-            .clone()
-            .filter(|_| config.lease_recorded())
-            .filter(|marker| {
-                crate::message::MessageKey::from_json(marker.pk.clone()).is_ok_and(|key| {
-                    let epk = self.group.queue().message_epk(&key);
-                    crate::range::epk_in(&epk, &lease.min_epk, &lease.max_epk)
-                })
+            .markers()
+            .into_iter()
+            .filter_map(|marker| {
+                let key = crate::message::MessageKey::from_json(marker.pk.clone()).ok()?;
+                Some((self.group.queue().message_epk(&key), marker))
             })
-            .map(|marker| Seek {
-                marker,
-                seeking: false,
-            });
+            .collect();
+        let rewind = config.lease_recorded().then(|| {
+            let whole = (lease.min_epk.clone(), lease.max_epk.clone());
+            Rewind::start(&markers, &continuation_ranges(&lease.continuation, &whole))
+        });
+        let checkpoint = Checkpoint::new(lease.continuation.clone()).after(markers);
         let checkpoint = match recovery.is_some() {
             true => checkpoint.tracking_ids(),
             false => checkpoint,
@@ -906,7 +995,7 @@ impl<H: Handler> RangeProcessor<H> {
             recovery,
             unwritten: false,
             seen: config.lease_recorded().then(Seen::default),
-            seek,
+            rewind,
         })
     }
 
@@ -941,7 +1030,11 @@ impl<H: Handler> RangeProcessor<H> {
 
     /// Reads the next page and hands its messages out.
     async fn read_page(&self, r: &mut Reading) -> Step {
-        let (docs, token) = match r.reader.next_page().await {
+        let crate::cosmos::feed::Page {
+            docs,
+            token,
+            partition,
+        } = match r.reader.next_page().await {
             Ok(page) => page,
             Err(e) => {
                 ConsumerStats::bump(&self.stats.errors);
@@ -976,18 +1069,39 @@ impl<H: Handler> RangeProcessor<H> {
                 }
             }
         }
-        let mut docs = self.past_marker(r, docs).await;
-        if let Some(seen) = r.seen.as_mut() {
-            docs = seen.first_reads(docs);
+        let mut last = None;
+        let mut docs = docs;
+        if !docs.is_empty() {
+            if let Some(rewind) = r.rewind.as_mut() {
+                let whole = (r.lease.min_epk.clone(), r.lease.max_epk.clone());
+                let range = self.page_range(&docs, &token, &whole);
+                let feed = rewind.feed(&range);
+                if feed.seek.is_none()
+                    && partition.is_some()
+                    && feed.partition.is_some()
+                    && feed.partition != partition
+                {
+                    // Split or merged: after a merge the emulator numbers the documents
+                    // anew, and the position may read again what was read before it.
+                    debug!(from = ?feed.partition, to = ?partition, "the range moved to another partition; checking its next page against the last document read");
+                    feed.seek = feed.last.clone().map(Seek::new);
+                }
+                docs = self.past_marker(feed, partition.as_deref(), docs).await;
+                feed.partition = partition.or(feed.partition.take());
+                if let Some(seen) = r.seen.as_mut() {
+                    docs = seen.first_reads(docs);
+                }
+                last = docs
+                    .iter()
+                    .rev()
+                    .find_map(|doc| self.marker(doc))
+                    .map(|(epk, marker)| {
+                        feed.last = Some((epk.clone(), marker.clone()));
+                        PageEnd { marker, epk, range }
+                    });
+            }
         }
         let count = docs.len() as u32;
-        let field = self.group.queue().config().partition_key_field();
-        let last = docs.last().and_then(|doc| {
-            Some(crate::lease::Marker {
-                id: doc.get("id")?.as_str()?.to_owned(),
-                pk: doc.get(field).cloned().unwrap_or(serde_json::Value::Null),
-            })
-        });
         let (deliveries, known) = self.handling(r, docs);
         let seq = r.checkpoint.read_docs(token, count, deliveries.len(), last);
         for (id, fate) in known {
@@ -1016,20 +1130,21 @@ impl<H: Handler> RangeProcessor<H> {
         None
     }
 
-    /// The page without the documents before the lease's marker (see [`Seek`]): judged on
-    /// the first page (is its first document older than the marker, by LSN?), then skipped
-    /// up to the marker. Two point reads per range taken; none after.
+    /// The page without the documents read before (see [`Rewind`]), when its sub-range is
+    /// being checked: up to the marker when the page holds it; otherwise those older than the
+    /// marker by LSN, as the feed numbers documents now (a few point reads, once per
+    /// sub-range when a range is taken or moves partition). When the marker's LSN does not
+    /// compare (another partition holds it, or it is gone), everything is delivered: at least
+    /// once, never skipped unread.
     async fn past_marker(
         &self,
-        r: &mut Reading,
+        feed: &mut SubFeed,
+        partition: Option<&str>,
         docs: Vec<serde_json::Value>,
     ) -> Vec<serde_json::Value> {
-        let Some(seek) = r.seek.as_mut() else {
+        let Some(seek) = feed.seek.as_mut() else {
             return docs;
         };
-        if docs.is_empty() {
-            return docs;
-        }
         let id = |doc: &serde_json::Value| {
             doc.get("id")
                 .and_then(serde_json::Value::as_str)
@@ -1042,27 +1157,101 @@ impl<H: Handler> RangeProcessor<H> {
             if at > 0 || seek.seeking {
                 warn!(skipped = at + 1, "the feed served documents before the checkpoint again; skipped up to the last one recorded");
             }
-            r.seek = None;
+            feed.seek = None;
             return docs.into_iter().skip(at + 1).collect();
         }
-        if !seek.seeking {
+        if seek.position.is_none() {
             let field = self.group.queue().config().partition_key_field();
             let marker = serde_json::json!({"id": seek.marker.id, field: seek.marker.pk});
-            let first = self.group.item_lsn(&docs[0]).await;
-            let marker = self.group.item_lsn(&marker).await;
-            match (first, marker) {
-                (Ok(Some(first)), Ok(Some(marker))) if first < marker => seek.seeking = true,
-                _ => {
-                    r.seek = None;
-                    return docs;
-                }
+            seek.position = Some(self.group.item_position(&marker).await.ok().flatten());
+        }
+        let marker = match seek.position.clone().flatten() {
+            Some((lsn, held_by)) if partition.is_none() || held_by.as_deref() == partition => lsn,
+            _ => {
+                feed.seek = None;
+                return docs;
+            }
+        };
+        // Documents come in LSN order: find the first one not older than the marker. One of
+        // the marker's LSN is not older: a transactional batch is one write, and the feed
+        // resumes within it; once renumbered by a merge, every document has its own.
+        let newer = |i: usize| {
+            let doc = &docs[i];
+            async move {
+                self.group
+                    .item_lsn(doc)
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|lsn| lsn >= marker)
+            }
+        };
+        // The usual answer first: nothing served again.
+        if newer(0).await != Some(false) {
+            feed.seek = None;
+            return docs;
+        }
+        let Some(last_newer) = newer(docs.len() - 1).await else {
+            feed.seek = None;
+            return docs;
+        };
+        if !last_newer {
+            seek.seeking = true;
+            debug!(
+                skipped = docs.len(),
+                "skipping documents before the checkpoint"
+            );
+            return Vec::new();
+        }
+        // The first is older, the last newer.
+        let (mut lo, mut hi) = (1, docs.len() - 1);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            match newer(mid).await {
+                Some(true) => hi = mid,
+                Some(false) => lo = mid + 1,
+                // Cannot tell: deliver from the oldest that may be unread.
+                None => break,
             }
         }
-        debug!(
-            skipped = docs.len(),
-            "skipping documents before the checkpoint"
-        );
-        Vec::new()
+        feed.seek = None;
+        if lo > 0 {
+            warn!(skipped = lo, "the feed served documents before the checkpoint again; skipped those older than the last one recorded");
+        }
+        docs.into_iter().skip(lo).collect()
+    }
+
+    /// The sub-range of the continuation that served `docs` (the one holding its first
+    /// document); the lease's range when the token does not say.
+    fn page_range(
+        &self,
+        docs: &[serde_json::Value],
+        token: &Option<String>,
+        whole: &(String, String),
+    ) -> (String, String) {
+        let Some(epk) = docs
+            .iter()
+            .find_map(|doc| self.marker(doc))
+            .map(|(epk, _)| epk)
+        else {
+            return whole.clone();
+        };
+        continuation_ranges(token, whole)
+            .into_iter()
+            .find(|(lo, hi)| crate::range::epk_in(&epk, lo, hi))
+            .unwrap_or_else(|| whole.clone())
+    }
+
+    /// A feed document as a marker, with its EPK; `None` without an id or a valid key.
+    fn marker(&self, doc: &serde_json::Value) -> Option<(String, Marker)> {
+        let field = self.group.queue().config().partition_key_field();
+        let pk = doc.get(field)?.clone();
+        let key = crate::message::MessageKey::from_json(pk.clone()).ok()?;
+        let marker = Marker {
+            id: doc.get("id")?.as_str()?.to_owned(),
+            pk,
+        };
+        Some((self.group.queue().message_epk(&key), marker))
     }
 
     /// A page's messages and how each is delivered, and the documents the lease's window says

@@ -105,6 +105,12 @@ pub struct Window {
     /// reader skips up to this document instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after: Option<Marker>,
+    /// `after` for each EPK sub-range the continuation keeps its own position for (once the
+    /// range spanned several partitions), when there are several: `after` alone is the last
+    /// document of one of them, and says nothing of where the others stand. Older versions
+    /// read `after` only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub after_each: Vec<Marker>,
 }
 
 /// A message of the messages container: its id and partition key value.
@@ -121,10 +127,19 @@ fn is_zero(n: &u32) -> bool {
 }
 
 impl Window {
+    /// The last document before the continuation, in each sub-range that has one.
+    pub fn markers(&self) -> Vec<Marker> {
+        match self.after_each.is_empty() {
+            true => self.after.iter().cloned().collect(),
+            false => self.after_each.clone(),
+        }
+    }
+
     /// Nothing handed out past the continuation.
     pub fn is_empty(&self) -> bool {
         self.read == 0
             && self.after.is_none()
+            && self.after_each.is_empty()
             && self.done.is_empty()
             && self.pending.is_empty()
             && self.unstarted.is_empty()

@@ -40,17 +40,14 @@ pub fn epk_in(epk: &str, min: &str, max: &str) -> bool {
 /// change feed processor's child leases do. `None` if the token's format is not understood
 /// (the child then starts from the parent's token as is: at-least-once, nothing skipped).
 pub fn narrow_continuation(token: &str, min_epk: &str, max_epk: &str) -> Option<String> {
-    let body = token.strip_prefix("c1.")?;
-    let engine = base64::engine::general_purpose::URL_SAFE_NO_PAD;
-    let mut state: Value = serde_json::from_slice(&engine.decode(body).ok()?).ok()?;
+    let mut state = decode_continuation(token)?;
     let active = state
         .get_mut("root")?
         .get_mut("active_tokens")?
         .as_array_mut()?;
     let mut narrowed = Vec::new();
     for t in active.iter() {
-        let lo = t.get("min_epk")?.as_str()?;
-        let hi = t.get("max_epk")?.as_str()?;
+        let (lo, hi) = token_bounds(t)?;
         // Keep the parts overlapping [min_epk, max_epk), clipped to it.
         let new_lo = if epk_cmp(lo, min_epk).is_lt() {
             min_epk
@@ -75,8 +72,34 @@ pub fn narrow_continuation(token: &str, min_epk: &str, max_epk: &str) -> Option<
     *active = narrowed;
     Some(format!(
         "c1.{}",
-        engine.encode(serde_json::to_vec(&state).ok()?)
+        TOKEN_ENGINE.encode(serde_json::to_vec(&state).ok()?)
     ))
+}
+
+/// The EPK sub-ranges a continuation token keeps a position for: one, until its range spans
+/// several partitions (a split), then one per part, each read and resumed on its own (also
+/// after a merge). `None` if the token's format is not understood.
+pub fn continuation_ranges(token: &str) -> Option<Vec<(String, String)>> {
+    let state = decode_continuation(token)?;
+    state
+        .get("root")?
+        .get("active_tokens")?
+        .as_array()?
+        .iter()
+        .map(|t| token_bounds(t).map(|(lo, hi)| (lo.to_owned(), hi.to_owned())))
+        .collect()
+}
+
+const TOKEN_ENGINE: base64::engine::GeneralPurpose =
+    base64::engine::general_purpose::URL_SAFE_NO_PAD;
+
+fn decode_continuation(token: &str) -> Option<Value> {
+    let body = token.strip_prefix("c1.")?;
+    serde_json::from_slice(&TOKEN_ENGINE.decode(body).ok()?).ok()
+}
+
+fn token_bounds(t: &Value) -> Option<(&str, &str)> {
+    Some((t.get("min_epk")?.as_str()?, t.get("max_epk")?.as_str()?))
 }
 
 /// Hash v2 effective partition keys have their two top bits cleared: every key is below this.
@@ -287,6 +310,20 @@ mod tests {
             json!([{"min_epk": "40", "max_epk": "80", "server_continuation": "b"}])
         );
         assert!(narrow_continuation("opaque-server-token", "", "40").is_none());
+    }
+
+    #[test]
+    fn a_token_names_the_sub_ranges_it_keeps_a_position_for() {
+        let split = token(json!([
+            {"min_epk": "", "max_epk": "40", "server_continuation": "a"},
+            {"min_epk": "40", "max_epk": "80", "server_continuation": "b"}
+        ]));
+        assert_eq!(
+            continuation_ranges(&split).unwrap(),
+            vec![("".to_owned(), "40".to_owned()), ("40".into(), "80".into())]
+        );
+        assert!(continuation_ranges("opaque-server-token").is_none());
+        assert!(continuation_ranges(&token(json!([{"min_epk": ""}]))).is_none());
     }
 
     #[test]

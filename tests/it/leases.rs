@@ -1104,3 +1104,68 @@ async fn a_release_that_races_a_hand_over_request_still_releases() {
         "every lease released, none left to expire"
     );
 }
+
+/// A transactional batch is one write, one LSN: a range handed over inside one resumes inside
+/// it, and the next owner's check of where its predecessor stopped must not take the rest of
+/// the batch (same LSN as the last document recorded) for documents read before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_handed_over_inside_a_batch_delivers_the_rest_of_it_once() {
+    const MESSAGES: usize = 60;
+    let fixture = Fixture::new(1).await;
+    let batch = (0..MESSAGES)
+        .map(|i| {
+            NewMessage::json(json!(i))
+                .with_id(format!("m{i:02}"))
+                .with_partition_key("one-key")
+        })
+        .collect();
+    fixture.enqueue_all(batch).await;
+    let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
+    let ledger = Arc::new(Ledger::default());
+    let small = |name: &str| HostOptions {
+        page_size: 5,
+        max_in_flight_per_range: 5,
+        ..fast(name)
+    };
+    // a stops after 20 deliveries, its last ones held until it is told to stop.
+    let release = CancellationToken::new();
+    let record = recording(&ledger);
+    let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let a = start(&fixture, &config, small("a"), {
+        let (release, held) = (release.clone(), Arc::clone(&held));
+        move |d: Delivery| {
+            let n = held.fetch_add(1, Ordering::SeqCst);
+            let (release, done) = (release.clone(), record(d));
+            async move {
+                if n >= 20 {
+                    release.cancelled().await;
+                }
+                done.await
+            }
+        }
+    });
+    eventually("a holds deliveries", Duration::from_secs(30), || async {
+        held.load(Ordering::SeqCst) > 20
+    })
+    .await;
+    a.stop.cancel();
+    release.cancel();
+    let a_completed = stop_all(vec![a]).await;
+    assert!(
+        (20..MESSAGES as u64).contains(&a_completed),
+        "a stopped inside the batch: {a_completed}"
+    );
+    let b = start(&fixture, &config, small("b"), recording(&ledger));
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        ledger.wait_until(|l| l.delivered("g") == MESSAGES),
+    )
+    .await
+    .expect("b delivers the rest of the batch");
+    assert_eq!(
+        a_completed + stop_all(vec![b]).await,
+        MESSAGES as u64,
+        "no message completed twice"
+    );
+    ledger.assert_each_once("g");
+}

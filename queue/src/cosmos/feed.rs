@@ -42,6 +42,16 @@ pub(crate) async fn open(
         .map_err(QueueError::cosmos(operation))
 }
 
+/// One page of a range's feed.
+#[derive(Debug, Default)]
+pub(crate) struct Page {
+    pub(crate) docs: Vec<Value>,
+    /// The position after it.
+    pub(crate) token: Option<String>,
+    /// The physical partition that served it: a change says the range split or merged.
+    pub(crate) partition: Option<String>,
+}
+
 /// Reads one scope page by page, remembering the position so that a failed read resumes
 /// where it was instead of starting over.
 pub(crate) struct FeedReader {
@@ -74,8 +84,8 @@ impl FeedReader {
         }
     }
 
-    /// The next page's documents, and the position after it.
-    pub(crate) async fn next_page(&mut self) -> Result<(Vec<Value>, Option<String>)> {
+    /// The next page.
+    pub(crate) async fn next_page(&mut self) -> Result<Page> {
         let pages = match &mut self.pages {
             Some(pages) => pages,
             empty => {
@@ -102,12 +112,17 @@ impl FeedReader {
                 if token.is_some() {
                     self.position = token.clone();
                 }
+                let partition = page.headers().partition_key_range_id().map(str::to_owned);
                 let docs = page
                     .into_items()
                     .into_iter()
                     .filter_map(|i| i.current().cloned())
                     .collect();
-                Ok((docs, token))
+                Ok(Page {
+                    docs,
+                    token,
+                    partition,
+                })
             }
             Some(Err(e)) => {
                 self.pages = None;
@@ -115,7 +130,7 @@ impl FeedReader {
             }
             None => {
                 self.pages = None;
-                Ok((Vec::new(), None))
+                Ok(Page::default())
             }
         }
     }
