@@ -401,17 +401,22 @@ fn rule(
                 .with_operation_type(operation)
                 .build(),
         )
-        .with_end_time(std::time::Instant::now() + Duration::from_secs(6))
+        .with_end_time(std::time::Instant::now() + FAULTS_FOR)
         .build(),
     )
 }
 
-/// The pods' clients inject `rules`; the producer's does not.
-async fn under_faults(scenario: &str, rules: Vec<Arc<FaultInjectionRule>>) {
+/// How long a rule injects, from when the pods start: then the pods settle what is left.
+const FAULTS_FOR: Duration = Duration::from_secs(10);
+
+/// The pods' clients inject the rules `rules` builds; the producer's does not. Built as the
+/// pods start, so a slow setup (a loaded machine) does not spend their time.
+async fn under_faults(scenario: &str, rules: impl FnOnce() -> Vec<Arc<FaultInjectionRule>>) {
     const MESSAGES: usize = 200;
     let started = Instant::now();
     let mut s = Scenario::new(4, MESSAGES).await;
     s.enqueue(0..MESSAGES).await;
+    let rules = rules();
     let client = s
         .fixture
         .emulator
@@ -422,6 +427,11 @@ async fn under_faults(scenario: &str, rules: Vec<Arc<FaultInjectionRule>>) {
     let report = s.finish(pods, scenario).await;
     let injected: u64 = rules.iter().map(|r| u64::from(r.hit_count())).sum();
     for r in &rules {
+        println!(
+            "fault-suite | {scenario}: rule {} fired {} times",
+            r.id(),
+            r.hit_count()
+        );
         assert!(r.hit_count() > 0, "{scenario}: rule {} never fired", r.id());
     }
     report.assert_clean(scenario, 1, injected, started);
@@ -432,16 +442,18 @@ use FaultOperationType as Op;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_429_storm_on_every_operation_loses_nothing() {
-    let rules = [
-        Op::ReadItem,
-        Op::QueryItem,
-        Op::CreateItem,
-        Op::ReplaceItem,
-        Op::ChangeFeedItem,
-    ]
-    .into_iter()
-    .map(|op| rule(&format!("429-{op:?}"), E::TooManyRequests, op, 0.5))
-    .collect();
+    let rules = || {
+        [
+            Op::ReadItem,
+            Op::QueryItem,
+            Op::CreateItem,
+            Op::ReplaceItem,
+            Op::ChangeFeedItem,
+        ]
+        .into_iter()
+        .map(|op| rule(&format!("429-{op:?}"), E::TooManyRequests, op, 0.5))
+        .collect()
+    };
     under_faults("429 storm, all operations", rules).await;
 }
 
@@ -449,34 +461,39 @@ async fn a_429_storm_on_every_operation_loses_nothing() {
 async fn service_unavailable_on_claims_settles_leases_and_checkpoints_loses_nothing() {
     // Claims and stream failures are creates; settles, lock and lease renewals, checkpoints
     // and releases are replaces.
-    let rules = vec![
-        rule("503-create", E::ServiceUnavailable, Op::CreateItem, 0.3),
-        rule("503-replace", E::ServiceUnavailable, Op::ReplaceItem, 0.3),
-        rule("503-read", E::ServiceUnavailable, Op::ReadItem, 0.3),
-    ];
+    let rules = || {
+        vec![
+            rule("503-create", E::ServiceUnavailable, Op::CreateItem, 0.3),
+            rule("503-replace", E::ServiceUnavailable, Op::ReplaceItem, 0.3),
+            rule("503-read", E::ServiceUnavailable, Op::ReadItem, 0.3),
+        ]
+    };
     under_faults("503s on writes and reads", rules).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeouts_and_resets_including_writes_applied_but_unanswered_lose_nothing() {
-    let rules = vec![
-        // The write happened; the answer was lost: the caller cannot know.
-        rule(
-            "lost-answer-replace",
-            E::ResponseTimeoutAfterService,
-            Op::ReplaceItem,
-            0.15,
-        ),
-        rule(
-            "lost-answer-create",
-            E::ResponseTimeoutAfterService,
-            Op::CreateItem,
-            0.15,
-        ),
-        rule("reset-feed", E::ConnectionError, Op::ChangeFeedItem, 0.3),
-        rule("timeout-query", E::Timeout, Op::QueryItem, 0.3),
-        rule("timeout-read", E::ResponseTimeout, Op::ReadItem, 0.2),
-    ];
+    let rules = || {
+        vec![
+            // The write happened; the answer was lost: the caller cannot know.
+            rule(
+                "lost-answer-replace",
+                E::ResponseTimeoutAfterService,
+                Op::ReplaceItem,
+                0.15,
+            ),
+            rule(
+                "lost-answer-create",
+                E::ResponseTimeoutAfterService,
+                Op::CreateItem,
+                // Creates are few here (leases, first failures' state): often enough to fire.
+                0.5,
+            ),
+            rule("reset-feed", E::ConnectionError, Op::ChangeFeedItem, 0.3),
+            rule("timeout-query", E::Timeout, Op::QueryItem, 0.3),
+            rule("timeout-read", E::ResponseTimeout, Op::ReadItem, 0.2),
+        ]
+    };
     under_faults("timeouts and connection resets", rules).await;
 }
 
