@@ -471,6 +471,31 @@ pub struct SubscriptionSpec {
     /// Deliver the body as it is, not a CloudEvent (rules still see the CloudEvent).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub raw_payload: bool,
+    /// Deliver several messages to a request (Dapr's `bulkSubscribe`); one at a time when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bulk: Option<BulkSubscribeSpec>,
+}
+
+/// Bulk delivery: entries bound for one path go together, each settled by its own status.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct BulkSubscribeSpec {
+    /// The most messages a request carries.
+    #[serde(default = "default_bulk_messages")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_messages_count: u32,
+    /// How long the first message of a request waits for others, in milliseconds.
+    #[serde(default = "default_bulk_await_ms")]
+    #[schemars(range(min = 0, max = 60000))]
+    pub max_await_duration_ms: u64,
+}
+
+fn default_bulk_messages() -> u32 {
+    100
+}
+
+fn default_bulk_await_ms() -> u64 {
+    1000
 }
 
 /// One routing rule.

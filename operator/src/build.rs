@@ -184,6 +184,13 @@ pub fn subscription_entry(s: &cosmosq_crds::SubscriptionSpec, topic: &str) -> se
     if s.raw_payload {
         entry["metadata"] = serde_json::json!({"rawPayload": "true"});
     }
+    if let Some(bulk) = &s.bulk {
+        entry["bulkSubscribe"] = serde_json::json!({
+            "enabled": true,
+            "maxMessagesCount": bulk.max_messages_count,
+            "maxAwaitDurationMs": bulk.max_await_duration_ms,
+        });
+    }
     entry
 }
 

@@ -72,7 +72,7 @@ pub fn build_request(delivery: &Delivery, format: Format, trace: &TraceContext) 
 }
 
 /// The `Content-Type` of a message's body: its own, or what its body is.
-fn body_content_type(delivery: &Delivery) -> String {
+pub fn body_content_type(delivery: &Delivery) -> String {
     let message = &delivery.message;
     message
         .content_type

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod app;
 pub mod breaker;
+pub mod bulk;
 pub mod config;
 pub mod dapr;
 pub mod deletion_cost;

@@ -65,6 +65,19 @@ struct Entry {
     routes: Option<Routes>,
     #[serde(default)]
     metadata: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    bulk_subscribe: Option<BulkEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct BulkEntry {
+    #[serde(default)]
+    enabled: bool,
+    #[serde(default)]
+    max_messages_count: Option<u32>,
+    #[serde(default)]
+    max_await_duration_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -112,6 +125,8 @@ pub struct Subscription {
     pub default: Option<String>,
     /// `metadata.rawPayload: "true"`: the body as it is, not a CloudEvent.
     pub raw_payload: bool,
+    /// `bulkSubscribe.enabled`: messages go to the app together (see [`crate::bulk`]).
+    pub bulk: Option<crate::bulk::BulkSettings>,
 }
 
 /// Where a message goes.
@@ -215,6 +230,18 @@ pub fn parse(body: &[u8], topic: &str) -> Result<Option<Subscription>, Subscribe
             .metadata
             .get("rawPayload")
             .is_some_and(|v| v.eq_ignore_ascii_case("true")),
+        bulk: entry.bulk_subscribe.filter(|b| b.enabled).map(|b| {
+            let defaults = crate::bulk::BulkSettings::default();
+            crate::bulk::BulkSettings {
+                max_messages: b
+                    .max_messages_count
+                    .filter(|n| *n > 0)
+                    .map_or(defaults.max_messages, |n| n as usize),
+                max_await: b
+                    .max_await_duration_ms
+                    .map_or(defaults.max_await, Duration::from_millis),
+            }
+        }),
     }))
 }
 
@@ -325,6 +352,35 @@ mod tests {
         ] {
             assert_eq!(s.route(&event), Route::Path(expected), "{event}");
         }
+    }
+
+    #[test]
+    fn bulk_subscribe_takes_its_limits_or_dapr_s_defaults() {
+        let entry = |bulk: Value| {
+            subscription(json!([{"pubsubname": "p", "topic": "orders", "route": "/o",
+                "bulkSubscribe": bulk}]))
+            .bulk
+        };
+        let asked =
+            entry(json!({"enabled": true, "maxMessagesCount": 5, "maxAwaitDurationMs": 300}));
+        assert_eq!(
+            asked,
+            Some(crate::bulk::BulkSettings {
+                max_messages: 5,
+                max_await: Duration::from_millis(300)
+            })
+        );
+        assert_eq!(
+            entry(json!({"enabled": true})),
+            Some(crate::bulk::BulkSettings::default())
+        );
+        assert_eq!(
+            entry(json!({"enabled": false, "maxMessagesCount": 5})),
+            None
+        );
+        assert!(subscription(json!([{"topic": "orders", "route": "/o"}]))
+            .bulk
+            .is_none());
     }
 
     #[test]

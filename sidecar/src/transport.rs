@@ -5,13 +5,14 @@
 //! for every transport.
 
 use std::future::Future;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use cosmosq_queue::Delivery;
 use tracing::warn;
 
 use crate::app::{self, Answer, Format};
+use crate::bulk::{self, Bulker};
 use crate::subscribe::{Route, Subscription};
 
 /// The most of an answer's body we read: enough for `{"status": ...}`. A longer answer is
@@ -47,6 +48,8 @@ pub struct HttpTransport {
     timeout: Duration,
     /// The app's own subscription, once discovered (before the first delivery).
     subscription: OnceLock<Subscription>,
+    /// Its bulk deliveries, when it asked for them.
+    bulker: OnceLock<Arc<Bulker>>,
 }
 
 impl HttpTransport {
@@ -63,6 +66,7 @@ impl HttpTransport {
             format,
             timeout,
             subscription: OnceLock::new(),
+            bulker: OnceLock::new(),
         }
     }
 
@@ -80,29 +84,89 @@ impl HttpTransport {
             let request = app::build_request(delivery, self.format, &trace);
             return Ok((&self.path, request));
         };
-        let event = app::cloud_event(delivery, &trace, &subscription.pubsub_name);
+        let (path, event) = self.routed(subscription, delivery, &trace)?;
+        Ok((path, app::request_with_event(delivery, event, &trace)))
+    }
+
+    /// Where the subscription sends a delivery, and its CloudEvent (`None`: the raw body).
+    fn routed<'a>(
+        &self,
+        subscription: &'a Subscription,
+        delivery: &Delivery,
+        trace: &cosmosq_queue::TraceContext,
+    ) -> Result<(&'a str, Option<serde_json::Value>), String> {
+        let event = app::cloud_event(delivery, trace, &subscription.pubsub_name);
         let path = match subscription.route(&event) {
             Route::Path(path) => path,
             Route::Unmatched(reason) => return Err(reason),
         };
         let raw = subscription.raw_payload || self.format == Format::Raw;
-        let event = (!raw).then_some(event);
-        Ok((path, app::request_with_event(delivery, event, &trace)))
+        Ok((path, (!raw).then_some(event)))
+    }
+
+    /// A delivery as an entry of a bulk request, waiting with others for the same path.
+    async fn call_in_bulk(
+        &self,
+        subscription: &Subscription,
+        settings: bulk::BulkSettings,
+        delivery: &Delivery,
+    ) -> Called {
+        let trace = app::trace(delivery);
+        let (path, event) = match self.routed(subscription, delivery, &trace) {
+            Ok(routed) => routed,
+            Err(reason) => return unrouted(reason),
+        };
+        let (event, content_type) = match event {
+            Some(event) => (event, "application/cloudevents+json".to_owned()),
+            None => {
+                let content_type = app::body_content_type(delivery);
+                (
+                    app::body_json(&delivery.message.body, &content_type).0,
+                    content_type,
+                )
+            }
+        };
+        let entry = bulk::Entry {
+            // Unique in the request (message ids are unique per partition key only).
+            id: uuid::Uuid::new_v4().to_string(),
+            event,
+            content_type,
+            metadata: delivery.message.metadata.clone(),
+        };
+        let bulker = self.bulker.get_or_init(|| {
+            Bulker::new(
+                settings,
+                self.http.clone(),
+                self.base.clone(),
+                self.timeout,
+                subscription.pubsub_name.clone(),
+                delivery.queue.clone(),
+            )
+        });
+        bulker.deliver(path, entry).await
+    }
+}
+
+/// No route for a delivery: not dropped as Dapr would, dead-lettered with the reason, for
+/// someone to see.
+fn unrouted(reason: String) -> Called {
+    Called {
+        answer: Answer::Drop { reason },
+        failure: None,
+        crashed: false,
     }
 }
 
 impl AppTransport for HttpTransport {
     async fn call(&self, delivery: &Delivery) -> Called {
+        if let Some(subscription) = self.subscription.get() {
+            if let Some(settings) = subscription.bulk {
+                return self.call_in_bulk(subscription, settings, delivery).await;
+            }
+        }
         let (path, request) = match self.request(delivery) {
             Ok(routed) => routed,
-            // Not dropped as Dapr would: dead-lettered with the reason, for someone to see.
-            Err(reason) => {
-                return Called {
-                    answer: Answer::Drop { reason },
-                    failure: None,
-                    crashed: false,
-                }
-            }
+            Err(reason) => return unrouted(reason),
         };
         let mut builder = self
             .http

@@ -236,10 +236,19 @@ fn a_declared_subscription_reaches_the_sidecar_as_routes() {
     let environment = sidecar_environment(json!({"app": {"port": 8080, "subscription": {
         "pubsubname": "pubsub",
         "rules": [{"match": "event.data.priority > 5", "path": "/urgent"}],
-        "default": "/orders", "rawPayload": true}}}));
+        "default": "/orders", "rawPayload": true,
+        "bulk": {"maxMessagesCount": 20}}}}));
     let config = parse(&environment);
     let declared = config.app_subscription.as_deref().expect("declared");
     let s = cosmosq_sidecar::subscribe::declared(declared, &config.queue).unwrap();
+    assert_eq!(
+        s.bulk,
+        Some(cosmosq_sidecar::bulk::BulkSettings {
+            max_messages: 20,
+            max_await: std::time::Duration::from_millis(1000),
+        }),
+        "bulk, with Dapr's default wait"
+    );
     use cosmosq_sidecar::subscribe::Route;
     assert_eq!(
         s.route(&json!({"data": {"priority": 9}})),

@@ -1027,12 +1027,24 @@ impl Drop for Killed {
 /// through `DAPR_HTTP_PORT` under its own pub/sub name is enqueued and routed in turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unmodified_dapr_app_subscribes_routes_and_publishes() {
+    dapr_app(false).await;
+}
+
+/// The same app subscribed with `bulkSubscribe` (5 entries, 300 ms): messages reach it several
+/// to a request, never more than it asked, and its per-entry statuses settle each on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unmodified_dapr_app_takes_messages_in_bulk() {
+    dapr_app(true).await;
+}
+
+async fn dapr_app(bulk: bool) {
     use std::io::BufRead;
     let fixture = Fixture::new(2).await;
     let (app_port, api_port) = (free_port(), free_port());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/dapr_app.py");
+    let mode = if bulk { "bulk" } else { "single" };
     let mut child = std::process::Command::new("python3")
-        .args([script, &app_port.to_string(), "q"])
+        .args([script, &app_port.to_string(), "q", mode])
         .env("DAPR_HTTP_PORT", api_port.to_string())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -1116,6 +1128,15 @@ async fn an_unmodified_dapr_app_subscribes_routes_and_publishes() {
             (&json!("pubsub"), &json!("q")),
             "the names the app subscribed with: {event}"
         );
+    }
+    let batches: Vec<u64> = seen.iter().map(|e| e["batch"].as_u64().unwrap()).collect();
+    if bulk {
+        assert!(
+            batches.iter().any(|&n| n > 1) && batches.iter().all(|&n| n <= 5),
+            "several to a request, at most maxMessagesCount: {batches:?}"
+        );
+    } else {
+        assert!(batches.iter().all(|&n| n == 1), "{batches:?}");
     }
 
     let ids: Vec<String> = messages

@@ -1,10 +1,13 @@
 """A Dapr pub/sub app written only from Dapr's documentation (Python standard library).
 
-Usage: dapr_app.py PORT TOPIC
+Usage: dapr_app.py PORT TOPIC [bulk]
 It declares its subscription programmatically (GET /dapr/subscribe) with routing rules, takes
 CloudEvents on the routes it declared, answers with Dapr's statuses, and publishes through the
 Dapr HTTP API at DAPR_HTTP_PORT (one event, and in bulk), as Dapr's own samples do. It knows nothing of cosmosq.
-Prints one JSON line per event it receives: {"route", "id", "pubsubname", "topic", "data"}.
+With "bulk" it subscribes with bulkSubscribe (at most 5 entries a request, 300 ms) and answers
+each request's entries with per-entry statuses, as Dapr's bulk subscribe documents.
+Prints one JSON line per event it receives: {"route", "id", "pubsubname", "topic", "data",
+"batch"} (batch: the entries of the request it came in; 1 without bulk).
 """
 import json
 import os
@@ -16,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 PUBSUB = "pubsub"
 PORT = int(sys.argv[1])
 TOPIC = sys.argv[2]
+BULK = len(sys.argv) > 3 and sys.argv[3] == "bulk"
 DAPR = "http://localhost:{}".format(os.environ.get("DAPR_HTTP_PORT", "3500"))
 ROUTES = ("/widgets", "/urgent", "/orders")
 failed_once = set()
@@ -31,19 +35,25 @@ def record(line):
 
 def subscriptions():
     # "Programmatic subscriptions": the app returns its subscriptions as JSON.
-    return [
-        {
-            "pubsubname": PUBSUB,
-            "topic": TOPIC,
-            "routes": {
-                "rules": [
-                    {"match": 'event.data.kind == "widget"', "path": "/widgets"},
-                    {"match": "event.data.priority > 5", "path": "/urgent"},
-                ],
-                "default": "/orders",
-            },
+    subscription = {
+        "pubsubname": PUBSUB,
+        "topic": TOPIC,
+        "routes": {
+            "rules": [
+                {"match": 'event.data.kind == "widget"', "path": "/widgets"},
+                {"match": "event.data.priority > 5", "path": "/urgent"},
+            ],
+            "default": "/orders",
+        },
+    }
+    if BULK:
+        # "Bulk subscribe": messages arrive together, answered entry by entry.
+        subscription["bulkSubscribe"] = {
+            "enabled": True,
+            "maxMessagesCount": 5,
+            "maxAwaitDurationMs": 300,
         }
-    ]
+    return [subscription]
 
 
 def post_json(path, payload):
@@ -87,7 +97,22 @@ class Handler(BaseHTTPRequestHandler):
             self.reply(404, {})
             return
         length = int(self.headers.get("Content-Length", "0"))
-        event = json.loads(self.rfile.read(length))
+        body = json.loads(self.rfile.read(length))
+        if body.get("type") == "com.dapr.event.sent.bulk":
+            entries = body.get("entries", [])
+            statuses = [
+                {"entryId": entry["entryId"], "status": self.take(entry["event"], len(entries))}
+                for entry in entries
+            ]
+            self.reply(200, {"statuses": statuses})
+            return
+        status = self.take(body, 1)
+        if status == "ERROR":
+            self.reply(500, {"error": "publishing failed"})
+        else:
+            self.reply(200, {"status": status})
+
+    def take(self, event, batch):
         data = event.get("data")
         fields = data if isinstance(data, dict) else {}
         record(
@@ -97,21 +122,18 @@ class Handler(BaseHTTPRequestHandler):
                 "pubsubname": event.get("pubsubname"),
                 "topic": event.get("topic"),
                 "data": data,
+                "batch": batch,
             }
         )
         # Dapr's statuses: SUCCESS, RETRY, DROP.
         if fields.get("flaky") and event["id"] not in failed_once:
             failed_once.add(event["id"])
-            self.reply(200, {"status": "RETRY"})
-            return
+            return "RETRY"
         if fields.get("drop"):
-            self.reply(200, {"status": "DROP"})
-            return
+            return "DROP"
         if fields.get("publish"):
-            status = publish({"kind": "widget", "from": "app"})
-            if status != 204:
-                self.reply(500, {"error": "publish answered {}".format(status)})
-                return
+            if publish({"kind": "widget", "from": "app"}) != 204:
+                return "ERROR" if batch == 1 else "RETRY"
         if fields.get("bulk"):
             status = publish_bulk(
                 [
@@ -121,9 +143,8 @@ class Handler(BaseHTTPRequestHandler):
                 ]
             )
             if status != 204:
-                self.reply(500, {"error": "bulk publish answered {}".format(status)})
-                return
-        self.reply(200, {"status": "SUCCESS"})
+                return "ERROR" if batch == 1 else "RETRY"
+        return "SUCCESS"
 
     def log_message(self, *args):
         pass

@@ -1,0 +1,373 @@
+//! Dapr's bulk subscribe: when the app's subscription asks for it (`bulkSubscribe.enabled`),
+//! deliveries bound for one path wait together (up to `maxMessagesCount`, at most
+//! `maxAwaitDurationMs`) and go to the app in one request; its per-entry statuses (`SUCCESS`,
+//! `RETRY`, `DROP`) settle each message on its own. Everything around a call (breaker, crash
+//! isolation, metrics, the outcome) stays per message in `delivery.rs`: each delivery waits for
+//! its entry's answer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+use tracing::warn;
+
+use crate::app::{self, Answer};
+use crate::transport::Called;
+
+/// The most of a bulk answer read: statuses for the largest request, with room.
+const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024;
+
+/// What `bulkSubscribe` asks for, with Dapr's defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BulkSettings {
+    /// `maxMessagesCount`: a request carries at most this many.
+    pub max_messages: usize,
+    /// `maxAwaitDurationMs`: the first entry of a request waits at most this long for others.
+    pub max_await: Duration,
+}
+
+impl Default for BulkSettings {
+    fn default() -> Self {
+        Self {
+            max_messages: 100,
+            max_await: Duration::from_millis(1000),
+        }
+    }
+}
+
+/// One message of a bulk request: its entry and who waits for its answer.
+pub struct Entry {
+    /// `entryId`: unique within the request.
+    pub id: String,
+    /// The CloudEvent, or the raw body (`rawPayload`).
+    pub event: Value,
+    /// `contentType` of `event`.
+    pub content_type: String,
+    /// The message's metadata.
+    pub metadata: std::collections::BTreeMap<String, String>,
+}
+
+struct Waiting {
+    batch: u64,
+    entries: Vec<(Entry, oneshot::Sender<Called>)>,
+}
+
+/// Collects deliveries per path and posts them together.
+pub struct Bulker {
+    settings: BulkSettings,
+    http: reqwest::Client,
+    base: String,
+    timeout: Duration,
+    pubsub_name: String,
+    topic: String,
+    pending: Mutex<HashMap<String, Waiting>>,
+    next_batch: std::sync::atomic::AtomicU64,
+}
+
+impl Bulker {
+    /// Posts to the app at `base`, each request answered within `timeout`.
+    pub fn new(
+        settings: BulkSettings,
+        http: reqwest::Client,
+        base: String,
+        timeout: Duration,
+        pubsub_name: String,
+        topic: String,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            settings,
+            http,
+            base,
+            timeout,
+            pubsub_name,
+            topic,
+            pending: Mutex::default(),
+            next_batch: Default::default(),
+        })
+    }
+
+    /// Adds `entry` to the batch bound for `path` and waits for its answer: the batch goes
+    /// when it is full, or `max_await` after its first entry.
+    pub async fn deliver(self: &Arc<Self>, path: &str, entry: Entry) -> Called {
+        let (tx, rx) = oneshot::channel();
+        let full = {
+            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            let waiting = pending.entry(path.to_owned()).or_insert_with(|| {
+                let batch = self
+                    .next_batch
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let this = Arc::clone(self);
+                let path = path.to_owned();
+                tokio::spawn(async move {
+                    tokio::time::sleep(this.settings.max_await).await;
+                    if let Some(waiting) = this.take(&path, batch) {
+                        this.send(&path, waiting).await;
+                    }
+                });
+                Waiting {
+                    batch,
+                    entries: Vec::new(),
+                }
+            });
+            waiting.entries.push((entry, tx));
+            // Taken at once, under the lock: the next entry starts another batch.
+            (waiting.entries.len() >= self.settings.max_messages)
+                .then(|| pending.remove(path))
+                .flatten()
+        };
+        if let Some(waiting) = full {
+            let this = Arc::clone(self);
+            let path = path.to_owned();
+            tokio::spawn(async move { this.send(&path, waiting).await });
+        }
+        rx.await.unwrap_or_else(|_| Called {
+            answer: Answer::Retry {
+                reason: "the bulk request to the app was abandoned".into(),
+                after: None,
+            },
+            failure: None,
+            crashed: false,
+        })
+    }
+
+    /// Batch `batch` of `path`, when its timer fires and it is still waiting (a full batch
+    /// went already, and the next one has its own timer).
+    fn take(&self, path: &str, batch: u64) -> Option<Waiting> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        match pending.get(path) {
+            Some(w) if w.batch == batch => pending.remove(path),
+            _ => None,
+        }
+    }
+
+    /// Posts a batch and hands each entry its answer.
+    async fn send(&self, path: &str, waiting: Waiting) {
+        let (entries, waiters): (Vec<Entry>, Vec<_>) = waiting.entries.into_iter().unzip();
+        let ids: Vec<String> = entries.iter().map(|e| e.id.clone()).collect();
+        let body = request_body(&entries, &self.pubsub_name, &self.topic);
+        let answers = self.post(path, body, &ids).await;
+        for (waiter, called) in waiters.into_iter().zip(answers) {
+            let _ = waiter.send(called);
+        }
+    }
+
+    async fn post(&self, path: &str, body: Value, ids: &[String]) -> Vec<Called> {
+        let each = |called: Called| vec![called; ids.len()];
+        let sent = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .timeout(self.timeout)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(serde_json::to_vec(&body).unwrap_or_default())
+            .send()
+            .await;
+        let mut response = match sent {
+            Ok(response) => response,
+            Err(e) if e.is_timeout() => {
+                return each(Called {
+                    answer: Answer::Retry {
+                        reason: format!("the app did not answer within {:?}", self.timeout),
+                        after: None,
+                    },
+                    failure: Some("timeout"),
+                    crashed: false,
+                })
+            }
+            Err(e) if e.is_connect() => {
+                return each(Called {
+                    answer: Answer::Undelivered {
+                        reason: "the app refused the connection".into(),
+                    },
+                    failure: Some("connect"),
+                    crashed: false,
+                })
+            }
+            Err(e) => {
+                return each(Called {
+                    answer: Answer::Retry {
+                        reason: format!("the bulk request to the app failed: {e}"),
+                        after: None,
+                    },
+                    failure: Some("transport"),
+                    crashed: true,
+                })
+            }
+        };
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let mut bytes = Vec::new();
+        let read = loop {
+            match response.chunk().await {
+                Ok(Some(chunk)) if bytes.len() < MAX_ANSWER_BYTES => {
+                    bytes.extend_from_slice(&chunk)
+                }
+                // Longer than any list of statuses: not an answer to judge.
+                Ok(Some(_)) => {
+                    break Err("the app's bulk answer is longer than the limit".to_owned())
+                }
+                Ok(None) => break Ok(bytes),
+                Err(e) => break Err(format!("the app's answer was cut off: {e}")),
+            }
+        };
+        match read {
+            Ok(bytes) => answers(status, retry_after.as_deref(), &bytes, ids)
+                .into_iter()
+                .map(|answer| {
+                    let hard =
+                        status >= 500 && !matches!(answer, Answer::Retry { after: Some(_), .. });
+                    Called {
+                        answer,
+                        failure: hard.then_some("status"),
+                        crashed: false,
+                    }
+                })
+                .collect(),
+            Err(reason) => each(Called {
+                answer: Answer::Retry {
+                    reason,
+                    after: None,
+                },
+                failure: Some("status"),
+                crashed: true,
+            }),
+        }
+    }
+}
+
+/// The bulk request (pure), as Dapr posts it.
+pub fn request_body(entries: &[Entry], pubsub_name: &str, topic: &str) -> Value {
+    let entries: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            json!({
+                "entryId": e.id,
+                "event": e.event,
+                "contentType": e.content_type,
+                "metadata": e.metadata,
+            })
+        })
+        .collect();
+    json!({
+        "id": uuid::Uuid::new_v4().to_string(),
+        "entries": entries,
+        "metadata": {},
+        "pubsubname": pubsub_name,
+        "topic": topic,
+        "type": "com.dapr.event.sent.bulk",
+    })
+}
+
+/// What the app's answer to a bulk request means for each entry (pure). A `2xx` with
+/// `statuses` settles each entry by its own (`SUCCESS`, `RETRY`, `DROP`); an entry it leaves
+/// out, or gives another status, is retried: never taken as done unsaid. Any other answer
+/// means for every entry what it would for one message.
+pub fn answers(status: u16, retry_after: Option<&str>, body: &[u8], ids: &[String]) -> Vec<Answer> {
+    let statuses = (200..300)
+        .contains(&status)
+        .then(|| serde_json::from_slice::<Value>(body).ok())
+        .flatten()
+        .and_then(|v| v.get("statuses").and_then(Value::as_array).cloned());
+    let Some(statuses) = statuses else {
+        let answer = app::classify(status, retry_after, body);
+        return vec![answer; ids.len()];
+    };
+    let by_id: HashMap<&str, &str> = statuses
+        .iter()
+        .filter_map(|s| Some((s.get("entryId")?.as_str()?, s.get("status")?.as_str()?)))
+        .collect();
+    ids.iter()
+        .map(|id| match by_id.get(id.as_str()).map(|s| s.to_ascii_uppercase()) {
+            Some(s) if s == "SUCCESS" => Answer::Success,
+            Some(s) if s == "DROP" => Answer::Drop {
+                reason: "the app answered DROP for this entry".into(),
+            },
+            Some(s) if s == "RETRY" => Answer::Retry {
+                reason: "the app answered RETRY for this entry".into(),
+                after: None,
+            },
+            other => {
+                warn!(entry = %id, status = ?other, "the app's bulk answer has no known status for an entry; retrying it");
+                Answer::Retry {
+                    reason: format!("the app's bulk answer gave this entry {other:?}"),
+                    after: None,
+                }
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("e{i}")).collect()
+    }
+
+    #[test]
+    fn each_entry_is_settled_by_its_own_status() {
+        let body = json!({"statuses": [
+            {"entryId": "e0", "status": "SUCCESS"},
+            {"entryId": "e1", "status": "RETRY"},
+            {"entryId": "e2", "status": "DROP"},
+            {"entryId": "e3", "status": "MAYBE"}
+        ]});
+        let answers = answers(200, None, &serde_json::to_vec(&body).unwrap(), &ids(5));
+        assert_eq!(answers[0], Answer::Success);
+        assert!(matches!(answers[1], Answer::Retry { .. }));
+        assert!(matches!(answers[2], Answer::Drop { .. }));
+        assert!(
+            matches!(answers[3], Answer::Retry { .. }),
+            "unknown: retried"
+        );
+        assert!(
+            matches!(answers[4], Answer::Retry { .. }),
+            "left out: retried, not done"
+        );
+    }
+
+    #[test]
+    fn an_answer_without_statuses_means_for_each_what_it_would_for_one() {
+        assert_eq!(answers(200, None, b"", &ids(2)), vec![Answer::Success; 2]);
+        let failed = answers(503, Some("7"), b"", &ids(2));
+        assert!(failed.iter().all(|a| matches!(
+            a,
+            Answer::Retry {
+                after: Some(d),
+                ..
+            } if *d == Duration::from_secs(7)
+        )));
+        // A 5xx that lists statuses is still a failure of the whole request.
+        let listed = json!({"statuses": [{"entryId": "e0", "status": "SUCCESS"}]});
+        let failed = answers(500, None, &serde_json::to_vec(&listed).unwrap(), &ids(1));
+        assert!(matches!(failed[0], Answer::Retry { .. }));
+    }
+
+    #[test]
+    fn the_request_is_dapr_s_bulk_envelope() {
+        let entry = Entry {
+            id: "e0".into(),
+            event: json!({"specversion": "1.0", "data": {"n": 1}}),
+            content_type: "application/cloudevents+json".into(),
+            metadata: Default::default(),
+        };
+        let body = request_body(&[entry], "pubsub", "orders");
+        assert_eq!(body["type"], "com.dapr.event.sent.bulk");
+        assert_eq!(
+            (&body["pubsubname"], &body["topic"]),
+            (&json!("pubsub"), &json!("orders"))
+        );
+        assert_eq!(body["entries"][0]["entryId"], "e0");
+        assert_eq!(body["entries"][0]["event"]["data"]["n"], 1);
+        assert_eq!(
+            body["entries"][0]["contentType"],
+            "application/cloudevents+json"
+        );
+    }
+}
