@@ -165,42 +165,10 @@ impl Bulker {
             .await;
         let mut response = match sent {
             Ok(response) => response,
-            Err(e) if e.is_timeout() => {
-                return each(Called {
-                    answer: Answer::Retry {
-                        reason: format!("the app did not answer within {:?}", self.timeout),
-                        after: None,
-                    },
-                    failure: Some("timeout"),
-                    crashed: false,
-                })
-            }
-            Err(e) if e.is_connect() => {
-                return each(Called {
-                    answer: Answer::Undelivered {
-                        reason: "the app refused the connection".into(),
-                    },
-                    failure: Some("connect"),
-                    crashed: false,
-                })
-            }
-            Err(e) => {
-                return each(Called {
-                    answer: Answer::Retry {
-                        reason: format!("the bulk request to the app failed: {e}"),
-                        after: None,
-                    },
-                    failure: Some("transport"),
-                    crashed: true,
-                })
-            }
+            Err(e) => return each(crate::transport::unanswered(&e, self.timeout)),
         };
         let status = response.status().as_u16();
-        let retry_after = response
-            .headers()
-            .get(reqwest::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
+        let retry_after = crate::transport::retry_after(&response);
         let mut bytes = Vec::new();
         let read = loop {
             match response.chunk().await {

@@ -184,11 +184,7 @@ impl AppTransport for HttpTransport {
         match builder.send().await {
             Ok(mut response) => {
                 let status = response.status().as_u16();
-                let retry_after = response
-                    .headers()
-                    .get(reqwest::header::RETRY_AFTER)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned);
+                let retry_after = retry_after(&response);
                 let mut body = Vec::new();
                 let mut cut_off = None;
                 while body.len() <= MAX_ANSWER_BYTES {
@@ -227,23 +223,46 @@ impl AppTransport for HttpTransport {
                     crashed,
                 }
             }
-            Err(e) if e.is_timeout() => Called {
-                answer: retry(format!("the app did not answer within {:?}", self.timeout)),
-                failure: Some("timeout"),
-                crashed: false,
+            Err(e) => unanswered(&e, self.timeout),
+        }
+    }
+}
+
+/// The app's `Retry-After`, as sent.
+pub(crate) fn retry_after(response: &reqwest::Response) -> Option<String> {
+    response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// A request that got no answer: refused (never delivered), timed out, or cut (the app may
+/// have gone down under it).
+pub(crate) fn unanswered(e: &reqwest::Error, timeout: Duration) -> Called {
+    let retry = |reason: String| Answer::Retry {
+        reason,
+        after: None,
+    };
+    if e.is_timeout() {
+        Called {
+            answer: retry(format!("the app did not answer within {timeout:?}")),
+            failure: Some("timeout"),
+            crashed: false,
+        }
+    } else if e.is_connect() {
+        Called {
+            answer: Answer::Undelivered {
+                reason: "the app refused the connection".to_owned(),
             },
-            Err(e) if e.is_connect() => Called {
-                answer: Answer::Undelivered {
-                    reason: "the app refused the connection".to_owned(),
-                },
-                failure: Some("connect"),
-                crashed: false,
-            },
-            Err(e) => Called {
-                answer: retry(format!("the request to the app failed: {e}")),
-                failure: Some("transport"),
-                crashed: true,
-            },
+            failure: Some("connect"),
+            crashed: false,
+        }
+    } else {
+        Called {
+            answer: retry(format!("the request to the app failed: {e}")),
+            failure: Some("transport"),
+            crashed: true,
         }
     }
 }
