@@ -160,11 +160,7 @@ async fn enqueue(
     let message = match NewMessage::try_from(input) {
         Ok(m) => m.inherit_trace(trace.as_ref()),
         Err(e) => {
-            state
-                .metrics
-                .enqueued
-                .with_label_values(&["rejected"])
-                .inc();
+            state.metrics.rejected(1);
             return error(StatusCode::BAD_REQUEST, e.to_string());
         }
     };
@@ -179,11 +175,7 @@ async fn enqueue(
             (status, Json(outcome_json(&outcome))).into_response()
         }
         Err(e) => {
-            state
-                .metrics
-                .enqueued
-                .with_label_values(&["rejected"])
-                .inc();
+            state.metrics.rejected(1);
             error(failure(&e), e.to_string())
         }
     }

@@ -312,21 +312,11 @@ pub async fn publish_bulk(
         mut failed,
     } = match parsed {
         Ok(parsed) => {
-            for _ in &parsed.failed {
-                state
-                    .metrics
-                    .enqueued
-                    .with_label_values(&["rejected"])
-                    .inc();
-            }
+            state.metrics.rejected(parsed.failed.len());
             parsed
         }
         Err(e) => {
-            state
-                .metrics
-                .enqueued
-                .with_label_values(&["rejected"])
-                .inc();
+            state.metrics.rejected(1);
             return e.into_response();
         }
     };

@@ -52,6 +52,13 @@ const LATENCY_BUCKETS: &[f64] = &[
 ];
 
 impl Metrics {
+    /// `n` messages the local API refused to enqueue.
+    pub fn rejected(&self, n: usize) {
+        self.enqueued
+            .with_label_values(&["rejected"])
+            .inc_by(n as u64);
+    }
+
     /// Metrics of a sidecar of `group` on `queue` (both constant labels).
     pub fn new(queue: &str, group: &str) -> Self {
         let registry = Registry::new_custom(
