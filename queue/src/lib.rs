@@ -35,6 +35,7 @@ pub mod queue;
 pub mod range;
 pub mod scaling;
 pub mod state;
+pub mod telemetry;
 pub mod trace;
 
 pub use azure_data_cosmos::CosmosClient;

@@ -267,13 +267,7 @@ impl NewMessage {
 
     /// With the producer's trace context (stored in metadata as `traceparent`/`tracestate`).
     pub fn with_trace_context(mut self, trace: &crate::trace::TraceContext) -> Self {
-        use crate::trace::{TRACEPARENT, TRACESTATE};
-        self.metadata
-            .insert(TRACEPARENT.into(), trace.traceparent.clone());
-        match &trace.tracestate {
-            Some(state) => self.metadata.insert(TRACESTATE.into(), state.clone()),
-            None => self.metadata.remove(TRACESTATE),
-        };
+        trace.store(&mut self.metadata);
         self
     }
 

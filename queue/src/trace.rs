@@ -52,6 +52,15 @@ impl TraceContext {
         Self::parse(traceparent, metadata.get(TRACESTATE).map(String::as_str))
     }
 
+    /// Writes this context into a message's metadata, replacing any other.
+    pub fn store(&self, metadata: &mut std::collections::BTreeMap<String, String>) {
+        metadata.insert(TRACEPARENT.into(), self.traceparent.clone());
+        match &self.tracestate {
+            Some(state) => metadata.insert(TRACESTATE.into(), state.clone()),
+            None => metadata.remove(TRACESTATE),
+        };
+    }
+
     /// The 32 hex digits of the trace id.
     pub fn trace_id(&self) -> &str {
         &self.traceparent[3..35]

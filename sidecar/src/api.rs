@@ -17,6 +17,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::spans::Publish;
 
 /// Largest request body taken (a batch of messages).
 const MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
@@ -39,6 +40,8 @@ pub struct ApiState {
     pub pubsub_name: std::sync::OnceLock<String>,
     /// A pull group's receive side; `None` for push.
     pub puller: Option<cosmosq_queue::pull::Puller>,
+    /// Where publish spans go.
+    pub telemetry: cosmosq_queue::telemetry::Telemetry,
 }
 
 /// How long `/drained` waits for this sidecar to begin stopping. A pod being deleted sends
@@ -156,14 +159,15 @@ async fn enqueue(
         Ok(b) => b,
         Err(e) => return error(e.status(), e.body_text()),
     };
-    let trace = caller_trace(&headers);
     let message = match NewMessage::try_from(input) {
-        Ok(m) => m.inherit_trace(trace.as_ref()),
+        Ok(m) => m,
         Err(e) => {
             state.metrics.rejected(1);
             return error(StatusCode::BAD_REQUEST, e.to_string());
         }
     };
+    let mut publish = Publish::one(&state, &headers, &message);
+    let message = publish.stamp(message);
     match state.queue.enqueue(message).await {
         Ok(outcome) => {
             let (status, result) = if outcome.is_duplicate() {
@@ -176,6 +180,7 @@ async fn enqueue(
         }
         Err(e) => {
             state.metrics.rejected(1);
+            publish.failed(1, &e.to_string());
             error(failure(&e), e.to_string())
         }
     }
@@ -192,14 +197,19 @@ async fn enqueue_batch(
         Ok(b) => b,
         Err(e) => return error(e.status(), e.body_text()),
     };
-    let trace = caller_trace(&headers);
+    let mut publish = Publish::start(
+        &state.telemetry,
+        state.queue.name(),
+        caller_trace(&headers),
+        inputs.len(),
+    );
     let mut results: Vec<Option<serde_json::Value>> = vec![None; inputs.len()];
     let mut valid = Vec::new();
     let mut positions = Vec::new();
     for (i, input) in inputs.into_iter().enumerate() {
         match NewMessage::try_from(input) {
             Ok(m) => {
-                valid.push(m.inherit_trace(trace.as_ref()));
+                valid.push(publish.stamp(m));
                 positions.push(i);
             }
             Err(e) => results[i] = Some(json!({"error": e.to_string()})),
@@ -228,6 +238,7 @@ async fn enqueue_batch(
     let status = if failed == 0 {
         StatusCode::OK
     } else {
+        publish.failed(failed, "some messages were not enqueued");
         StatusCode::MULTI_STATUS
     };
     (status, Json(json!({"results": results}))).into_response()

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use cosmosq_queue::host::HostOptions;
+use cosmosq_queue::telemetry::OtlpArgs;
 use cosmosq_queue::{
     ConnectionArgs, DeliveryMode, ExclusiveWrites, GroupConfig, QueueConfig, RetryPolicy, StartFrom,
 };
@@ -141,6 +142,9 @@ pub struct Config {
     /// (only in Kubernetes).
     #[arg(long, env = env::POD_DELETION_COST, default_value_t = true, action = clap::ArgAction::Set)]
     pub pod_deletion_cost: bool,
+    /// OTLP export of spans: the standard `OTEL_*` variables (off without an endpoint).
+    #[command(flatten)]
+    pub otlp: OtlpArgs,
 }
 
 impl Config {
@@ -208,6 +212,9 @@ impl Config {
         if self.listen.port() == self.app_port {
             return bad("--listen (COSMOSQ_LISTEN)", "uses the app's port".into());
         }
+        self.otlp
+            .export()
+            .map_err(|e| SidecarError::Config(e.to_string()))?;
         Ok(())
     }
 

@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 
 use crate::api::ApiState;
 use crate::app::PUBSUB_NAME;
+use crate::spans::Publish;
 
 /// Why a publish was refused, each with Dapr's error code.
 #[derive(Debug, thiserror::Error)]
@@ -222,9 +223,13 @@ pub async fn publish(
         let content_type = headers
             .get(axum::http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok());
-        let message = message_of(content_type, &query, &body)?
-            .inherit_trace(crate::api::caller_trace(&headers).as_ref());
-        Ok::<_, PublishError>(state.queue.enqueue(message).await?)
+        let message = message_of(content_type, &query, &body)?;
+        let mut publish = Publish::one(&state, &headers, &message);
+        let enqueued = state.queue.enqueue(publish.stamp(message)).await;
+        if let Err(e) = &enqueued {
+            publish.failed(1, &e.to_string());
+        }
+        Ok::<_, PublishError>(enqueued?)
     }
     .await;
     count(&state, &published);
@@ -320,10 +325,15 @@ pub async fn publish_bulk(
             return e.into_response();
         }
     };
-    let trace = crate::api::caller_trace(&headers);
+    let mut publish = Publish::start(
+        &state.telemetry,
+        state.queue.name(),
+        crate::api::caller_trace(&headers),
+        messages.len(),
+    );
     let (entry_ids, messages): (Vec<String>, Vec<NewMessage>) = messages
         .into_iter()
-        .map(|(id, m)| (id, m.inherit_trace(trace.as_ref())))
+        .map(|(id, m)| (id, publish.stamp(m)))
         .unzip();
     for (entry_id, result) in entry_ids
         .into_iter()
@@ -337,6 +347,7 @@ pub async fn publish_bulk(
     if failed.is_empty() {
         return StatusCode::NO_CONTENT.into_response();
     }
+    publish.failed(failed.len(), "some messages were not enqueued");
     let failed: Vec<Value> = failed
         .into_iter()
         .map(|(entry_id, error)| json!({"entryId": entry_id, "error": error}))

@@ -18,5 +18,6 @@ pub mod isolation;
 pub mod metrics;
 pub mod pull;
 pub mod run;
+pub mod spans;
 pub mod subscribe;
 pub mod transport;

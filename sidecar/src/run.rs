@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use cosmosq_queue::host::Host;
 use cosmosq_queue::pull::Pull;
+use cosmosq_queue::telemetry::Telemetry;
 use cosmosq_queue::{CosmosClient, Delivery, Handler, Outcome, Queue};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -17,22 +18,31 @@ use crate::deletion_cost::{self, PodPatcher};
 use crate::delivery::AppClient;
 use crate::error::SidecarError;
 use crate::metrics::Metrics;
+use crate::spans;
 use crate::subscribe;
 use crate::transport::HttpTransport;
 
-/// The app client shared between the lease loop (as its handler) and readiness.
-/// The group's handler: the app pushed to, or the workers' pull queue.
+/// Who takes the group's deliveries: the app pushed to, or the workers' pull queue.
 enum App {
     Push(Arc<AppClient>),
     Pull(Pull),
 }
 
-impl Handler for App {
-    async fn handle(&self, delivery: Delivery) -> Outcome {
-        match self {
+/// The group's handler: each delivery attempt in its span, whoever takes it.
+struct Traced {
+    app: App,
+    telemetry: Telemetry,
+}
+
+impl Handler for Traced {
+    async fn handle(&self, mut delivery: Delivery) -> Outcome {
+        let span = spans::process(&self.telemetry, &mut delivery);
+        let outcome = match &self.app {
             App::Push(app) => app.handle(delivery).await,
             App::Pull(pull) => pull.handle(delivery).await,
-        }
+        };
+        spans::settled(span, &outcome);
+        outcome
     }
 }
 
@@ -50,6 +60,20 @@ pub async fn run_with_client(
     shutdown: CancellationToken,
 ) -> Result<(), SidecarError> {
     config.validate()?;
+    let telemetry = Telemetry::start(&config.otlp, "cosmosq-sidecar")
+        .map_err(|e| SidecarError::Config(e.to_string()))?;
+    let result = serve(config, client, shutdown, telemetry.clone()).await;
+    // The last spans (the drain's deliveries among them) are sent before the process ends.
+    telemetry.shutdown().await;
+    result
+}
+
+async fn serve(
+    config: Config,
+    client: CosmosClient,
+    shutdown: CancellationToken,
+    telemetry: Telemetry,
+) -> Result<(), SidecarError> {
     let queue = Queue::open(&client, config.queue_config())
         .await
         .map_err(|e| {
@@ -79,6 +103,10 @@ pub async fn run_with_client(
             )
         }
     };
+    let handler = Traced {
+        app: handler,
+        telemetry: telemetry.clone(),
+    };
     let host = Host::new(group.clone(), handler, options);
     let state = Arc::new(ApiState {
         queue: queue.clone(),
@@ -89,6 +117,7 @@ pub async fn run_with_client(
         drained: CancellationToken::new(),
         pubsub_name: std::sync::OnceLock::new(),
         puller,
+        telemetry,
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)

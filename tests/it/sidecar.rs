@@ -768,6 +768,214 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
     }
 }
 
+/// One trace from the caller's enqueue to the app's work, exported by both sidecars to a
+/// local OTLP receiver: the producer's `send` under the caller's span, each delivery attempt's
+/// `process` under the `send`, and the app handed the `process` span as its parent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_from_enqueue_to_the_app_is_exported_over_otlp() {
+    use cosmosq_tests::otlp::{OtlpReceiver, ReceivedSpan};
+    let receiver = OtlpReceiver::start().await;
+    let fixture = Fixture::new(2).await;
+    // Producer and consumer each with an app of their own, so each context is the group's.
+    let (producer_app, app) = (TestApp::new(), TestApp::new());
+    let mut ports = Vec::new();
+    for (test_app, script) in [
+        (
+            &producer_app,
+            Arc::new(|_: &str, _: u32| Act::Answer(200, "")) as Script,
+        ),
+        (
+            &app,
+            Arc::new(|id: &str, count: u32| match (id, count) {
+                ("one", 1) => Act::Answer(500, "not yet"),
+                _ => Act::Answer(200, ""),
+            }),
+        ),
+    ] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        ports.push(listener.local_addr().unwrap().port());
+        test_app.serve(listener, script).await;
+    }
+    let endpoint = format!("--otlp-endpoint={}", receiver.endpoint);
+    let producer = start_sidecar(
+        &fixture,
+        config(
+            "producers",
+            ports[0],
+            free_port(),
+            &[
+                "--start-from",
+                "now",
+                &endpoint,
+                "--otel-service-name=shop-api",
+            ],
+        ),
+    );
+    let consumer = start_sidecar(
+        &fixture,
+        config(
+            "workers",
+            ports[1],
+            free_port(),
+            &[&endpoint, "--otlp-protocol=http/json"],
+        ),
+    );
+    let http = reqwest::Client::new();
+    eventually("the producer is up", Duration::from_secs(5), || async {
+        http.get(format!("{}/readyz", producer.api))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    const CALLER_SPAN: &str = "00f067aa0ba902b7";
+    const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let traceparent = format!("00-{TRACE_ID}-{CALLER_SPAN}-01");
+    let r = http
+        .post(format!("{}/v1/enqueue", producer.api))
+        .header("traceparent", &traceparent)
+        .header("tracestate", "congo=t61rcWkgMzE")
+        .header("content-type", "application/json")
+        .body(json!({"id": "one", "body": 1}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let batch: Vec<_> = (0..3)
+        .map(|i| json!({"id": format!("b{i}"), "body": i}))
+        .collect();
+    let r = http
+        .post(format!("{}/v1/enqueue/batch", producer.api))
+        .header("traceparent", &traceparent)
+        .header("content-type", "application/json")
+        .body(json!(batch).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // A Dapr publisher's CloudEvent carries its own trace: the publish joins that one.
+    const OWN_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
+    let event = json!({"specversion": "1.0", "id": "evt", "source": "s", "type": "t",
+        "traceparent": format!("00-{OWN_TRACE}-b7ad6b7169203331-01"), "data": {"n": 1}});
+    let r = http
+        .post(format!("{}/v1.0/publish/cosmosq/q", producer.api))
+        .header("content-type", "application/cloudevents+json")
+        .body(event.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    app.wait_for("every message completed, one after a retry", |a| {
+        a.deliveries("one") == [1, 2]
+            && ["b0", "b1", "b2", "evt"]
+                .iter()
+                .all(|id| a.deliveries(id) == [1])
+    })
+    .await;
+    // Stopping sends what is buffered: nothing is awaited by sleeping.
+    for s in [producer, consumer] {
+        s.stop.cancel();
+        s.task.await.unwrap().unwrap();
+    }
+
+    let spans = receiver.spans();
+    let of = |service: &str, name: &str| -> Vec<ReceivedSpan> {
+        spans
+            .iter()
+            .filter(|s| s.service == service && s.name == name)
+            .cloned()
+            .collect()
+    };
+    let sends = of("shop-api", "send q");
+    assert_eq!(sends.len(), 3, "one per publish request: {sends:#?}");
+    assert!(sends.iter().all(|s| s.kind == "producer"
+        && s.attr("messaging.destination.name") == "q"
+        && s.attr("messaging.operation.type") == "send"));
+    let under_caller: Vec<_> = sends
+        .iter()
+        .filter(|s| s.trace_id == TRACE_ID && s.parent_span_id == CALLER_SPAN)
+        .collect();
+    assert_eq!(
+        under_caller.len(),
+        2,
+        "the single and the batch: {sends:#?}"
+    );
+    let batch_send = under_caller
+        .iter()
+        .find(|s| s.attr("messaging.batch.message_count") == "3")
+        .expect("the batch's span counts its messages");
+    let single_send = under_caller
+        .iter()
+        .find(|s| !s.attributes.contains_key("messaging.batch.message_count"))
+        .unwrap();
+    let dapr_send = sends
+        .iter()
+        .find(|s| s.trace_id == OWN_TRACE && s.parent_span_id == "b7ad6b7169203331")
+        .expect("the CloudEvent's publish under its own trace");
+
+    let processed = of("cosmosq-sidecar", "process q");
+    let by_id = |id: &str| -> Vec<&ReceivedSpan> {
+        let mut found: Vec<_> = processed
+            .iter()
+            .filter(|s| s.attr("messaging.message.id") == id)
+            .collect();
+        found.sort_by_key(|s| s.attr("cosmosq.message.delivery_count"));
+        found
+    };
+    let one = by_id("one");
+    assert_eq!(
+        one.len(),
+        2,
+        "one span per delivery attempt: {processed:#?}"
+    );
+    for (span, count) in one.iter().zip(["1", "2"]) {
+        assert_eq!(span.kind, "consumer");
+        assert_eq!(span.trace_id, TRACE_ID);
+        assert_eq!(
+            span.parent_span_id, single_send.span_id,
+            "under the publish"
+        );
+        assert_eq!(span.attr("messaging.consumer.group.name"), "workers");
+        assert_eq!(span.attr("cosmosq.message.delivery_count"), count);
+    }
+    assert_eq!(one[0].attr("cosmosq.outcome"), "retry");
+    assert!(
+        one[0].error.as_deref().is_some_and(|e| e.contains("500")),
+        "{:?}",
+        one[0]
+    );
+    assert_eq!(one[1].attr("cosmosq.outcome"), "complete");
+    assert_eq!(one[1].error, None);
+    for id in ["b0", "b1", "b2"] {
+        let spans = by_id(id);
+        assert_eq!(spans.len(), 1, "{id}");
+        assert_eq!(
+            spans[0].parent_span_id, batch_send.span_id,
+            "{id} under the batch"
+        );
+    }
+    let evt = by_id("evt");
+    assert_eq!(evt.len(), 1);
+    assert_eq!(
+        (evt[0].trace_id.as_str(), evt[0].parent_span_id.as_str()),
+        (OWN_TRACE, dapr_send.span_id.as_str())
+    );
+
+    // The app's work is a child of its delivery: the last attempt's span is its parent, in
+    // the headers and the CloudEvent, with the caller's tracestate passed on.
+    let context = app.context.lock().unwrap().clone();
+    let expected = format!("00-{TRACE_ID}-{}-01", one[1].span_id);
+    assert_eq!(context["one"].traceparent, expected);
+    assert_eq!(context["one"].event_traceparent, expected);
+    assert_eq!(context["one"].tracestate, "congo=t61rcWkgMzE");
+    let types = receiver.content_types();
+    assert!(
+        types.iter().any(|t| t == "application/x-protobuf"),
+        "{types:?}"
+    );
+    assert!(types.iter().any(|t| t == "application/json"), "{types:?}");
+}
+
 #[tokio::test]
 async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
     let fixture = Fixture::new(1).await;
@@ -802,6 +1010,24 @@ async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
     .await
     .unwrap_err();
     assert!(err.to_string().contains("provisioned"), "{err}");
+    // A collector's gRPC port: refused at start, saying what to use.
+    let grpc = config(
+        "g",
+        8080,
+        free_port(),
+        &["--otlp-endpoint=http://c:4317", "--otlp-protocol=grpc"],
+    );
+    let err = cosmosq_sidecar::run::run_with_client(
+        grpc,
+        fixture.client.clone(),
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("OTEL_EXPORTER_OTLP_PROTOCOL"),
+        "{err}"
+    );
 }
 
 /// An app that crashes whenever the poison message reaches it: every request it is working

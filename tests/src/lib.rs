@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod crd_rules;
+pub mod otlp;
 pub mod scenario;
 
 use std::collections::{HashMap, HashSet};
