@@ -591,6 +591,13 @@ pub struct SidecarSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "preserve_unknown_fields")]
     pub resources: Option<serde_json::Value>,
+    /// More environment for the sidecar, as a container's `env` (values from Secrets too):
+    /// e.g. `OTEL_EXPORTER_OTLP_ENDPOINT` to export its spans. The `COSMOSQ_*` settings come
+    /// from the group's spec and cannot be set here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.all(e, !e.name.startsWith('COSMOSQ_') && e.name != 'POD_NAME' && e.name != 'POD_NAMESPACE')").message("sidecar.env cannot set COSMOSQ_* variables, POD_NAME or POD_NAMESPACE: the operator sets them from the group's spec"))]
+    pub env: Vec<k8s_openapi::api::core::v1::EnvVar>,
 }
 
 /// How the group's workers are scaled from its backlog.

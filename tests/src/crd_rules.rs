@@ -193,6 +193,31 @@ pub fn cases() -> Vec<RuleCase> {
             Some("spec.replicas"),
             false,
         ),
+        // The sidecar's own settings come from the spec, never from sidecar.env.
+        case(
+            "sidecar-env-otel",
+            Kind::Group,
+            group_spec(json!({"sidecar": {"env": [
+                {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4318"},
+                {"name": "OTEL_EXPORTER_OTLP_HEADERS",
+                 "valueFrom": {"secretKeyRef": {"name": "otel", "key": "headers"}}}]}})),
+            None,
+            true,
+        ),
+        case(
+            "sidecar-env-reserved",
+            Kind::Group,
+            group_spec(json!({"sidecar": {"env": [{"name": "COSMOSQ_GROUP", "value": "x"}]}})),
+            Some("sidecar.env cannot set COSMOSQ_* variables"),
+            true,
+        ),
+        case(
+            "sidecar-env-pod-name",
+            Kind::Group,
+            group_spec(json!({"sidecar": {"env": [{"name": "POD_NAME", "value": "x"}]}})),
+            Some("sidecar.env cannot set COSMOSQ_* variables, POD_NAME or POD_NAMESPACE"),
+            true,
+        ),
         // Names that become label values.
         case(
             "group-label",
