@@ -301,6 +301,16 @@ pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar>
         // The key travels as a mounted file, never as an environment variable.
         vars.push(env(env_names::KEY_FILE, format!("{KEY_DIR}/key")));
     }
+    // The user's additions last; the CRD refuses the names set above, and should one get
+    // past it (an older CRD), the spec's setting is kept, not the addition.
+    let own: std::collections::BTreeSet<String> = vars.iter().map(|v| v.name.clone()).collect();
+    vars.extend(
+        s.sidecar
+            .env
+            .iter()
+            .filter(|v| !own.contains(&v.name) && !v.name.starts_with("COSMOSQ_"))
+            .cloned(),
+    );
     vars
 }
 
@@ -1176,6 +1186,46 @@ mod tests {
                 ("helper".to_owned(), Some("3600".to_owned())),
                 (SIDECAR_CONTAINER.to_owned(), None),
             ]
+        );
+    }
+
+    #[test]
+    fn sidecar_env_adds_to_the_sidecars_settings_and_never_replaces_them() {
+        let g = group(json!({"sidecar": {"env": [
+            {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4318"},
+            {"name": "OTEL_EXPORTER_OTLP_HEADERS",
+             "valueFrom": {"secretKeyRef": {"name": "otel", "key": "headers"}}},
+            {"name": "COSMOSQ_GROUP", "value": "someone-elses"},
+            {"name": "POD_NAME", "value": "fixed"}]}}));
+        let d = build(&g, &key_queue(), &defaults()).unwrap();
+        let pod = d.spec.unwrap().template.spec.unwrap();
+        let sidecar = pod
+            .containers
+            .iter()
+            .find(|c| c.name == SIDECAR_CONTAINER)
+            .unwrap();
+        let vars = sidecar.env.clone().unwrap();
+        let named = |name: &str| vars.iter().filter(|v| v.name == name).collect::<Vec<_>>();
+        assert_eq!(
+            named("OTEL_EXPORTER_OTLP_ENDPOINT")[0].value.as_deref(),
+            Some("http://otel:4318")
+        );
+        let headers = named("OTEL_EXPORTER_OTLP_HEADERS");
+        assert_eq!(headers.len(), 1);
+        assert!(headers[0].value.is_none(), "the secret stays a reference");
+        for name in [env_names::GROUP, env_names::POD_NAME] {
+            let set = named(name);
+            assert_eq!(set.len(), 1, "{name} once: {set:?}");
+            assert_ne!(set[0].value.as_deref(), Some("someone-elses"));
+            assert_ne!(set[0].value.as_deref(), Some("fixed"));
+        }
+        let app = pod.containers.iter().find(|c| c.name == "app").unwrap();
+        assert!(
+            app.env
+                .iter()
+                .flatten()
+                .all(|v| !v.name.starts_with("OTEL_")),
+            "the app's environment is its own"
         );
     }
 

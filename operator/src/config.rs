@@ -85,6 +85,10 @@ pub struct Config {
     /// Shutdown grace: how long in-flight reconciles may take after SIGTERM.
     #[arg(long, env = "COSMOSQ_GRACE_PERIOD", default_value = "20s", value_parser = duration)]
     pub grace_period: Duration,
+    /// OTLP export of reconcile spans: the standard `OTEL_*` variables (off without an
+    /// endpoint).
+    #[command(flatten)]
+    pub otlp: cosmosq_queue::telemetry::OtlpArgs,
 }
 
 impl Config {

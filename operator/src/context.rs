@@ -11,6 +11,8 @@ use serde::Serialize;
 use tokio::sync::{mpsc, RwLock};
 use tracing::warn;
 
+use cosmosq_queue::telemetry::{self, Attribute, Telemetry};
+
 use crate::build::Defaults;
 use crate::cosmos::Cosmos;
 use crate::metrics::Metrics;
@@ -67,6 +69,8 @@ pub struct Context {
     pub figures: Figures,
     /// Tells the scaling loop a group changed, so it does not wait for its next round.
     pub changed: Option<mpsc::UnboundedSender<ObjectRef<QueueConsumerGroup>>>,
+    /// Where reconcile spans go (nowhere unless OTLP export is on).
+    pub telemetry: Telemetry,
     /// Failed reconciles in a row, per object: each waits longer before its retry.
     failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
 }
@@ -119,6 +123,7 @@ impl Context {
             metrics: Arc::new(Metrics::new()),
             figures: Figures::default(),
             changed: None,
+            telemetry: Telemetry::off(),
             failures: Default::default(),
         }
     }
@@ -139,8 +144,31 @@ impl Context {
             .remove(&failure_key(kind, object));
     }
 
-    /// Counts and times one reconcile of `kind`.
-    pub async fn measured<T>(&self, kind: &str, work: impl std::future::Future<Output = T>) -> T {
+    /// Counts, times and traces one reconcile of `object`, a `kind`.
+    pub async fn measured<K: Resource, T, E: std::fmt::Display>(
+        &self,
+        kind: &'static str,
+        object: &K,
+        work: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        let meta = object.meta();
+        let mut span = self.telemetry.span(
+            format!("reconcile {kind}"),
+            telemetry::Kind::Internal,
+            None,
+            vec![
+                Attribute::new(
+                    "k8s.namespace.name",
+                    meta.namespace.clone().unwrap_or_default(),
+                ),
+                Attribute::new("cosmosq.resource.kind", kind),
+                Attribute::new(
+                    "cosmosq.resource.name",
+                    meta.name.clone().unwrap_or_default(),
+                ),
+                Attribute::new("cosmosq.resource.generation", meta.generation.unwrap_or(0)),
+            ],
+        );
         let started = std::time::Instant::now();
         self.metrics.reconciles.with_label_values(&[kind]).inc();
         let result = work.await;
@@ -148,6 +176,9 @@ impl Context {
             .reconcile_duration
             .with_label_values(&[kind])
             .observe(started.elapsed().as_secs_f64());
+        if let Err(e) = &result {
+            span.fail(e.to_string());
+        }
         result
     }
 

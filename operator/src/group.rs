@@ -96,7 +96,9 @@ pub async fn reconcile_group(
     qcg: Arc<QueueConsumerGroup>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
-    let result = ctx.measured(KIND, reconcile(&qcg, &ctx)).await;
+    let result = ctx
+        .measured(KIND, qcg.as_ref(), reconcile(&qcg, &ctx))
+        .await;
     if result.is_ok() {
         ctx.succeeded(KIND, qcg.as_ref());
     }

@@ -59,7 +59,9 @@ pub async fn reconcile_queue(
     cq: Arc<CosmosQueue>,
     ctx: Arc<Context>,
 ) -> Result<Action, QueueReconcileError> {
-    let result = ctx.measured(KIND, reconcile(cq.clone(), &ctx)).await;
+    let result = ctx
+        .measured(KIND, cq.as_ref(), reconcile(cq.clone(), &ctx))
+        .await;
     if result.is_ok() {
         ctx.succeeded(KIND, cq.as_ref());
     }

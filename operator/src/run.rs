@@ -33,6 +33,7 @@ use crate::leader::{LeaderElection, LeaderError, Settings};
 use crate::queue::reconcile_queue;
 use crate::scaler::Scaler;
 use crate::tls::{ServingTls, TlsError};
+use cosmosq_queue::telemetry::Telemetry;
 
 /// The label the leader puts on its own pod; the external-metrics Service selects it.
 pub const LEADER_LABEL: &str = "cosmosq.io/leader";
@@ -54,6 +55,9 @@ pub enum RunError {
     /// Leading ended.
     #[error(transparent)]
     Leader(#[from] LeaderError),
+    /// The span export settings are unusable.
+    #[error(transparent)]
+    Telemetry(#[from] cosmosq_queue::telemetry::TelemetryError),
 }
 
 /// Runs until `shutdown`, or until leadership is lost (an error: the process exits and
@@ -89,6 +93,7 @@ pub async fn run_with(
     };
     let cosmos = Cosmos::new(backend, client.clone());
     let mut ctx = Context::new(client.clone(), defaults, cosmos, Some(identity.clone()));
+    ctx.telemetry = Telemetry::start(&config.otlp, "cosmosq-operator")?;
     let (changed_tx, changed_rx) = mpsc::unbounded_channel();
     ctx.changed = Some(changed_tx);
     let ctx = Arc::new(ctx);
@@ -187,6 +192,8 @@ pub async fn run_with(
         }
     };
     info!("controllers stopped");
+    // No reconcile runs any more: its spans are sent before the process ends.
+    ctx.telemetry.shutdown().await;
     shared.leader.store(false, Ordering::Relaxed);
     ctx.metrics.leader.set(0);
     if let Some((pods, name)) = &pod {

@@ -173,7 +173,20 @@ pub async fn operator_scenario(mut s: Scenario) {
         args.push(format!("--identity={identity}"));
     }
     args.extend(s.operator_args.iter().cloned());
-    let (shutdown, operator) = start_operator(&s, &args);
+    // Its reconciles are traced to a local collector (OTLP/JSON here; the sidecar's test
+    // covers protobuf).
+    let collector = crate::otlp::OtlpReceiver::start().await;
+    let (shutdown, operator) = start_operator(
+        &s,
+        &[
+            args.clone(),
+            vec![
+                format!("--otlp-endpoint={}", collector.endpoint),
+                "--otlp-protocol=http/json".into(),
+            ],
+        ]
+        .concat(),
+    );
 
     // A queue is provisioned and reported ready.
     let queues: Api<CosmosQueue> = Api::namespaced(s.client.clone(), ns);
@@ -566,6 +579,27 @@ pub async fn operator_scenario(mut s: Scenario) {
         .spec
         .and_then(|s| s.holder_identity);
     assert_eq!(released, None, "released on shutdown");
+    // Each reconcile was a span, sent before the operator ended; a failed one says why.
+    let spans = collector.spans();
+    for (kind, name) in [("CosmosQueue", "orders"), ("QueueConsumerGroup", "billing")] {
+        let reconciles: Vec<_> = spans
+            .iter()
+            .filter(|span| {
+                span.name == format!("reconcile {kind}")
+                    && span.attr("cosmosq.resource.name") == name
+            })
+            .collect();
+        assert!(
+            !reconciles.is_empty(),
+            "no reconcile span for the {kind} {name}: {spans:#?}"
+        );
+        assert!(reconciles
+            .iter()
+            .all(|span| span.service == "cosmosq-operator"
+                && span.kind == "internal"
+                && span.attr("k8s.namespace.name") == ns
+                && span.parent_span_id.is_empty()));
+    }
 
     if s.controllers {
         // A new operator process takes the released Lease over and carries on; then the
