@@ -132,6 +132,13 @@ impl Bulker {
         })
     }
 
+    /// Entries waiting for `path` now.
+    #[cfg(test)]
+    fn waiting(&self, path: &str) -> usize {
+        let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        pending.get(path).map_or(0, |w| w.entries.len())
+    }
+
     /// Batch `batch` of `path`, when its timer fires and it is still waiting (a full batch
     /// went already, and the next one has its own timer).
     fn take(&self, path: &str, batch: u64) -> Option<Waiting> {
@@ -144,7 +151,16 @@ impl Bulker {
 
     /// Posts a batch and hands each entry its answer.
     async fn send(&self, path: &str, waiting: Waiting) {
-        let (entries, waiters): (Vec<Entry>, Vec<_>) = waiting.entries.into_iter().unzip();
+        // A delivery cancelled while it waited (its lock lost, the sidecar stopping) is left
+        // out: its message may be another's to deliver by now.
+        let (entries, waiters): (Vec<Entry>, Vec<_>) = waiting
+            .entries
+            .into_iter()
+            .filter(|(_, waiter)| !waiter.is_closed())
+            .unzip();
+        if entries.is_empty() {
+            return;
+        }
         let ids: Vec<String> = entries.iter().map(|e| e.id.clone()).collect();
         let body = request_body(&entries, &self.pubsub_name, &self.topic);
         let answers = self.post(path, body, &ids).await;
@@ -276,6 +292,77 @@ mod tests {
 
     fn ids(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("e{i}")).collect()
+    }
+
+    #[tokio::test]
+    async fn a_delivery_cancelled_while_it_waits_is_not_posted() {
+        let posted: Arc<Mutex<Vec<Vec<String>>>> = Arc::default();
+        let app = {
+            let posted = posted.clone();
+            axum::Router::new().route(
+                "/bulk",
+                axum::routing::post(move |axum::Json(body): axum::Json<Value>| {
+                    let posted = posted.clone();
+                    async move {
+                        let ids: Vec<String> = body["entries"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .map(|e| e["entryId"].as_str().unwrap_or_default().to_owned())
+                            .collect();
+                        let statuses: Vec<Value> = ids
+                            .iter()
+                            .map(|id| json!({"entryId": id, "status": "SUCCESS"}))
+                            .collect();
+                        posted.lock().unwrap().push(ids);
+                        axum::Json(json!({ "statuses": statuses }))
+                    }
+                }),
+            )
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        // Full at three; the timer is far off, so only a full batch goes.
+        let settings = BulkSettings {
+            max_messages: 3,
+            max_await: Duration::from_secs(600),
+        };
+        let bulker = Bulker::new(
+            settings,
+            reqwest::Client::new(),
+            base,
+            Duration::from_secs(10),
+            "cosmosq".into(),
+            "q".into(),
+        );
+        let entry = |id: &str| Entry {
+            id: id.into(),
+            event: json!({"id": id}),
+            content_type: "application/json".into(),
+            metadata: Default::default(),
+        };
+        let spawn = |id: &str| {
+            let (bulker, entry) = (Arc::clone(&bulker), entry(id));
+            tokio::spawn(async move { bulker.deliver("/bulk", entry).await })
+        };
+        let first = spawn("a");
+        let cancelled = spawn("b");
+        while bulker.waiting("/bulk") < 2 {
+            tokio::task::yield_now().await;
+        }
+        cancelled.abort();
+        assert!(cancelled.await.unwrap_err().is_cancelled());
+        // The third fills the batch, which goes at once without the cancelled entry.
+        assert_eq!(
+            bulker.deliver("/bulk", entry("c")).await.answer,
+            Answer::Success
+        );
+        assert_eq!(first.await.unwrap().answer, Answer::Success);
+        assert_eq!(
+            *posted.lock().unwrap(),
+            [vec!["a".to_owned(), "c".to_owned()]]
+        );
     }
 
     #[test]
