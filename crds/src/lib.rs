@@ -409,11 +409,13 @@ pub enum StartFrom {
 
 /// The app's endpoint in the pod, which the sidecar posts each message to.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = Rule::new("has(self.port) || (has(self.mode) && self.mode == 'Pull')").message("app.port is required: the sidecar posts messages to it (only Pull workers, which come to the sidecar, need none)"))]
 #[serde(rename_all = "camelCase")]
 pub struct AppSpec {
-    /// The port the app listens on (localhost in the pod).
+    /// The port the app listens on (localhost in the pod); required unless `mode` is `Pull`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
-    pub port: i32,
+    pub port: Option<i32>,
     /// The path messages are posted to.
     #[serde(default = "default_app_path")]
     #[schemars(regex(pattern = r"^/"))]

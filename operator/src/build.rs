@@ -256,7 +256,6 @@ pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar>
             },
         ),
         env(env_names::ORDERED, s.ordered.to_string()),
-        env(env_names::APP_PORT, s.app.port.to_string()),
         env(
             env_names::APP_MODE,
             match s.app.mode {
@@ -293,6 +292,9 @@ pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar>
             env_names::APP_SUBSCRIPTION,
             subscription_entry(subscription, &q.container).to_string(),
         ));
+    }
+    if let Some(port) = s.app.port {
+        vars.push(env(env_names::APP_PORT, port.to_string()));
     }
     if let Some(path) = &s.app.health_path {
         vars.push(env(env_names::APP_HEALTH_PATH, path.clone()));

@@ -61,9 +61,9 @@ pub struct Config {
     /// FIFO per partition key.
     #[arg(long, env = env::ORDERED, default_value_t = false)]
     pub ordered: bool,
-    /// The app's port on localhost.
+    /// The app's port on localhost (required in push mode; pull workers come to the API).
     #[arg(long, env = env::APP_PORT)]
-    pub app_port: u16,
+    pub app_port: Option<u16>,
     /// The path messages are POSTed to.
     #[arg(long, env = env::APP_PATH, default_value = "/")]
     pub app_path: String,
@@ -164,8 +164,17 @@ impl Config {
         self.host_options()
             .validate()
             .map_err(|e| SidecarError::Config(e.to_string()))?;
-        if self.app_port == 0 {
-            return bad("--app-port (COSMOSQ_APP_PORT)", "must be 1-65535".into());
+        match (self.app_mode, self.app_port) {
+            (AppMode::Push, None) => {
+                return bad(
+                    "--app-port (COSMOSQ_APP_PORT)",
+                    "required: messages are posted to the app (workers that receive them \
+                     need --app-mode pull)"
+                        .into(),
+                )
+            }
+            (_, Some(0)) => return bad("--app-port (COSMOSQ_APP_PORT)", "must be 1-65535".into()),
+            _ => {}
         }
         if !self.app_path.starts_with('/') {
             return bad(
@@ -203,13 +212,14 @@ impl Config {
             );
         }
         let probe = self.probe_addr()?;
-        if probe.is_some_and(|p| p.port() == self.listen.port() || p.port() == self.app_port) {
+        if probe.is_some_and(|p| p.port() == self.listen.port() || Some(p.port()) == self.app_port)
+        {
             return bad(
                 "--probe-listen (COSMOSQ_PROBE_LISTEN)",
                 "must use its own port".into(),
             );
         }
-        if self.listen.port() == self.app_port {
+        if Some(self.listen.port()) == self.app_port {
             return bad("--listen (COSMOSQ_LISTEN)", "uses the app's port".into());
         }
         self.otlp
@@ -328,5 +338,27 @@ mod tests {
         }
         let err = parse(&["--app-timeout", "soon"]).unwrap_err().to_string();
         assert!(err.contains("--app-timeout"), "{err}");
+    }
+
+    #[test]
+    fn only_pushed_deliveries_need_the_apps_port() {
+        let without_port = |extra: &[&str]| {
+            let mut args = vec![
+                "sidecar",
+                "--database",
+                "db",
+                "--queue",
+                "q",
+                "--group",
+                "g",
+            ];
+            args.extend_from_slice(extra);
+            Config::try_parse_from(args).unwrap().validate()
+        };
+        without_port(&["--app-mode", "pull"]).unwrap();
+        let err = without_port(&[]).unwrap_err().to_string();
+        assert!(err.contains("--app-port") && err.contains("pull"), "{err}");
+        let err = without_port(&["--app-port", "0"]).unwrap_err().to_string();
+        assert!(err.contains("1-65535"), "{err}");
     }
 }

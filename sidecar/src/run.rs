@@ -86,18 +86,27 @@ async fn serve(
     let metrics = Arc::new(Metrics::new(&config.queue, &config.group));
     let options = config.host_options();
     let owner = options.owner.clone();
-    let transport = HttpTransport::new(
-        config.app_port,
-        &config.app_path,
-        config.app_format,
-        config.app_timeout,
-    );
-    let app = Arc::new(AppClient::new(transport, Arc::clone(&metrics)));
-    let (handler, puller) = match config.app_mode {
-        AppMode::Push => (App::Push(Arc::clone(&app)), None),
-        AppMode::Pull => {
+    // The app pushed to, at its port; or none: pull workers come to the API.
+    let (pushed, handler, puller) = match (config.app_mode, config.app_port) {
+        (AppMode::Push, Some(port)) => {
+            let transport = HttpTransport::new(
+                port,
+                &config.app_path,
+                config.app_format,
+                config.app_timeout,
+            );
+            let app = Arc::new(AppClient::new(transport, Arc::clone(&metrics)));
+            (Some((Arc::clone(&app), port)), App::Push(app), None)
+        }
+        (AppMode::Push, None) => {
+            return Err(SidecarError::Config(
+                "--app-port (COSMOSQ_APP_PORT): required in push mode".into(),
+            ))
+        }
+        (AppMode::Pull, _) => {
             let (pull, puller) = cosmosq_queue::pull::pull();
             (
+                None,
                 App::Pull(pull.stopping_with(shutdown.clone())),
                 Some(puller),
             )
@@ -155,26 +164,10 @@ async fn serve(
     let background = CancellationToken::new();
     // Nothing is delivered to routes the app did not mean: broken subscriptions stop the
     // sidecar, saying why.
-    let started = if config.app_mode == AppMode::Pull {
+    let started = match &pushed {
         // Workers come to the sidecar: there is no app port to wait for.
-        Ok(true)
-    } else if wait_for_app(&config, &shutdown).await {
-        let subscription = match &config.app_subscription {
-            Some(entry) => subscribe::declared(entry, &config.queue).map(Some),
-            None => subscribe::discover(config.app_port, &config.queue).await,
-        };
-        match subscription {
-            Ok(subscription) => {
-                if let Some(subscription) = subscription {
-                    let _ = state.pubsub_name.set(subscription.pubsub_name.clone());
-                    app.transport().subscribe(subscription);
-                }
-                Ok(true)
-            }
-            Err(e) => Err(SidecarError::Config(e.to_string())),
-        }
-    } else {
-        Ok(false)
+        None => Ok(true),
+        Some((app, port)) => start_pushing(app, *port, &config, &state, &shutdown).await,
     };
     if !matches!(started, Ok(true)) {
         state.drained.cancel();
@@ -186,10 +179,7 @@ async fn serve(
         return started.map(|_| ());
     }
     state.ready.store(true, Ordering::Relaxed);
-    info!(
-        app_port = config.app_port,
-        "the app is ready; taking leases"
-    );
+    info!(app_port = ?config.app_port, "the app is ready; taking leases");
 
     // The background tasks, each stopped by `background` and awaited before the sidecar ends.
     let tasks = TaskTracker::new();
@@ -234,9 +224,34 @@ async fn serve(
     result.map_err(SidecarError::from)
 }
 
+/// Waits for the app at `port`, then sets up its subscription: `Ok(false)` if shut down
+/// first; an error for a subscription that cannot be followed (nothing is delivered to routes
+/// the app did not mean).
+async fn start_pushing(
+    app: &AppClient,
+    port: u16,
+    config: &Config,
+    state: &ApiState,
+    shutdown: &CancellationToken,
+) -> Result<bool, SidecarError> {
+    if !wait_for_app(port, config, shutdown).await {
+        return Ok(false);
+    }
+    let subscription = match &config.app_subscription {
+        Some(entry) => subscribe::declared(entry, &config.queue).map(Some),
+        None => subscribe::discover(port, &config.queue).await,
+    }
+    .map_err(|e| SidecarError::Config(e.to_string()))?;
+    if let Some(subscription) = subscription {
+        let _ = state.pubsub_name.set(subscription.pubsub_name.clone());
+        app.transport().subscribe(subscription);
+    }
+    Ok(true)
+}
+
 /// Waits until the app answers (its health path with 2xx, or a TCP connect). `false` if
 /// shut down first.
-async fn wait_for_app(config: &Config, shutdown: &CancellationToken) -> bool {
+async fn wait_for_app(port: u16, config: &Config, shutdown: &CancellationToken) -> bool {
     let http = reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(2))
@@ -246,11 +261,11 @@ async fn wait_for_app(config: &Config, shutdown: &CancellationToken) -> bool {
     loop {
         let ready = match &config.app_health_path {
             Some(path) => http
-                .get(format!("http://127.0.0.1:{}{path}", config.app_port))
+                .get(format!("http://127.0.0.1:{port}{path}"))
                 .send()
                 .await
                 .is_ok_and(|r| r.status().is_success()),
-            None => tokio::net::TcpStream::connect(("127.0.0.1", config.app_port))
+            None => tokio::net::TcpStream::connect(("127.0.0.1", port))
                 .await
                 .is_ok(),
         };

@@ -96,6 +96,8 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
         // The lowercase spellings of earlier versions mean the same.
         json!({"deliveryMode": "stream", "startFrom": "beginning", "app": {"port": 9000, "format": "raw"}}),
         json!({"deliveryMode": "Stream", "startFrom": "Beginning", "app": {"port": 9000, "mode": "Pull"}}),
+        // Pull workers come to the sidecar: no port of theirs.
+        json!({"app": {"mode": "Pull"}}),
     ] {
         let environment = sidecar_environment(group.clone());
         let config = parse(&environment);
@@ -106,13 +108,16 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
         if group.get("deliveryMode").is_some() {
             assert!(debug.contains("Stream"), "{group}: {debug}");
             assert!(debug.contains("Beginning"), "{group}: {debug}");
-            assert_eq!(config.app_port, 9000);
         } else {
             assert!(debug.contains("Exclusive"), "{debug}");
-            assert_eq!(config.app_port, 8080);
             // The drain outlasts the longest delivery (app.timeout 60 s by default).
             assert_eq!(config.grace_period, std::time::Duration::from_secs(70));
         }
+        let port = match group.get("app") {
+            Some(app) => app["port"].as_u64().map(|p| u16::try_from(p).unwrap()),
+            None => Some(8080), // the fixture's
+        };
+        assert_eq!(config.app_port, port, "{group}");
         assert_eq!(config.ordered, group["ordered"] == true, "{group}");
         let pull = group["app"]["mode"] == "Pull";
         assert_eq!(

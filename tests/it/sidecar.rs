@@ -997,8 +997,13 @@ async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
         "--group",
         "g",
     ])
+    .unwrap()
+    .validate()
     .unwrap_err();
-    assert!(missing.to_string().contains("--app-port"), "{missing}");
+    assert!(
+        missing.to_string().contains("--app-port"),
+        "pushed deliveries need it: {missing}"
+    );
     // A queue nobody provisioned.
     let mut unprovisioned = config("g", 8080, free_port(), &[]);
     unprovisioned.queue = "nope".into();
@@ -1479,7 +1484,9 @@ async fn pull_group(group: &str, extra: &[&str]) {
     let mut args = vec!["--app-mode", "pull"];
     args.extend_from_slice(extra);
     // No app listens: a pull group does not wait for one.
-    let sidecar = start_sidecar(&fixture, config(group, free_port(), api_port, &args));
+    let mut config = config(group, free_port(), api_port, &args);
+    config.app_port = None; // workers come to the sidecar: no app port of theirs
+    let sidecar = start_sidecar(&fixture, config);
     let fate = |i: usize| match i {
         3 => "abandon-once",
         7 => "dead",

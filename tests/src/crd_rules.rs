@@ -193,6 +193,21 @@ pub fn cases() -> Vec<RuleCase> {
             Some("spec.replicas"),
             false,
         ),
+        // Pull workers come to the sidecar: no port of theirs is needed.
+        case(
+            "pull-without-port",
+            Kind::Group,
+            group_spec(json!({"app": {"mode": "Pull"}})),
+            None,
+            true,
+        ),
+        case(
+            "push-without-port",
+            Kind::Group,
+            group_spec(json!({"app": {"path": "/messages"}})),
+            Some("app.port is required"),
+            true,
+        ),
         // The sidecar's own settings come from the spec, never from sidecar.env.
         case(
             "sidecar-env-otel",
