@@ -1,9 +1,12 @@
 //! End-to-end figures for one sidecar process: throughput to a trivial app, enqueue→delivery
-//! latency at light load, and the sidecar's resident memory idle and under load.
+//! latency at light load, and the sidecar's resident memory idle and under load; then the
+//! same messages taken by pull workers (receive 32, settle the batch) through a second
+//! sidecar of another group.
 //!
 //! `cargo bench -p cosmosq-sidecar --bench e2e` — the emulator is served over HTTP on
-//! localhost in this process, the sidecar is the real binary in a child process, the app is a
-//! trivial HTTP server in this process.
+//! localhost in this process, the sidecar is the real binary in a child process (the one
+//! `COSMOSQ_BENCH_SIDECAR` names, else this build's), the app is a trivial HTTP server in this
+//! process.
 
 use cosmosq_testkit::free_port;
 use std::collections::HashMap;
@@ -86,41 +89,14 @@ async fn main() {
 
     // The sidecar, as it runs in a pod.
     let api_port = free_port();
-    let mut sidecar: Child = Command::new(env!("CARGO_BIN_EXE_cosmosq-sidecar"))
-        .envs([
-            ("COSMOSQ_ENDPOINT", endpoint.as_str()),
-            ("COSMOSQ_AUTH", "emulator"),
-            ("COSMOSQ_DATABASE", "bench"),
-            ("COSMOSQ_QUEUE", "orders"),
-            ("COSMOSQ_GROUP", "workers"),
-            ("COSMOSQ_START_FROM", "beginning"),
-            ("COSMOSQ_APP_PORT", &app_port.to_string()),
-            ("COSMOSQ_LISTEN", &format!("127.0.0.1:{api_port}")),
-            ("COSMOSQ_PROBE_LISTEN", ""),
-            ("COSMOSQ_MAX_CONCURRENCY", "64"),
-            ("COSMOSQ_LEASE_ACQUIRE", "500ms"),
-            ("POD_NAME", "bench-0"),
-            ("RUST_LOG", "warn"),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the sidecar binary starts");
+    let mut sidecar = start_sidecar(
+        &endpoint,
+        "workers",
+        api_port,
+        &[("COSMOSQ_APP_PORT", &app_port.to_string())],
+    )
+    .await;
     let pid = sidecar.id();
-    let http = reqwest::Client::new();
-    let ready_deadline = Instant::now() + Duration::from_secs(60);
-    while !http
-        .get(format!("http://127.0.0.1:{api_port}/readyz"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status() == 200)
-    {
-        assert!(
-            Instant::now() < ready_deadline,
-            "the sidecar never became ready"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     tokio::time::sleep(Duration::from_secs(2)).await; // leases taken, feed idle
     let idle_rss = rss_kib(pid).unwrap_or(0);
 
@@ -189,5 +165,141 @@ async fn main() {
         peak_rss as f64 / 1024.0
     );
     println!("exit on SIGTERM  {status}");
+
+    // Pull workers: another group takes every message so far, receiving and settling in
+    // batches of 32 through its own sidecar (no app port: the workers come to it).
+    let total = THROUGHPUT_MESSAGES + LIGHT_LOAD_MESSAGES;
+    let pull_port = free_port();
+    let started = Instant::now();
+    let mut puller = start_sidecar(
+        &endpoint,
+        "pullers",
+        pull_port,
+        &[("COSMOSQ_APP_MODE", "pull")],
+    )
+    .await;
+    let settled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let workers: Vec<_> = (0..PULL_WORKERS)
+        .map(|_| tokio::spawn(pull_worker(pull_port, Arc::clone(&settled), total)))
+        .collect();
+    let mut pull_peak = 0;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while settled.load(std::sync::atomic::Ordering::Relaxed) < total {
+        assert!(
+            Instant::now() < deadline,
+            "the pull workers did not finish in time"
+        );
+        pull_peak = pull_peak.max(rss_kib(puller.id()).unwrap_or(0));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pull_seconds = started.elapsed().as_secs_f64();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &puller.id().to_string()])
+        .status();
+    let pull_status = puller.wait().unwrap();
+    println!(
+        "pull throughput  {:>8.0} msg/s ({total} messages, {PULL_WORKERS} workers receiving 32 and settling the batch; from the sidecar's start)",
+        total as f64 / pull_seconds
+    );
+    println!(
+        "pull memory      {:>8.1} MiB peak",
+        pull_peak as f64 / 1024.0
+    );
+    println!("pull exit        {pull_status}");
     served.stop.cancel();
+}
+
+/// Pull workers side by side.
+const PULL_WORKERS: usize = 4;
+
+/// Starts the sidecar binary for `group` against the served emulator and waits until it is
+/// ready.
+async fn start_sidecar(endpoint: &str, group: &str, api_port: u16, env: &[(&str, &str)]) -> Child {
+    // Another build of the binary (another profile, the image's musl build) when named.
+    let binary = std::env::var("COSMOSQ_BENCH_SIDECAR")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_cosmosq-sidecar").to_owned());
+    let child = Command::new(binary)
+        .envs([
+            ("COSMOSQ_ENDPOINT", endpoint),
+            ("COSMOSQ_AUTH", "emulator"),
+            ("COSMOSQ_DATABASE", "bench"),
+            ("COSMOSQ_QUEUE", "orders"),
+            ("COSMOSQ_GROUP", group),
+            ("COSMOSQ_START_FROM", "beginning"),
+            ("COSMOSQ_LISTEN", &format!("127.0.0.1:{api_port}")),
+            ("COSMOSQ_PROBE_LISTEN", ""),
+            ("COSMOSQ_MAX_CONCURRENCY", "64"),
+            ("COSMOSQ_LEASE_ACQUIRE", "500ms"),
+            ("POD_NAME", &format!("{group}-0")),
+            ("RUST_LOG", "warn"),
+        ])
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the sidecar binary starts");
+    let http = reqwest::Client::new();
+    let ready_deadline = Instant::now() + Duration::from_secs(60);
+    while !http
+        .get(format!("http://127.0.0.1:{api_port}/readyz"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status() == 200)
+    {
+        assert!(
+            Instant::now() < ready_deadline,
+            "the sidecar never became ready"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    child
+}
+
+/// Receives up to 32, settles them all in one call, until `total` are settled by all.
+async fn pull_worker(port: u16, settled: Arc<std::sync::atomic::AtomicUsize>, total: usize) {
+    use std::sync::atomic::Ordering;
+    let http = reqwest::Client::new();
+    let api = format!("http://127.0.0.1:{port}");
+    while settled.load(Ordering::Relaxed) < total {
+        let answer = http
+            .post(format!("{api}/v1/receive?max=32&wait=1s"))
+            .send()
+            .await
+            .expect("receive")
+            .text()
+            .await
+            .expect("a receive answer");
+        let answer: serde_json::Value = serde_json::from_str(&answer).expect("JSON");
+        let batch: Vec<serde_json::Value> = answer["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|m| json!({"lockToken": m["lockToken"], "action": "complete"}))
+            .collect();
+        if batch.is_empty() {
+            continue;
+        }
+        let results = http
+            .post(format!("{api}/v1/settle"))
+            .header("content-type", "application/json")
+            .body(serde_json::Value::from(batch.clone()).to_string())
+            .send()
+            .await
+            .expect("settle")
+            .text()
+            .await
+            .expect("a settle answer");
+        let results: serde_json::Value = serde_json::from_str(&results).expect("JSON");
+        let done = results["results"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["settled"] == true)
+            .count();
+        assert_eq!(done, batch.len(), "every lock held: {results}");
+        settled.fetch_add(done, Ordering::Relaxed);
+    }
 }
