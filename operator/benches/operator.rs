@@ -88,7 +88,10 @@ async fn main() {
         .unwrap();
 
     let log = std::fs::File::create(dir.join("operator.log")).unwrap();
-    let mut operator = Command::new(env!("CARGO_BIN_EXE_cosmosq-operator"))
+    // Another build of the binary (the image's profile, say) when named.
+    let binary = std::env::var("COSMOSQ_BENCH_OPERATOR")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_cosmosq-operator").to_owned());
+    let mut operator = Command::new(binary)
         .env("KUBECONFIG", &kubeconfig)
         .env("RUST_LOG", "warn")
         .args(["--listen", "127.0.0.1:0"]) // nothing here reads it
