@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use axum::http::{HeaderMap, StatusCode};
 use prost::Message as _;
 use serde_json::Value;
-use tokio::sync::Notify;
 
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, KeyValue};
@@ -51,7 +50,6 @@ pub struct OtlpReceiver {
     spans: Arc<Mutex<Vec<ReceivedSpan>>>,
     /// The content types of the requests, in order.
     content_types: Arc<Mutex<Vec<String>>>,
-    arrived: Arc<Notify>,
     server: tokio::task::JoinHandle<()>,
 }
 
@@ -78,15 +76,12 @@ impl OtlpReceiver {
         let endpoint = format!("http://{}", listener.local_addr().expect("its address"));
         let spans: Arc<Mutex<Vec<ReceivedSpan>>> = Arc::default();
         let content_types: Arc<Mutex<Vec<String>>> = Arc::default();
-        let arrived = Arc::new(Notify::new());
         let router = {
-            let (spans, content_types, arrived) =
-                (spans.clone(), content_types.clone(), arrived.clone());
+            let (spans, content_types) = (spans.clone(), content_types.clone());
             axum::Router::new().route(
                 "/v1/traces",
                 axum::routing::post(move |headers: HeaderMap, body: axum::body::Bytes| {
-                    let (spans, content_types, arrived) =
-                        (spans.clone(), content_types.clone(), arrived.clone());
+                    let (spans, content_types) = (spans.clone(), content_types.clone());
                     async move {
                         let content_type = headers
                             .get("content-type")
@@ -102,7 +97,6 @@ impl OtlpReceiver {
                         match decoded {
                             Ok(received) => {
                                 spans.lock().unwrap().extend(received);
-                                arrived.notify_waiters();
                                 let empty = if content_type == "application/json" {
                                     b"{}".to_vec()
                                 } else {
@@ -127,7 +121,6 @@ impl OtlpReceiver {
             endpoint,
             spans,
             content_types,
-            arrived,
             server,
         }
     }
@@ -140,11 +133,6 @@ impl OtlpReceiver {
     /// The content types of the requests received so far.
     pub fn content_types(&self) -> Vec<String> {
         self.content_types.lock().unwrap().clone()
-    }
-
-    /// Waits until the spans received satisfy `check` (re-checked as each request arrives).
-    pub async fn wait_for(&self, what: &str, check: impl Fn(&[ReceivedSpan]) -> bool) {
-        crate::wait_on(&self.arrived, what, || check(&self.spans())).await;
     }
 }
 
