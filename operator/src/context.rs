@@ -151,12 +151,9 @@ impl Context {
         object: &K,
         work: impl std::future::Future<Output = Result<T, E>>,
     ) -> Result<T, E> {
-        let meta = object.meta();
-        let mut span = self.telemetry.span(
-            format!("reconcile {kind}"),
-            telemetry::Kind::Internal,
-            None,
-            vec![
+        let mut span = self.telemetry.span(telemetry::Kind::Internal, None, || {
+            let meta = object.meta();
+            let attributes = vec![
                 Attribute::new(
                     "k8s.namespace.name",
                     meta.namespace.clone().unwrap_or_default(),
@@ -167,8 +164,9 @@ impl Context {
                     meta.name.clone().unwrap_or_default(),
                 ),
                 Attribute::new("cosmosq.resource.generation", meta.generation.unwrap_or(0)),
-            ],
-        );
+            ];
+            (format!("reconcile {kind}"), attributes)
+        });
         let started = std::time::Instant::now();
         self.metrics.reconciles.with_label_values(&[kind]).inc();
         let result = work.await;

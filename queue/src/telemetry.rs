@@ -228,17 +228,19 @@ impl Telemetry {
         self.inner.is_some()
     }
 
-    /// Starts a span under `parent` (a remote context, such as a message's), or a new trace.
+    /// Starts a span under `parent` (a remote context, such as a message's), or a new trace;
+    /// `describe` gives its name and attributes, and runs only when spans are exported (it is
+    /// on the publish and delivery paths).
     pub fn span(
         &self,
-        name: impl Into<Cow<'static, str>>,
         kind: SpanKind,
         parent: Option<&TraceContext>,
-        attributes: Vec<KeyValue>,
+        describe: impl FnOnce() -> (String, Vec<KeyValue>),
     ) -> Span {
         let Some(exporting) = &self.inner else {
             return Span::inert();
         };
+        let (name, attributes) = describe();
         let cx = parent
             .and_then(remote_context)
             .map_or_else(Context::new, |sc| {
@@ -483,7 +485,7 @@ mod tests {
     #[test]
     fn spans_without_export_are_inert() {
         let telemetry = Telemetry::off();
-        let mut span = telemetry.span("send q", SpanKind::Producer, None, Vec::new());
+        let mut span = telemetry.span(SpanKind::Producer, None, || unreachable!("not exported"));
         span.set(KeyValue::new("a", 1));
         span.fail("no");
         assert_eq!(

@@ -17,6 +17,8 @@ const SYSTEM: &str = "cosmosq";
 /// The span of one publish request, and the context what it enqueues carries.
 pub struct Publish {
     span: Span,
+    /// The span's own context, what its messages carry (`None` without export).
+    context: Option<TraceContext>,
     parent: Option<TraceContext>,
 }
 
@@ -29,25 +31,27 @@ impl Publish {
         parent: Option<TraceContext>,
         count: usize,
     ) -> Self {
-        let mut attributes = vec![
-            Attribute::new("messaging.system", SYSTEM),
-            Attribute::new("messaging.operation.type", "send"),
-            Attribute::new("messaging.operation.name", "send"),
-            Attribute::new("messaging.destination.name", queue.to_owned()),
-        ];
-        if count != 1 {
-            attributes.push(Attribute::new(
-                "messaging.batch.message_count",
-                i64::try_from(count).unwrap_or(i64::MAX),
-            ));
+        let span = telemetry.span(Kind::Producer, parent.as_ref(), || {
+            let mut attributes = vec![
+                Attribute::new("messaging.system", SYSTEM),
+                Attribute::new("messaging.operation.type", "send"),
+                Attribute::new("messaging.operation.name", "send"),
+                Attribute::new("messaging.destination.name", queue.to_owned()),
+            ];
+            if count != 1 {
+                attributes.push(Attribute::new(
+                    "messaging.batch.message_count",
+                    i64::try_from(count).unwrap_or(i64::MAX),
+                ));
+            }
+            (format!("send {queue}"), attributes)
+        });
+        let context = span.context();
+        Self {
+            span,
+            context,
+            parent,
         }
-        let span = telemetry.span(
-            format!("send {queue}"),
-            Kind::Producer,
-            parent.as_ref(),
-            attributes,
-        );
-        Self { span, parent }
     }
 
     /// The span of publishing one message through the local API: under the context it
@@ -61,12 +65,14 @@ impl Publish {
     /// A message as it is enqueued: a context of its own that is not this span's parent
     /// stays; otherwise it carries this span's context (or, without export, the caller's).
     pub fn stamp(&self, message: NewMessage) -> NewMessage {
+        let Some(context) = &self.context else {
+            return message.inherit_trace(self.parent.as_ref());
+        };
         let own = TraceContext::from_metadata(&message.metadata);
-        match self.span.context() {
-            Some(context) if own.is_none() || own == self.parent => {
-                message.with_trace_context(&context)
-            }
-            _ => message.inherit_trace(self.parent.as_ref()),
+        if own.is_none() || own == self.parent {
+            message.with_trace_context(context)
+        } else {
+            message
         }
     }
 
@@ -84,14 +90,11 @@ impl Publish {
 /// the span's own context in the delivery, so the app's request names it as its parent.
 pub fn process(telemetry: &Telemetry, delivery: &mut Delivery) -> Span {
     if !telemetry.enabled() {
-        return Span::inert();
+        return Span::inert(); // nor the message's context parsed
     }
     let parent = TraceContext::from_metadata(&delivery.message.metadata);
-    let span = telemetry.span(
-        format!("process {}", delivery.queue),
-        Kind::Consumer,
-        parent.as_ref(),
-        vec![
+    let span = telemetry.span(Kind::Consumer, parent.as_ref(), || {
+        let attributes = vec![
             Attribute::new("messaging.system", SYSTEM),
             Attribute::new("messaging.operation.type", "process"),
             Attribute::new("messaging.operation.name", "process"),
@@ -102,8 +105,9 @@ pub fn process(telemetry: &Telemetry, delivery: &mut Delivery) -> Span {
                 "cosmosq.message.delivery_count",
                 i64::from(delivery.delivery_count),
             ),
-        ],
-    );
+        ];
+        (format!("process {}", delivery.queue), attributes)
+    });
     if let Some(context) = span.context() {
         context.store(&mut delivery.message.metadata);
     }
