@@ -51,6 +51,10 @@ pub struct Config {
     /// How often every group's remaining work is estimated and its replicas decided.
     #[arg(long, env = "COSMOSQ_SCALE_INTERVAL", default_value = "15s", value_parser = duration)]
     pub scale_interval: Duration,
+    /// Reconciles in flight at once, per kind (0: no limit). Each holds an API connection and
+    /// its buffers: a start with hundreds of objects otherwise opens hundreds at once.
+    #[arg(long, env = "COSMOSQ_RECONCILE_CONCURRENCY", default_value_t = 8)]
+    pub reconcile_concurrency: u16,
     /// Watch only this namespace (all namespaces when unset).
     #[arg(long, env = "COSMOSQ_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
@@ -110,6 +114,7 @@ mod tests {
         assert!(config.leader_election);
         assert_eq!(config.scale_interval, Duration::from_secs(15));
         assert_eq!(config.listen.port(), 8080);
+        assert_eq!(config.reconcile_concurrency, 8);
         assert!(config.sidecar_image.starts_with("ghcr.io/cosmosq/sidecar:"));
     }
 

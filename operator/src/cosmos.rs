@@ -3,12 +3,13 @@
 //! cached on disk, never logged), or the operator's own Entra identity.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use cosmosq_crds::CosmosQueue;
 use cosmosq_queue::{Auth, ConnectionArgs, CosmosClient, Queue, QueueError};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, ResourceExt};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, OnceCell};
 
 use crate::spec::{self, SpecError};
 
@@ -92,7 +93,10 @@ pub struct Cosmos {
     backend: Backend,
     client: kube::Client,
     queues: Mutex<HashMap<String, (Option<i64>, Queue)>>,
-    clients: Mutex<HashMap<u64, CosmosClient>>,
+    /// One cell per account and credential, filled once: the reconciles of 50 queues of one
+    /// account starting together would otherwise each build a client (its HTTP pools, its
+    /// copy of the trust roots) and keep it in their queue's handle.
+    clients: Mutex<HashMap<u64, Arc<OnceCell<CosmosClient>>>>,
 }
 
 impl Cosmos {
@@ -171,15 +175,15 @@ impl Cosmos {
             (&args.endpoint, &args.key).hash(&mut hasher);
             hasher.finish()
         };
-        if let Some(client) = self.clients.lock().await.get(&fingerprint) {
-            return Ok(client.clone());
-        }
-        let client = args.connect().await?;
-        self.clients
+        let cell = self
+            .clients
             .lock()
             .await
-            .insert(fingerprint, client.clone());
-        Ok(client)
+            .entry(fingerprint)
+            .or_default()
+            .clone();
+        // A failed connect leaves the cell empty: the next reconcile tries again.
+        Ok(cell.get_or_try_init(|| args.connect()).await?.clone())
     }
 
     /// The queue's engine handle; its containers must exist.

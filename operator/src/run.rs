@@ -11,7 +11,7 @@ use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::reflector;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::utils::{predicates, Predicate};
@@ -355,11 +355,14 @@ async fn run_controllers(
 ) {
     let ns = config.watch_namespace.as_deref();
     let (queue_store, queue_changes) = spec_changes(client, ns, |_: &CosmosQueue| None);
+    let limits = controller::Config::default().concurrency(config.reconcile_concurrency);
     let queues = Controller::for_stream(queue_changes, queue_store.clone())
+        .with_config(limits.clone())
         .graceful_shutdown_on(work.clone().cancelled_owned());
     // A pause is an annotation: it changes no generation, yet its HPA must go (or come back).
     let (group_store, group_changes) = spec_changes(client, ns, pause_annotations);
     let groups = Controller::for_stream(group_changes, group_store.clone())
+        .with_config(limits)
         // An owned object's deletion, a spec change by someone else, or (Deployments) a
         // change of its conditions: not every replica count of a rollout or HPA status write.
         .owns_stream(changes(

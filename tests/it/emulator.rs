@@ -1,5 +1,6 @@
 //! The emulator as a shared local account: over HTTP, with partitions and TTL.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use cosmosq_emulator::{Emulator, EmulatorOptions};
@@ -60,6 +61,72 @@ async fn two_clients_share_one_account_over_http() {
 
     served.stop.cancel();
     served.task.await.unwrap().unwrap();
+}
+
+/// The operator's scaling loop opens a group's queue while the queue's own reconcile creates
+/// it. The SDK's metadata cache shares one lookup per container: the open at the end of
+/// provisioning joined a lookup begun before the container existed and got its 404, so the
+/// queue was reported failed and looked at again 30 s later. Here that early lookup is the
+/// 404 the service gave before the create, delivered late (fault injection, once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisioning_succeeds_while_an_earlier_lookup_is_in_flight() {
+    use cosmosq_emulator::fault_injection::{
+        CustomResponseBuilder, FaultInjectionConditionBuilder, FaultInjectionResultBuilder,
+        FaultInjectionRuleBuilder, FaultOperationType,
+    };
+    cosmosq_tests::init_tracing();
+    let emulator = Emulator::in_process(EmulatorOptions::default()).unwrap();
+    let not_yet = Arc::new(
+        FaultInjectionRuleBuilder::new(
+            "lookup-before-create",
+            FaultInjectionResultBuilder::new()
+                .with_custom_response(
+                    CustomResponseBuilder::new(azure_core::http::StatusCode::NotFound)
+                        .with_body(
+                            r#"{"code":"NotFound","message":"Container 'q' does not exist"}"#,
+                        )
+                        .build(),
+                )
+                .with_delay(Duration::from_millis(300))
+                .build(),
+        )
+        .with_condition(
+            FaultInjectionConditionBuilder::new()
+                .with_operation_type(FaultOperationType::MetadataReadContainer)
+                .with_container_id("q")
+                .build(),
+        )
+        .with_hit_limit(1)
+        .build(),
+    );
+    let client = emulator
+        .client_with_faults(vec![Arc::clone(&not_yet)])
+        .await
+        .unwrap();
+    let config = QueueConfig::new("db", "q");
+    let early = tokio::spawn({
+        let (client, config) = (client.clone(), config.clone());
+        async move { cosmosq_queue::Queue::open(&client, config).await.err() }
+    });
+    cosmosq_tests::eventually("the early lookup is sent", Duration::from_secs(10), || {
+        let hits = not_yet.hit_count();
+        async move { hits == 1 }
+    })
+    .await;
+
+    let (queue, created) = provision(&client, &config)
+        .await
+        .expect("provisioning is not failed by a lookup begun before it");
+    assert!(created.created_messages_container);
+    queue
+        .enqueue(NewMessage::json(json!({"n": 1})))
+        .await
+        .expect("the provisioned queue takes messages");
+    let early = early
+        .await
+        .unwrap()
+        .expect("the early lookup found nothing");
+    assert_eq!(early.status(), Some(404), "{early}");
 }
 
 #[tokio::test]

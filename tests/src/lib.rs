@@ -1,5 +1,8 @@
 //! Shared fixtures for the end-to-end tests: an emulated account with a provisioned queue.
 #![forbid(unsafe_code)]
+// The operator's futures (kube-runtime controllers, hyper) nest deeper than the default limit
+// when the scenario spawns it and its `Send` bound is checked.
+#![recursion_limit = "256"]
 
 pub mod crd_rules;
 pub mod otlp;

@@ -7,7 +7,7 @@ use azure_data_cosmos::models::{
 use azure_data_cosmos::options::CreateContainerOptions;
 use azure_data_cosmos::CosmosClient;
 use serde_json::json;
-use tracing::info;
+use tracing::{debug, info};
 
 use crate::config::{QueueConfig, Throughput};
 use crate::error::{status_of, QueueError, Result, CONFLICT, NOT_FOUND};
@@ -63,7 +63,24 @@ pub async fn provision(
         ?provisioned,
         "queue provisioned"
     );
-    Ok((Queue::open(client, config.clone()).await?, provisioned))
+    Ok((open_created(client, config).await?, provisioned))
+}
+
+/// Opens a queue whose containers were just created or found. The SDK shares one metadata
+/// lookup per container among its callers: one begun before the create (the operator's
+/// scaling loop opening the queue of a group) answers this open with its 404. Its failure
+/// leaves the cache, so the next lookup is a new one, sent after the create.
+async fn open_created(client: &CosmosClient, config: &QueueConfig) -> Result<Queue> {
+    let mut stale = 0;
+    loop {
+        match Queue::open(client, config.clone()).await {
+            Err(e) if e.status() == Some(NOT_FOUND) && stale < 2 => {
+                stale += 1;
+                debug!(container = %config.container, "a lookup from before the create answered 404; looking again");
+            }
+            opened => return opened,
+        }
+    }
 }
 
 /// Deletes the messages container and the lease container (the database may hold other
