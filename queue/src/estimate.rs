@@ -126,6 +126,24 @@ pub fn lsn_lag(session_lsn: Option<u64>, first_unread_lsn: Option<u64>) -> LsnLa
     }
 }
 
+/// The unread count of a range when one full page of `items` (the first unread at LSN
+/// `first_lsn`, the page's last at `last_lsn`) did not reach the partition's `session_lsn`:
+/// the page, plus the LSNs after it at the page's items per LSN (a transactional batch is one
+/// LSN; single writes are one each). Pure. Without the last item's LSN, at least one a write.
+pub fn extrapolated_lag(
+    items: u64,
+    first_lsn: u64,
+    last_lsn: Option<u64>,
+    session_lsn: u64,
+) -> u64 {
+    let Some(last) = last_lsn.filter(|last| *last >= first_lsn) else {
+        return items + session_lsn.saturating_sub(first_lsn);
+    };
+    let span = last - first_lsn + 1;
+    let rest = session_lsn.saturating_sub(last);
+    items + (rest * items).div_ceil(span)
+}
+
 /// What the change feed says about one lease: unread count and the first unread message.
 #[derive(Debug, Default)]
 struct FeedLag {
@@ -298,7 +316,10 @@ impl Group {
         };
         let lag = match lsn_lag(partition_lsn, item_lsn) {
             LsnLag::Estimated(n) => Some(n),
-            LsnLag::CountExactly => Some(self.count_unread(lease).await?),
+            LsnLag::CountExactly => {
+                let (session, first) = (partition_lsn.unwrap_or(0), item_lsn.unwrap_or(0));
+                Some(self.count_unread(lease, first, session).await?)
+            }
             LsnLag::Unknown => None,
         };
         Ok(FeedLag {
@@ -308,8 +329,11 @@ impl Group {
         })
     }
 
-    /// Counts the messages after the lease's checkpoint by reading them (small lags only).
-    async fn count_unread(&self, lease: &Lease) -> Result<u64> {
+    /// Counts the messages after the lease's checkpoint by reading them (small LSN lags only):
+    /// one page at most, so an estimate costs the same however many messages a few large
+    /// batches wrote. Past a full page the rest is extrapolated from the items per LSN the
+    /// page showed (see [`extrapolated_lag`]).
+    async fn count_unread(&self, lease: &Lease, first_lsn: u64, session_lsn: u64) -> Result<u64> {
         let mut pages = feed::open(
             self.queue().messages(),
             FeedScope::range(lease.feed_range()?),
@@ -319,18 +343,25 @@ impl Group {
             "estimate lag",
         )
         .await?;
-        let mut count = 0u64;
-        while let Some(page) = pages.next().await {
-            let page = page.map_err(QueueError::cosmos("estimate lag"))?;
-            self.queue()
-                .charges()
-                .record_diagnostics("estimate", &page.diagnostics());
-            if page.items().is_empty() || count > EXACT_COUNT_LIMIT * 100 {
-                break;
-            }
-            count += page.items().len() as u64;
+        let Some(page) = pages.next().await else {
+            return Ok(0);
+        };
+        let page = page.map_err(QueueError::cosmos("estimate lag"))?;
+        self.queue()
+            .charges()
+            .record_diagnostics("estimate", &page.diagnostics());
+        let items = page.items().len() as u64;
+        if items < u64::from(EXACT_COUNT_PAGE) {
+            return Ok(items);
         }
-        Ok(count)
+        let last_lsn = match page.items().last().and_then(|i| i.current()) {
+            Some(last) => match last.get("_lsn").and_then(Value::as_u64) {
+                Some(lsn) => Some(lsn),
+                None => self.item_lsn(last).await?,
+            },
+            None => None,
+        };
+        Ok(extrapolated_lag(items, first_lsn, last_lsn, session_lsn))
     }
 
     /// The LSN of a message from a point read (for feeds whose items carry no `_lsn`).
@@ -371,6 +402,30 @@ impl Group {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_page_is_extrapolated_at_its_items_per_lsn() {
+        for (items, first, last, session, expected) in [
+            // Ten batches of 100 in the page, 40 more LSNs after it: 40 more batches.
+            (1_000, 11, Some(20), 60, 5_000),
+            // Single writes: one item per LSN.
+            (1_000, 1, Some(1_000), 1_500, 1_500),
+            // The page ends where the partition does (the session read before the last write).
+            (1_000, 1, Some(10), 10, 1_000),
+            (1_000, 1, Some(10), 5, 1_000),
+            // One batch larger than the page: all of its LSN is in the page's rate.
+            (1_000, 7, Some(7), 9, 3_000),
+            // The last item's LSN unknown, or before the first (a replica behind): one a write.
+            (1_000, 11, None, 60, 1_049),
+            (1_000, 11, Some(5), 60, 1_049),
+        ] {
+            assert_eq!(
+                extrapolated_lag(items, first, last, session),
+                expected,
+                "{items} items, LSNs {first}..{last:?} of {session}"
+            );
+        }
+    }
 
     #[test]
     fn the_lag_is_the_lsn_distance_plus_the_first_unread_item() {

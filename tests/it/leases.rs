@@ -494,6 +494,50 @@ async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
     assert_eq!(group.estimate().await.unwrap().lag(), 601);
 }
 
+/// Below the exact-count limit in LSNs a few large batches can hold many messages: the
+/// estimate reads one page of them at most and extrapolates, so what it costs does not grow
+/// with the backlog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_backlog_is_estimated_from_one_page_whatever_its_size() {
+    let fixture = Fixture::new(1).await;
+    let group = fixture.group(GroupConfig::new("g").with_start_from(StartFrom::Beginning));
+    LeaseStore::new(fixture.queue.clone(), "g")
+        .reconcile(0, 60_000)
+        .await
+        .unwrap();
+    let estimate_reads = || {
+        fixture
+            .queue
+            .charges()
+            .snapshot()
+            .by_operation
+            .get("estimate")
+            .map_or(0, |c| c.calls)
+    };
+    let (mut unread, mut reads) = (0, Vec::new());
+    for total in [500, 6_000, 12_000] {
+        // Batches of 100 messages on one key each: one transactional batch, one LSN, each.
+        let batch: Vec<_> = (unread..total)
+            .map(|i| NewMessage::json(json!(i)).with_partition_key(format!("b{}", i / 100)))
+            .collect();
+        for chunk in batch.chunks(100) {
+            fixture.enqueue_all(chunk.to_vec()).await;
+        }
+        unread = total;
+        let already = estimate_reads();
+        let lag = group.estimate().await.unwrap().lag();
+        reads.push(estimate_reads() - already);
+        let error = lag.abs_diff(total as u64) as f64 / total as f64;
+        assert!(error < 0.05, "{total} unread, estimated {lag}");
+    }
+    // A full page adds one read (its last item's LSN), then nothing more however many.
+    assert!(reads[1] <= reads[0] + 1, "{reads:?}");
+    assert_eq!(
+        reads[1], reads[2],
+        "reads for 6,000 and 12,000 unread: {reads:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_merge_during_processing_keeps_each_lease_on_its_range() {
     let fixture = Fixture::new(2).await;
