@@ -81,10 +81,7 @@ pub async fn stats(
     for name in groups(queue, only).await? {
         let group = queue.group(GroupConfig::new(name.clone()))?;
         let estimate = group.estimate().await?;
-        let dead_letters = group
-            .dead_letters(Some(DEAD_LETTER_COUNT_LIMIT))
-            .await?
-            .len();
+        let dead_letters = group.count_dead_letters(DEAD_LETTER_COUNT_LIMIT).await?;
         out.push(GroupStats {
             group: name,
             backlog: estimate.backlog(),

@@ -65,6 +65,25 @@ impl Group {
             .collect())
     }
 
+    /// How many messages the group dead-lettered, counting at most `limit`. Ids only: a
+    /// gauge read every few seconds must not load (and hold) every dead letter's document.
+    pub async fn count_dead_letters(&self, limit: usize) -> Result<usize> {
+        let query = sql::query(
+            "SELECT VALUE c.id FROM c WHERE c.type = @type AND c.group = @group AND c.state = 'deadLettered'",
+            &[("@type", json!(STATE_DOC_TYPE)), ("@group", json!(self.name()))],
+        )?;
+        let ids: Vec<String> = sql::collect(
+            self.queue().leases(),
+            query,
+            FeedScope::full_container(),
+            Some(limit),
+            self.queue().charges(),
+            "count dead letters",
+        )
+        .await?;
+        Ok(ids.len())
+    }
+
     async fn dead_letter_docs(&self, limit: Option<usize>) -> Result<Vec<StateDoc>> {
         let query = sql::query(
             "SELECT * FROM c WHERE c.type = @type AND c.group = @group AND c.state = 'deadLettered'",

@@ -307,8 +307,8 @@ async fn estimate_loop(
             }
         };
         if owns_first_range {
-            if let Ok(dead) = group.dead_letters(Some(DEAD_LETTER_COUNT_LIMIT)).await {
-                metrics.dead_letters.set(dead.len() as i64);
+            if let Ok(dead) = group.count_dead_letters(DEAD_LETTER_COUNT_LIMIT).await {
+                metrics.dead_letters.set(dead as i64);
             }
         }
     }

@@ -367,6 +367,11 @@ async fn every_kind_of_answer_settles_as_the_contract_says() {
         reasons["fails"].as_deref(),
         Some("MaxDeliveryAttemptsExceeded")
     );
+    // The gauge's count (ids only) agrees with the listing, and stops at its limit.
+    let group = fixture.group(GroupConfig::new("g"));
+    assert_eq!(group.count_dead_letters(10_000).await.unwrap(), dead.len());
+    assert!(dead.len() > 1);
+    assert_eq!(group.count_dead_letters(1).await.unwrap(), 1);
 
     // The metrics say what the app saw.
     let text = reqwest::get(format!("{}/metrics", sidecar.api))

@@ -171,6 +171,7 @@ async fn retries_back_off_and_dead_letter_exactly_at_max_attempts() {
 
     let dead = group.dead_letters(None).await.unwrap();
     assert_eq!(dead.len(), 1);
+    assert_eq!(group.count_dead_letters(10).await.unwrap(), 1);
     assert_eq!(dead[0].message_id, "poison");
     assert_eq!(dead[0].attempts, 3);
     assert_eq!(dead[0].reason.as_deref(), Some(REASON_MAX_ATTEMPTS));
@@ -190,6 +191,7 @@ async fn retries_back_off_and_dead_letter_exactly_at_max_attempts() {
     // Replay: deliverable again with a fresh budget.
     assert!(group.replay(&"k".into(), "poison").await.unwrap());
     assert!(group.dead_letters(None).await.unwrap().is_empty());
+    assert_eq!(group.count_dead_letters(10).await.unwrap(), 0);
     let due = group.due(10, None).await.unwrap();
     let again = claimed(group.take_over(due[0].clone(), "c").await.unwrap());
     assert_eq!(again.attempt, 1);
