@@ -595,15 +595,17 @@ impl<H: Handler> RangeDelivery<H> {
         self.page_started.store(true, Ordering::SeqCst);
         drop(turn_done);
         let mut permit = Permit::held(Arc::clone(&self.permits), permit);
-        self.deliverer
-            .process(
-                message,
-                &self.stop.give_up,
-                &mut permit,
-                self.path,
-                self.fence,
-            )
-            .await
+        // Boxed: a range reads up to `max_in_flight_per_range` ahead, and each waiting task
+        // would otherwise be as large as a delivery in progress (its HTTP and SDK futures,
+        // ≈ 14 KB): 14 MiB for 1,024 waiting messages where 64 are processed.
+        Box::pin(self.deliverer.process(
+            message,
+            &self.stop.give_up,
+            &mut permit,
+            self.path,
+            self.fence,
+        ))
+        .await
     }
 }
 
