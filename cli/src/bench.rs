@@ -183,6 +183,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let mut stats = Vec::new();
         let mut tasks = Vec::new();
         let mut queues = Vec::new();
+        // Successes the handlers returned, over every group: the clock stops at the last one.
+        // The lease write path records completions with the next page's write or the flush
+        // (1 s); waiting for that tick would make a one-second run's figure the flush
+        // interval's. The hosts are then stopped, their drain records the rest, and every
+        // completion must have been recorded.
+        let handled = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let started = Instant::now();
         for g in 0..groups {
             let queue = Queue::open(&client, config.clone()).await?;
@@ -207,18 +213,23 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 ..HostOptions::new(format!("host-{g}"))
             };
             // One message in twenty fails its first delivery (the bodies number them).
-            let handler = move |d: Delivery| async move {
-                let i = match &d.message.body {
-                    cosmosq_queue::Body::Json(body) => body["order"].as_u64(),
-                    cosmosq_queue::Body::Bytes(_) => None,
-                };
-                if retried && d.delivery_count == 1 && i.is_some_and(|i| i % 20 == 0) {
-                    Outcome::Retry {
-                        error: "bench: every twentieth message fails once".into(),
-                        delay: None,
+            let handled = Arc::clone(&handled);
+            let handler = move |d: Delivery| {
+                let handled = Arc::clone(&handled);
+                async move {
+                    let i = match &d.message.body {
+                        cosmosq_queue::Body::Json(body) => body["order"].as_u64(),
+                        cosmosq_queue::Body::Bytes(_) => None,
+                    };
+                    if retried && d.delivery_count == 1 && i.is_some_and(|i| i % 20 == 0) {
+                        Outcome::Retry {
+                            error: "bench: every twentieth message fails once".into(),
+                            delay: None,
+                        }
+                    } else {
+                        handled.fetch_add(1, Ordering::Relaxed);
+                        Outcome::Complete
                     }
-                } else {
-                    Outcome::Complete
                 }
             };
             let consumer = Host::new(group, handler, options);
@@ -228,19 +239,22 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             queues.push(queue);
         }
         let target = (count * groups) as u64;
-        while stats
-            .iter()
-            .map(|s| s.completed.load(Ordering::Relaxed))
-            .sum::<u64>()
-            < target
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        while handled.load(Ordering::Relaxed) < target {
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let seconds = started.elapsed().as_secs_f64();
         shutdown.cancel();
         for t in tasks {
             t.await??;
         }
+        let completed: u64 = stats
+            .iter()
+            .map(|s| s.completed.load(Ordering::Relaxed))
+            .sum();
+        anyhow::ensure!(
+            completed == target,
+            "{completed} completions recorded for {target} messages"
+        );
         let request_units: f64 = queues
             .iter()
             .map(|q| q.charges().snapshot().total_request_units())
@@ -287,6 +301,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 
     let latency = latency_run(&client, &open, fresh(), args.latency_seconds).await?;
     let idle = idle_run(&client, &open, fresh(), args.idle_seconds).await?;
+    let estimate = estimate_run(&open, fresh(), args.messages).await?;
 
     let rendered: Vec<Vec<String>> = rows
         .iter()
@@ -323,7 +338,68 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "idle, production timings, exclusive (lease writes), {} leases over {} s: {:.3} RU/s per lease; first delivery after the idle spell {:.0} ms",
         idle.leases, args.idle_seconds, idle.request_units_per_second_per_lease, idle.first_delivery_ms
     );
+    for (operation, charge) in &idle.spent.by_operation {
+        println!(
+            "  {operation}: {:.3} RU/s per lease ({} calls)",
+            charge.request_units / args.idle_seconds as f64 / idle.leases.max(1) as f64,
+            charge.calls
+        );
+    }
+    println!(
+        "estimate of one group ({} ranges), as the operator makes it each round: {:.1} RU with nothing unread, {:.1} RU with {} messages unread",
+        estimate.ranges, estimate.empty, estimate.loaded, args.messages
+    );
     Ok(())
+}
+
+struct EstimateCost {
+    ranges: usize,
+    empty: f64,
+    loaded: f64,
+}
+
+/// What one estimate of a group costs, with an empty queue and with `messages` unread: the
+/// operator makes one per group per round, so it must not grow with the queue.
+async fn estimate_run<F, Fut>(
+    open: &F,
+    config: QueueConfig,
+    messages: usize,
+) -> anyhow::Result<EstimateCost>
+where
+    F: Fn(QueueConfig) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Queue>>,
+{
+    let queue = open(config).await?;
+    let group = queue.group(GroupConfig::new("estimate").with_start_from(StartFrom::Beginning))?;
+    let now = cosmosq_queue::clock::system_now_ms();
+    let expire = cosmosq_queue::clock::duration_ms(cosmosq_queue::host::DEFAULT_LEASE_EXPIRE);
+    group.estimate_or_create_leases(now, expire).await?;
+    let cost = || async {
+        let before = queue.charges().snapshot();
+        let estimate = group.estimate().await?;
+        let spent = queue.charges().snapshot().since(&before);
+        anyhow::Ok((estimate, spent.total_request_units()))
+    };
+    let (estimate, empty) = cost().await?;
+    let body = serde_json::json!({"padding": "x".repeat(100)});
+    let batch: Vec<NewMessage> = (0..messages)
+        .map(|i| NewMessage::json(body.clone()).with_partition_key(format!("k{}", i % 64)))
+        .collect();
+    for chunk in batch.chunks(1000) {
+        for r in queue.enqueue_batch(chunk.to_vec()).await {
+            r?;
+        }
+    }
+    let (loaded_estimate, loaded) = cost().await?;
+    anyhow::ensure!(
+        loaded_estimate.lag() > 0,
+        "the estimate saw none of the {messages} unread messages"
+    );
+    Ok(EstimateCost {
+        ranges: estimate.ranges.len(),
+        empty,
+        loaded,
+    })
 }
 
 struct Latency {
@@ -417,6 +493,7 @@ where
 
 struct Idle {
     leases: usize,
+    spent: cosmosq_queue::ChargeSnapshot,
     request_units_per_second_per_lease: f64,
     first_delivery_ms: f64,
 }
@@ -456,11 +533,7 @@ where
     let leases = stats.leases_owned.load(Ordering::Relaxed) as usize;
     let before = queue.charges().snapshot();
     tokio::time::sleep(Duration::from_secs(seconds)).await;
-    let spent = queue
-        .charges()
-        .snapshot()
-        .since(&before)
-        .total_request_units();
+    let spent = queue.charges().snapshot().since(&before);
     let started = Instant::now();
     producer
         .enqueue(NewMessage::json(serde_json::json!({"i": 0})))
@@ -471,7 +544,10 @@ where
     task.await??;
     Ok(Idle {
         leases,
-        request_units_per_second_per_lease: spent / seconds as f64 / leases.max(1) as f64,
+        request_units_per_second_per_lease: spent.total_request_units()
+            / seconds as f64
+            / leases.max(1) as f64,
+        spent,
         first_delivery_ms,
     })
 }
