@@ -58,6 +58,16 @@ async fn enqueue(fixture: &Fixture, range: std::ops::Range<usize>) {
     }
 }
 
+/// Group `g`, reading from the beginning, with its leases created (nothing read yet).
+async fn unread_from_the_start(fixture: &Fixture) -> cosmosq_queue::Group {
+    let group = fixture.group(GroupConfig::new("g").with_start_from(StartFrom::Beginning));
+    LeaseStore::new(fixture.queue.clone(), "g")
+        .reconcile(0, 60_000)
+        .await
+        .unwrap();
+    group
+}
+
 /// Waits for message `slow`'s lock to be renewed past its first half second while it stays
 /// locked (the app still works on it).
 async fn the_slow_lock_is_renewed(group: &cosmosq_queue::Group) {
@@ -476,11 +486,7 @@ async fn estimator_matches_the_known_unsettled_work() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
     let fixture = Fixture::new(1).await;
-    let group = fixture.group(GroupConfig::new("g").with_start_from(StartFrom::Beginning));
-    LeaseStore::new(fixture.queue.clone(), "g")
-        .reconcile(0, 60_000)
-        .await
-        .unwrap();
+    let group = unread_from_the_start(&fixture).await;
     let writes = (0..600).map(|i| {
         let q = fixture.queue.clone();
         async move { q.enqueue(NewMessage::json(json!(i))).await.unwrap() }
@@ -500,11 +506,7 @@ async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batched_backlog_is_estimated_from_one_page_whatever_its_size() {
     let fixture = Fixture::new(1).await;
-    let group = fixture.group(GroupConfig::new("g").with_start_from(StartFrom::Beginning));
-    LeaseStore::new(fixture.queue.clone(), "g")
-        .reconcile(0, 60_000)
-        .await
-        .unwrap();
+    let group = unread_from_the_start(&fixture).await;
     let estimate_reads = || {
         fixture
             .queue
