@@ -677,14 +677,15 @@ struct Reading {
     seen: Option<Seen>,
 }
 
-/// Ids read lately, in read order, at most [`SEEN_CAP`].
+/// Ids read lately, in read order, at most [`SEEN_CAP`]. Each id is stored once, shared by
+/// the set and the order (a range at the cap holds ≈ 2 MB instead of ≈ 3 MB).
 #[derive(Debug, Default)]
 struct Seen {
-    ids: std::collections::HashSet<String>,
-    order: std::collections::VecDeque<String>,
+    ids: std::collections::HashSet<Arc<str>>,
+    order: std::collections::VecDeque<Arc<str>>,
 }
 
-/// How many ids a range remembers having read (about 50 bytes each).
+/// How many ids a range remembers having read (about 100 bytes each, with the set's slot).
 const SEEN_CAP: usize = 20_000;
 
 impl Seen {
@@ -696,11 +697,13 @@ impl Seen {
             .into_iter()
             .filter(
                 |doc| match doc.get("id").and_then(serde_json::Value::as_str) {
-                    Some(id) if self.ids.insert(id.to_owned()) => {
-                        self.order.push_back(id.to_owned());
+                    Some(id) if self.ids.contains(id) => false,
+                    Some(id) => {
+                        let id: Arc<str> = Arc::from(id);
+                        self.ids.insert(Arc::clone(&id));
+                        self.order.push_back(id);
                         true
                     }
-                    Some(_) => false,
                     None => true,
                 },
             )
@@ -1526,5 +1529,42 @@ impl<H: Handler> RangeProcessor<H> {
                 None
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(ids: &[&str]) -> Vec<serde_json::Value> {
+        ids.iter()
+            .map(|id| serde_json::json!({ "id": id }))
+            .collect()
+    }
+
+    fn ids(docs: &[serde_json::Value]) -> Vec<&str> {
+        docs.iter()
+            .map(|d| d["id"].as_str().unwrap_or("-"))
+            .collect()
+    }
+
+    #[test]
+    fn a_range_delivers_each_id_it_read_once_and_forgets_the_oldest_past_the_cap() {
+        let mut seen = Seen::default();
+        assert_eq!(ids(&seen.first_reads(page(&["a", "b", "a"]))), ["a", "b"]);
+        // Served again after a merge renumbered the feed: skipped; documents without an id
+        // are left for the malformed-document path.
+        let again = seen.first_reads(vec![
+            serde_json::json!({"id": "b"}),
+            serde_json::json!({"no": "id"}),
+            serde_json::json!({"id": "c"}),
+        ]);
+        assert_eq!(ids(&again), ["-", "c"]);
+        let many: Vec<String> = (0..SEEN_CAP).map(|i| format!("m{i}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert_eq!(seen.first_reads(page(&many)).len(), SEEN_CAP);
+        assert_eq!((seen.ids.len(), seen.order.len()), (SEEN_CAP, SEEN_CAP));
+        // "a", "b" and "c" were the oldest: forgotten, so read as new; "m0" is still known.
+        assert_eq!(ids(&seen.first_reads(page(&["a", "m0", "c"]))), ["a", "c"]);
     }
 }
