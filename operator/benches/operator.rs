@@ -91,7 +91,7 @@ async fn main() {
     // Another build of the binary (the image's profile, say) when named.
     let binary = std::env::var("COSMOSQ_BENCH_OPERATOR")
         .unwrap_or_else(|_| env!("CARGO_BIN_EXE_cosmosq-operator").to_owned());
-    let mut operator = Command::new(binary)
+    let mut operator = Command::new(&binary)
         .env("KUBECONFIG", &kubeconfig)
         .env("RUST_LOG", "warn")
         .args(["--listen", "127.0.0.1:0"]) // nothing here reads it
@@ -242,7 +242,7 @@ async fn main() {
     stop.cancel();
     cosmos.stop.cancel();
 
-    println!("cosmosq operator (release binary) with {QUEUES} queues and {groups_total} groups");
+    println!("cosmosq operator ({binary}) with {QUEUES} queues and {groups_total} groups");
     println!("API server: in-memory over HTTP; Cosmos DB: emulator over HTTP with the key from a Secret\n");
     println!(
         "converged        {:>8.2} s   (all queues provisioned and ready, all Deployments applied)",
