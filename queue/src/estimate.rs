@@ -99,6 +99,9 @@ pub const MAX_PENDING: usize = 10_000;
 /// Below this LSN distance the lag is counted item by item instead of estimated.
 const EXACT_COUNT_LIMIT: u64 = 500;
 const EXACT_COUNT_PAGE: u32 = 1000;
+/// The most pages one range's count reads (a page may stop short of its size at the
+/// service's response limit, so an end is an empty page, not a short one).
+const EXACT_COUNT_PAGES: usize = 5;
 
 /// What a range's LSNs say of its lag.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,10 +129,11 @@ pub fn lsn_lag(session_lsn: Option<u64>, first_unread_lsn: Option<u64>) -> LsnLa
     }
 }
 
-/// The unread count of a range when one full page of `items` (the first unread at LSN
-/// `first_lsn`, the page's last at `last_lsn`) did not reach the partition's `session_lsn`:
-/// the page, plus the LSNs after it at the page's items per LSN (a transactional batch is one
-/// LSN; single writes are one each). Pure. Without the last item's LSN, at least one a write.
+/// The unread count of a range when the pages read, `items` (the first unread at LSN
+/// `first_lsn`, the last read at `last_lsn`), did not reach the feed's end: those, plus the
+/// LSNs after them up to the partition's `session_lsn` at the items per LSN they showed (a
+/// transactional batch is one LSN; single writes are one each). Pure. Without the last item's
+/// LSN, at least one a write.
 pub fn extrapolated_lag(
     items: u64,
     first_lsn: u64,
@@ -330,9 +334,9 @@ impl Group {
     }
 
     /// Counts the messages after the lease's checkpoint by reading them (small LSN lags only):
-    /// one page at most, so an estimate costs the same however many messages a few large
-    /// batches wrote. Past a full page the rest is extrapolated from the items per LSN the
-    /// page showed (see [`extrapolated_lag`]).
+    /// up to [`EXACT_COUNT_PAGES`] pages, until an empty one (exact); past them the rest is
+    /// extrapolated from the items per LSN they showed (see [`extrapolated_lag`]), so an
+    /// estimate costs the same however many messages a few large batches wrote.
     async fn count_unread(&self, lease: &Lease, first_lsn: u64, session_lsn: u64) -> Result<u64> {
         let mut pages = feed::open(
             self.queue().messages(),
@@ -343,21 +347,25 @@ impl Group {
             "estimate lag",
         )
         .await?;
-        let Some(page) = pages.next().await else {
-            return Ok(0);
-        };
-        let page = page.map_err(QueueError::cosmos("estimate lag"))?;
-        self.queue()
-            .charges()
-            .record_diagnostics("estimate", &page.diagnostics());
-        let items = page.items().len() as u64;
-        if items < u64::from(EXACT_COUNT_PAGE) {
-            return Ok(items);
+        let (mut items, mut last) = (0u64, None);
+        for _ in 0..EXACT_COUNT_PAGES {
+            let Some(page) = pages.next().await else {
+                return Ok(items);
+            };
+            let page = page.map_err(QueueError::cosmos("estimate lag"))?;
+            self.queue()
+                .charges()
+                .record_diagnostics("estimate", &page.diagnostics());
+            if page.items().is_empty() {
+                return Ok(items);
+            }
+            items += page.items().len() as u64;
+            last = page.items().last().and_then(|i| i.current().cloned());
         }
-        let last_lsn = match page.items().last().and_then(|i| i.current()) {
+        let last_lsn = match last {
             Some(last) => match last.get("_lsn").and_then(Value::as_u64) {
                 Some(lsn) => Some(lsn),
-                None => self.item_lsn(last).await?,
+                None => self.item_lsn(&last).await?,
             },
             None => None,
         };
@@ -404,16 +412,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_full_page_is_extrapolated_at_its_items_per_lsn() {
+    fn a_count_cut_short_is_extrapolated_at_its_items_per_lsn() {
         for (items, first, last, session, expected) in [
-            // Ten batches of 100 in the page, 40 more LSNs after it: 40 more batches.
+            // Ten batches of 100 read, 40 more LSNs after them: 40 more batches.
             (1_000, 11, Some(20), 60, 5_000),
             // Single writes: one item per LSN.
             (1_000, 1, Some(1_000), 1_500, 1_500),
-            // The page ends where the partition does (the session read before the last write).
+            // The pages end where the partition does (the session read before the last write).
             (1_000, 1, Some(10), 10, 1_000),
             (1_000, 1, Some(10), 5, 1_000),
-            // One batch larger than the page: all of its LSN is in the page's rate.
+            // One batch larger than what was read: its one LSN sets the rate.
             (1_000, 7, Some(7), 9, 3_000),
             // The last item's LSN unknown, or before the first (a replica behind): one a write.
             (1_000, 11, None, 60, 1_049),

@@ -501,10 +501,10 @@ async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
 }
 
 /// Below the exact-count limit in LSNs a few large batches can hold many messages: the
-/// estimate reads one page of them at most and extrapolates, so what it costs does not grow
-/// with the backlog.
+/// estimate reads a few pages of them at most and extrapolates, so what it costs does not
+/// grow with the backlog.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batched_backlog_is_estimated_from_one_page_whatever_its_size() {
+async fn a_batched_backlog_is_estimated_from_a_few_pages_whatever_its_size() {
     let fixture = Fixture::new(1).await;
     let group = unread_from_the_start(&fixture).await;
     let estimate_reads = || {
@@ -532,8 +532,8 @@ async fn a_batched_backlog_is_estimated_from_one_page_whatever_its_size() {
         let error = lag.abs_diff(total as u64) as f64 / total as f64;
         assert!(error < 0.05, "{total} unread, estimated {lag}");
     }
-    // A full page adds one read (its last item's LSN), then nothing more however many.
-    assert!(reads[1] <= reads[0] + 1, "{reads:?}");
+    // Past a few pages (and a read of the last item's LSN) nothing more, however many.
+    assert!(reads[1] <= reads[0] + 5, "{reads:?}");
     assert_eq!(
         reads[1], reads[2],
         "reads for 6,000 and 12,000 unread: {reads:?}"
