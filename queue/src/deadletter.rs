@@ -54,6 +54,9 @@ impl From<&StateDoc> for DeadLetter {
     }
 }
 
+/// A group's dead letters among the state documents (`@type`, `@group`).
+const DEAD_LETTERED: &str = "c.type = @type AND c.group = @group AND c.state = 'deadLettered'";
+
 impl Group {
     /// The group's dead letters (at most `limit`).
     pub async fn dead_letters(&self, limit: Option<usize>) -> Result<Vec<DeadLetter>> {
@@ -69,8 +72,11 @@ impl Group {
     /// gauge read every few seconds must not load (and hold) every dead letter's document.
     pub async fn count_dead_letters(&self, limit: usize) -> Result<usize> {
         let query = sql::query(
-            "SELECT VALUE c.id FROM c WHERE c.type = @type AND c.group = @group AND c.state = 'deadLettered'",
-            &[("@type", json!(STATE_DOC_TYPE)), ("@group", json!(self.name()))],
+            &format!("SELECT VALUE c.id FROM c WHERE {DEAD_LETTERED}"),
+            &[
+                ("@type", json!(STATE_DOC_TYPE)),
+                ("@group", json!(self.name())),
+            ],
         )?;
         let ids: Vec<String> = sql::collect(
             self.queue().leases(),
@@ -86,8 +92,11 @@ impl Group {
 
     async fn dead_letter_docs(&self, limit: Option<usize>) -> Result<Vec<StateDoc>> {
         let query = sql::query(
-            "SELECT * FROM c WHERE c.type = @type AND c.group = @group AND c.state = 'deadLettered'",
-            &[("@type", json!(STATE_DOC_TYPE)), ("@group", json!(self.name()))],
+            &format!("SELECT * FROM c WHERE {DEAD_LETTERED}"),
+            &[
+                ("@type", json!(STATE_DOC_TYPE)),
+                ("@group", json!(self.name())),
+            ],
         )?;
         sql::collect(
             self.queue().leases(),
