@@ -21,6 +21,8 @@ use azure_data_cosmos::{
     AccountEndpoint, AccountReference, CosmosClient, CosmosClientBuilder, CosmosRuntimeBuilder,
     FeedScope, RoutingStrategy,
 };
+/// What sees every request the account handles (the simulation records them).
+pub use azure_data_cosmos_driver::in_memory_emulator::RequestObserver;
 use azure_data_cosmos_driver::in_memory_emulator::{
     ConsistencyLevel, EmulatorStore, InMemoryEmulatorHttpClient, VirtualAccountConfig,
     VirtualRegion, WriteMode,
@@ -52,6 +54,9 @@ pub struct EmulatorOptions {
     /// Advertise multi-region writes, as an account with that setting on does (cosmosq
     /// refuses such accounts; this lets the refusal be tried).
     pub multi_region_writes: bool,
+    /// Told of every request before the account handles it (tests: a trace of what crossed
+    /// the Cosmos boundary).
+    pub observer: Option<Arc<dyn RequestObserver>>,
 }
 
 impl Default for EmulatorOptions {
@@ -60,6 +65,7 @@ impl Default for EmulatorOptions {
             partitions: 4,
             throughput: None,
             multi_region_writes: false,
+            observer: None,
         }
     }
 }
@@ -113,8 +119,11 @@ impl Emulator {
                 } else {
                     WriteMode::Single
                 });
-        let http = InMemoryEmulatorHttpClient::try_new(config)
+        let mut http = InMemoryEmulatorHttpClient::try_new(config)
             .map_err(|e| QueueError::Config(format!("emulator: {e}")))?;
+        if let Some(observer) = &options.observer {
+            http = http.with_request_observer(Arc::clone(observer));
+        }
         Ok(Arc::new(Self {
             http: Arc::new(http),
             endpoint,

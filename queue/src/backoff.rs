@@ -69,7 +69,7 @@ impl RetryPolicy {
 
     /// [`Self::backoff`] with a fresh random sample.
     pub fn backoff_random(&self, failed_attempts: u32) -> Duration {
-        self.backoff(failed_attempts, rand::random::<f64>())
+        self.backoff(failed_attempts, crate::chance::unit())
     }
 
     /// Whether a message that has been delivered `attempts` times and failed must be

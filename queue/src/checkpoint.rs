@@ -2,10 +2,16 @@
 //! whose fate is not written. Pages are settled out of order (one slow message must not stall
 //! the range), so the checkpoint is the position after the longest run of settled pages at the
 //! front of the window; the window is bounded by the range's in-flight limit. Pure.
+//!
+//! On the lease write path it also keeps the lease's window: which messages past the position
+//! are done, pending, unstarted or started, by identity, plus what the range's previous owner
+//! recorded that this one has not read again yet ([`Inherited`]).
 
 use std::collections::VecDeque;
 
-use crate::lease::{Marker, Window};
+use crate::lease::{Marker, Window, WINDOW_IDENTITIES};
+use crate::message::MessageKey;
+use crate::recovery::Inherited;
 
 /// What became of one message of a page, as the checkpoint counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +30,15 @@ pub(crate) enum Settle {
     Unstarted,
 }
 
+/// A completion no lease write has recorded yet: what a write that lands reports.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Completion {
+    pub(crate) id: String,
+    pub(crate) key: MessageKey,
+    pub(crate) enqueued_at: i64,
+    pub(crate) expires_at: Option<i64>,
+}
+
 /// A page of the feed whose messages are not all settled yet.
 #[derive(Debug)]
 struct PageSlot {
@@ -36,12 +51,26 @@ struct PageSlot {
     /// A message whose fate could not be written: the checkpoint stays before this page, so
     /// the range's next reader delivers it again.
     unrecorded: bool,
-    /// The lease write path's record of the page (see [`Window`]); empty on other paths.
+    /// The lease write path's record of the page, by identity (see [`Window`]); empty on
+    /// other paths.
     done: Vec<String>,
     pending: Vec<String>,
     unstarted: Vec<String>,
+    started: Vec<String>,
     /// The page's last document (several once token-less pages are carried into this one).
     last: Vec<PageEnd>,
+}
+
+impl PageSlot {
+    /// Takes `identity` out of whichever list of handed-out messages holds it.
+    fn unlist(&mut self, identity: &str) {
+        for list in [&mut self.started, &mut self.unstarted] {
+            if let Some(i) = list.iter().position(|x| x == identity) {
+                list.swap_remove(i);
+                return;
+            }
+        }
+    }
 }
 
 /// A page's last document, and the EPK sub-range of the feed the page was read from: the
@@ -60,12 +89,16 @@ pub(crate) struct Checkpoint {
     window: VecDeque<PageSlot>,
     position: Option<String>,
     next_seq: u64,
-    /// Keep the ids of settled messages (the lease write path writes them with the lease).
+    /// Keep the identities of what is handed out past the position (the lease write path
+    /// writes them with the lease).
     track_ids: bool,
     /// Completions in the window that no lease write has recorded yet.
-    unwritten_completions: u64,
+    unwritten: Vec<Completion>,
     /// The last document before the position in each sub-range, with its EPK; newest last.
     passed: Vec<(String, Marker)>,
+    /// What the previous owner recorded past the position that this range has not read
+    /// again yet: written on with every record until it is read, or known gone.
+    inherited: Option<Inherited>,
 }
 
 impl Checkpoint {
@@ -76,8 +109,9 @@ impl Checkpoint {
             position,
             next_seq: 0,
             track_ids: false,
-            unwritten_completions: 0,
+            unwritten: Vec::new(),
             passed: Vec::new(),
+            inherited: None,
         }
     }
 
@@ -87,38 +121,62 @@ impl Checkpoint {
         self
     }
 
-    /// Keeping the ids of what settles past the position, for [`Self::record`].
+    /// Keeping the identities of what is handed out past the position, for [`Self::record`].
     pub(crate) fn tracking_ids(mut self) -> Self {
         self.track_ids = true;
         self
     }
 
-    /// A page was read: `messages` of it are handed out, and `token` is the position after it.
-    /// Returns the page's number, for [`Self::settled`].
-    #[cfg(test)]
-    pub(crate) fn read(&mut self, token: Option<String>, messages: usize) -> u64 {
-        self.read_docs(token, messages as u32, messages, None)
+    /// With what the previous owner's window recorded (see [`Inherited`]).
+    pub(crate) fn inheriting(mut self, inherited: Inherited) -> Self {
+        self.inherited = Some(inherited);
+        self
     }
 
-    /// [`Self::read`] of a page of `docs` feed documents, `messages` of which are handed out.
+    /// What the previous owner recorded and this range has not read again.
+    pub(crate) fn inherited(&mut self) -> Option<&mut Inherited> {
+        self.inherited.as_mut()
+    }
+
+    /// A page was read: `messages` of it are handed out, and `token` is the position after it.
+    /// Returns the page's number, for [`Self::settle`].
+    #[cfg(test)]
+    pub(crate) fn read(&mut self, token: Option<String>, messages: usize) -> u64 {
+        let handed: Vec<(String, bool)> = (0..messages).map(|i| (format!("#{i}"), true)).collect();
+        self.read_docs(token, messages as u32, &handed, None)
+    }
+
+    /// [`Self::read`] of a page of `docs` feed documents; `handed` are the identities handed
+    /// out for delivery, each started at once or not (an ordered message that waits for its
+    /// key's turn).
     pub(crate) fn read_docs(
         &mut self,
         token: Option<String>,
         docs: u32,
-        messages: usize,
+        handed: &[(String, bool)],
         last: Option<PageEnd>,
     ) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
+        let (mut started, mut unstarted) = (Vec::new(), Vec::new());
+        if self.track_ids {
+            for (identity, now) in handed {
+                match now {
+                    true => started.push(identity.clone()),
+                    false => unstarted.push(identity.clone()),
+                }
+            }
+        }
         self.window.push_back(PageSlot {
             seq,
             token,
             docs,
-            remaining: messages,
+            remaining: handed.len(),
             unrecorded: false,
             done: Vec::new(),
             pending: Vec::new(),
-            unstarted: Vec::new(),
+            unstarted,
+            started,
             last: last.into_iter().collect(),
         });
         self.advance();
@@ -134,39 +192,57 @@ impl Checkpoint {
         } else {
             Settle::Unrecorded
         };
-        self.settle(seq, "", fate);
+        self.settle(seq, "", fate, None);
     }
 
-    /// Message `id` of page `seq` came to `fate`.
-    pub(crate) fn settle(&mut self, seq: u64, id: &str, fate: Settle) {
+    /// Message `identity` of page `seq` came to `fate`; a completion names the message.
+    pub(crate) fn settle(
+        &mut self,
+        seq: u64,
+        identity: &str,
+        fate: Settle,
+        completion: Option<Completion>,
+    ) {
         let track = self.track_ids;
         if let Some(slot) = self.window.iter_mut().find(|s| s.seq == seq) {
             slot.remaining = slot.remaining.saturating_sub(1);
             slot.unrecorded |= matches!(fate, Settle::Unrecorded | Settle::Unstarted);
             if track {
-                Self::note(slot, id, fate);
+                slot.unlist(identity);
+                Self::note(slot, identity, fate);
             }
             if fate == Settle::Completed {
-                self.unwritten_completions += 1;
+                self.unwritten.extend(completion);
             }
         }
         self.advance();
     }
 
-    /// A document of page `seq` that was not handed out, since the lease's window says it is
-    /// `fate` already (done, or pending on its state document).
-    pub(crate) fn known(&mut self, seq: u64, id: &str, fate: Settle) {
+    /// A message of page `seq` handed out unstarted (waiting for its key's turn) starts now.
+    pub(crate) fn start(&mut self, seq: u64, identity: &str) {
         if let Some(slot) = self.window.iter_mut().find(|s| s.seq == seq) {
-            Self::note(slot, id, fate);
+            if let Some(i) = slot.unstarted.iter().position(|x| x == identity) {
+                let identity = slot.unstarted.swap_remove(i);
+                slot.started.push(identity);
+            }
         }
     }
 
-    fn note(slot: &mut PageSlot, id: &str, fate: Settle) {
+    /// A document of page `seq` that was not handed out, since the lease's window says it is
+    /// `fate` already (done, or pending on its state document).
+    pub(crate) fn known(&mut self, seq: u64, identity: &str, fate: Settle) {
+        if let Some(slot) = self.window.iter_mut().find(|s| s.seq == seq) {
+            Self::note(slot, identity, fate);
+        }
+    }
+
+    fn note(slot: &mut PageSlot, identity: &str, fate: Settle) {
         match fate {
-            Settle::Completed | Settle::Done => slot.done.push(id.to_owned()),
-            Settle::Pending => slot.pending.push(id.to_owned()),
-            Settle::Unstarted => slot.unstarted.push(id.to_owned()),
-            Settle::Unrecorded => {}
+            Settle::Completed | Settle::Done => slot.done.push(identity.to_owned()),
+            Settle::Pending => slot.pending.push(identity.to_owned()),
+            // Recorded as started: the app may have had it, its next reader redelivers it.
+            Settle::Unrecorded => slot.started.push(identity.to_owned()),
+            Settle::Unstarted => slot.unstarted.push(identity.to_owned()),
         }
     }
 
@@ -175,9 +251,11 @@ impl Checkpoint {
         &self.position
     }
 
-    /// What is past the position, as a lease records it.
+    /// What is past the position, as a lease records it: this range's pages, then what it
+    /// inherited and has not read again.
     pub(crate) fn record(&self) -> Window {
         let mut window = Window {
+            v: WINDOW_IDENTITIES,
             after: self.passed.last().map(|(_, m)| m.clone()),
             after_each: match self.passed.len() {
                 0 | 1 => Vec::new(),
@@ -186,10 +264,13 @@ impl Checkpoint {
             ..Window::default()
         };
         for slot in &self.window {
-            window.read += slot.docs;
             window.done.extend(slot.done.iter().cloned());
             window.pending.extend(slot.pending.iter().cloned());
             window.unstarted.extend(slot.unstarted.iter().cloned());
+            window.started.extend(slot.started.iter().cloned());
+        }
+        if let Some(inherited) = &self.inherited {
+            inherited.carry_into(&mut window);
         }
         window
     }
@@ -199,19 +280,27 @@ impl Checkpoint {
         self.window.iter().map(|s| s.docs).sum()
     }
 
+    /// The completions no lease write has recorded yet, handed to the write that records
+    /// them ([`Self::restore_unwritten`] if it does not land).
+    pub(crate) fn take_unwritten(&mut self) -> Vec<Completion> {
+        std::mem::take(&mut self.unwritten)
+    }
+
+    /// A lease write that was to record `completions` did not land: they are unwritten again.
+    pub(crate) fn restore_unwritten(&mut self, mut completions: Vec<Completion>) {
+        completions.append(&mut self.unwritten);
+        self.unwritten = completions;
+    }
+
+    /// Whether the completion of message `id` waits for a lease write.
+    pub(crate) fn is_unwritten(&self, id: &str) -> bool {
+        self.unwritten.iter().any(|c| c.id == id)
+    }
+
     /// Completions no lease write has recorded yet.
-    pub(crate) fn unwritten_completions(&self) -> u64 {
-        self.unwritten_completions
-    }
-
-    /// A lease write that was to record `n` completions did not land: they are unwritten again.
-    pub(crate) fn completions_unwritten(&mut self, n: u64) {
-        self.unwritten_completions += n;
-    }
-
-    /// A lease write recorded `n` of the completions (those counted before it started).
-    pub(crate) fn completions_written(&mut self, n: u64) {
-        self.unwritten_completions = self.unwritten_completions.saturating_sub(n);
+    #[cfg(test)]
+    pub(crate) fn unwritten_completions(&self) -> usize {
+        self.unwritten.len()
     }
 
     /// A split child starts with its parent's markers, of both halves: one of the other half
@@ -263,6 +352,7 @@ impl Checkpoint {
                 next.done.splice(0..0, slot.done);
                 next.pending.splice(0..0, slot.pending);
                 next.unstarted.splice(0..0, slot.unstarted);
+                next.started.splice(0..0, slot.started);
                 next.last.splice(0..0, slot.last);
                 continue;
             }
@@ -344,28 +434,56 @@ mod tests {
         assert_eq!(c.position(), &token("t0"));
     }
 
+    fn handed(ids: &[&str]) -> Vec<(String, bool)> {
+        ids.iter().map(|id| ((*id).to_owned(), true)).collect()
+    }
+
+    fn completion(id: &str) -> Option<Completion> {
+        Some(Completion {
+            id: id.into(),
+            key: MessageKey::from("k"),
+            enqueued_at: 0,
+            expires_at: None,
+        })
+    }
+
     #[test]
-    fn the_record_lists_what_settled_past_the_position() {
+    fn the_record_lists_what_was_handed_out_past_the_position_by_fate() {
         let mut c = Checkpoint::new(token("start")).tracking_ids();
-        let p0 = c.read_docs(token("t0"), 3, 2, None);
-        let p1 = c.read_docs(token("t1"), 2, 2, None);
+        let p0 = c.read_docs(token("t0"), 3, &handed(&["a", "b"]), None);
+        let p1 = c.read_docs(
+            token("t1"),
+            3,
+            &[("c".into(), true), ("d".into(), true), ("e".into(), false)],
+            None,
+        );
         c.known(p0, "skipped", Settle::Done);
-        c.settle(p0, "a", Settle::Completed);
-        c.settle(p1, "c", Settle::Pending);
-        c.settle(p1, "d", Settle::Unstarted);
+        c.settle(p0, "a", Settle::Completed, completion("a"));
+        c.settle(p1, "c", Settle::Pending, None);
+        c.settle(p1, "d", Settle::Unstarted, None);
         let record = c.record();
-        assert_eq!(record.read, 5, "every document read past the position");
+        assert_eq!(record.v, WINDOW_IDENTITIES);
+        assert_eq!(record.read, 0, "no positions");
         assert_eq!(record.done, ["skipped", "a"]);
         assert_eq!(record.pending, ["c"]);
-        assert_eq!(record.unstarted, ["d"]);
-        assert_eq!(c.unwritten_completions(), 1);
-        c.completions_written(1);
-        assert_eq!(c.unwritten_completions(), 0);
-        c.settle(p0, "b", Settle::Completed);
+        assert_eq!(record.started, ["b"], "handed out, no outcome yet");
+        let mut unstarted = record.unstarted.clone();
+        unstarted.sort();
+        assert_eq!(
+            unstarted,
+            ["d", "e"],
+            "drained first, and waiting for its turn"
+        );
+        c.start(p1, "e");
+        assert_eq!(c.record().started, ["b", "e"], "its turn came");
+        let written = c.take_unwritten();
+        assert_eq!(written, vec![completion("a").unwrap()]);
+        c.restore_unwritten(written);
+        assert_eq!(c.unwritten_completions(), 1, "a write that did not land");
+        c.settle(p0, "b", Settle::Completed, completion("b"));
         assert_eq!(c.position(), &token("t0"), "page 0 settled; page 1 holds");
         let record = c.record();
-        assert_eq!(record.read, 2, "page 0 left the window");
-        assert!(record.done.is_empty());
+        assert!(record.done.is_empty(), "page 0 left the window");
         assert_eq!(
             record.unstarted,
             ["d"],
@@ -376,13 +494,13 @@ mod tests {
     #[test]
     fn a_page_without_a_position_passes_its_record_on() {
         let mut c = Checkpoint::new(token("start")).tracking_ids();
-        let p0 = c.read_docs(None, 1, 1, None);
-        c.settle(p0, "a", Settle::Completed);
+        let p0 = c.read_docs(None, 1, &handed(&["a"]), None);
+        c.settle(p0, "a", Settle::Completed, None);
         assert_eq!(c.record().done, ["a"], "kept: nothing after it yet");
-        let p1 = c.read_docs(token("t1"), 1, 1, None);
+        let p1 = c.read_docs(token("t1"), 1, &handed(&["b"]), None);
         assert_eq!(c.record().done, ["a"]);
-        assert_eq!(c.record().read, 2);
-        c.settle(p1, "b", Settle::Completed);
+        assert_eq!(c.record().started, ["b"]);
+        c.settle(p1, "b", Settle::Completed, None);
         assert_eq!(c.position(), &token("t1"));
         assert!(c.record().is_empty());
     }
@@ -403,13 +521,13 @@ mod tests {
         let left = ("", "40");
         let right = ("40", "80");
         let mut c = Checkpoint::new(token("start")).tracking_ids();
-        let p0 = c.read_docs(token("t0"), 1, 1, Some(end("a", "10", left)));
-        let p1 = c.read_docs(token("t1"), 1, 1, Some(end("b", "50", right)));
+        let p0 = c.read_docs(token("t0"), 1, &handed(&["a"]), Some(end("a", "10", left)));
+        let p1 = c.read_docs(token("t1"), 1, &handed(&["b"]), Some(end("b", "50", right)));
         // A page without a position carries its last document into the next page.
-        let p2 = c.read_docs(None, 1, 1, Some(end("c", "20", left)));
-        let p3 = c.read_docs(token("t3"), 1, 1, Some(end("d", "60", right)));
+        let p2 = c.read_docs(None, 1, &handed(&["c"]), Some(end("c", "20", left)));
+        let p3 = c.read_docs(token("t3"), 1, &handed(&["d"]), Some(end("d", "60", right)));
         for (p, id) in [(p0, "a"), (p1, "b"), (p2, "c"), (p3, "d")] {
-            c.settle(p, id, Settle::Completed);
+            c.settle(p, id, Settle::Completed, None);
         }
         let record = c.record();
         assert_eq!(
@@ -426,7 +544,7 @@ mod tests {
         // One sub-range only: `after` says it all.
         let mut c =
             Checkpoint::new(token("start")).after(vec![("10".into(), end("a", "10", left).marker)]);
-        c.read_docs(token("t0"), 0, 0, Some(end("b", "20", left)));
+        c.read_docs(token("t0"), 0, &[], Some(end("b", "20", left)));
         let record = c.record();
         assert_eq!(record.after.map(|m| m.id).as_deref(), Some("b"));
         assert!(record.after_each.is_empty());
@@ -453,14 +571,19 @@ mod tests {
         let mut c = Checkpoint::new(split_token(&[child]))
             .tracking_ids()
             .after(vec![(foreign.epk.clone(), foreign.marker.clone())]);
-        c.read_docs(split_token(&[child]), 0, 0, None);
+        c.read_docs(split_token(&[child]), 0, &[], None);
         assert_eq!(
             c.record().after,
             Some(foreign.marker.clone()),
             "kept while the child has none of its own"
         );
-        let p = c.read_docs(split_token(&[child]), 1, 1, Some(end("mine", "10", child)));
-        c.settle(p, "mine", Settle::Completed);
+        let p = c.read_docs(
+            split_token(&[child]),
+            1,
+            &handed(&["mine"]),
+            Some(end("mine", "10", child)),
+        );
+        c.settle(p, "mine", Settle::Completed, None);
         let record = c.record();
         assert_eq!(record.after.map(|m| m.id).as_deref(), Some("mine"));
         assert!(

@@ -2,50 +2,105 @@
 //!
 //! Lock expiry and visibility times are compared across hosts, so they are wall-clock
 //! milliseconds since the Unix epoch stored in documents, not `Instant`s. Tests swap in a
-//! manual clock so that a lock can expire without anybody sleeping.
+//! manual clock so that a lock can expire without anybody sleeping, and the simulation a clock
+//! that follows tokio's paused time, skewed per host and jumped at will.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// The time source of a [`crate::Queue`]; cheap to clone.
+/// The time source of a [`crate::Queue`]; cheap to clone (clones share the source and skew).
 #[derive(Clone, Debug, Default)]
-pub struct Clock(Option<Arc<AtomicI64>>, i64);
+pub struct Clock {
+    source: Source,
+    /// Added to the source's time: a host whose clock drifted, or jumped.
+    skew: Arc<AtomicI64>,
+}
+
+#[derive(Clone, Debug, Default)]
+enum Source {
+    #[default]
+    System,
+    /// Moves only when told to.
+    Manual(Arc<AtomicI64>),
+    /// `start_ms` at `origin`, then as tokio's clock moves (paused time in tests).
+    Tokio {
+        origin: tokio::time::Instant,
+        start_ms: i64,
+    },
+}
 
 impl Clock {
     /// The machine's clock.
     pub fn system() -> Self {
-        Self(None, 0)
+        Self::default()
     }
 
     /// A clock that only moves when told to, starting at `start_ms`.
     pub fn manual(start_ms: i64) -> Self {
-        Self(Some(Arc::new(AtomicI64::new(start_ms))), 0)
+        Self {
+            source: Source::Manual(Arc::new(AtomicI64::new(start_ms))),
+            ..Self::default()
+        }
+    }
+
+    /// A clock at `start_ms` now that then follows tokio's clock: with time paused (the
+    /// simulation), wall-clock time moves exactly as the runtime's timers do. Must be made
+    /// and read inside a tokio runtime.
+    pub fn following_tokio(start_ms: i64) -> Self {
+        Self {
+            source: Source::Tokio {
+                origin: tokio::time::Instant::now(),
+                start_ms,
+            },
+            ..Self::default()
+        }
     }
 
     /// The machine's clock, off by `skew_ms` (what a host whose clock drifted sees; the
     /// fault suite runs hosts with skews within the lease expiry).
     pub fn skewed(skew_ms: i64) -> Self {
-        Self(None, skew_ms)
+        Self::system().with_skew(skew_ms)
+    }
+
+    /// This clock's source, off by `skew_ms`, with a skew of its own (not shared with `self`).
+    pub fn with_skew(&self, skew_ms: i64) -> Self {
+        Self {
+            source: self.source.clone(),
+            skew: Arc::new(AtomicI64::new(skew_ms)),
+        }
+    }
+
+    /// Moves this clock (and its clones) by `by_ms`, forward or back: a clock jump.
+    pub fn jump(&self, by_ms: i64) {
+        self.skew.fetch_add(by_ms, Ordering::SeqCst);
+    }
+
+    /// How far this clock is off its source, ms.
+    pub fn skew_ms(&self) -> i64 {
+        self.skew.load(Ordering::SeqCst)
     }
 
     /// Milliseconds since the Unix epoch.
     pub fn now_ms(&self) -> i64 {
-        let now = match &self.0 {
-            Some(ms) => ms.load(Ordering::SeqCst),
-            None => system_now_ms(),
+        let now = match &self.source {
+            Source::System => system_now_ms(),
+            Source::Manual(ms) => ms.load(Ordering::SeqCst),
+            Source::Tokio { origin, start_ms } => {
+                start_ms.saturating_add(duration_ms(origin.elapsed()))
+            }
         };
-        now + self.1
+        now + self.skew_ms()
     }
 
-    /// Moves a manual clock forward. Returns `false` (and does nothing) on the system clock.
+    /// Moves a manual clock forward. Returns `false` (and does nothing) on other clocks.
     pub fn advance(&self, by: Duration) -> bool {
-        match &self.0 {
-            Some(ms) => {
+        match &self.source {
+            Source::Manual(ms) => {
                 ms.fetch_add(duration_ms(by), Ordering::SeqCst);
                 true
             }
-            None => false,
+            _ => false,
         }
     }
 }
@@ -97,6 +152,26 @@ mod tests {
         let clock = Clock::system();
         assert!(!clock.advance(Duration::from_secs(1)));
         assert!(clock.now_ms() > 1_700_000_000_000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_clock_following_paused_time_moves_with_the_runtime_and_jumps_when_told() {
+        let clock = Clock::following_tokio(10_000);
+        let ahead = clock.with_skew(500);
+        assert_eq!((clock.now_ms(), ahead.now_ms()), (10_000, 10_500));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!((clock.now_ms(), ahead.now_ms()), (13_000, 13_500));
+        ahead.jump(-2_000);
+        assert_eq!(ahead.now_ms(), 11_500, "a jump back");
+        assert_eq!(
+            clock.now_ms(),
+            13_000,
+            "a skew of its own: the source is untouched"
+        );
+        assert!(
+            !clock.advance(Duration::from_secs(1)),
+            "only manual clocks advance"
+        );
     }
 
     #[test]

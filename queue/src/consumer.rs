@@ -2,7 +2,8 @@
 //! contract (`Delivery`, `Outcome`, `Handler`), a consumer's counters, and adaptive polling.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::message::Message;
@@ -18,6 +19,29 @@ pub struct Delivery {
     pub group: String,
     /// The queue (messages container) it came from.
     pub queue: String,
+    /// Until when the delivery is this handler's alone (Service Bus' `LockedUntil`), kept up
+    /// to date while the host renews the lock.
+    pub locked_until: LockedUntil,
+}
+
+/// Until when a delivery is its handler's alone: epoch ms by the delivering host's clock, moved
+/// on by every renewal — of the message's own lock, or of the range's lease where that is the
+/// lock. After it, another consumer may be given the message. Clones share the value.
+#[derive(Clone, Debug, Default)]
+pub struct LockedUntil(Arc<AtomicI64>);
+
+impl LockedUntil {
+    /// Now, in epoch ms; `None` before the host set one.
+    pub fn get(&self) -> Option<i64> {
+        match self.0.load(Ordering::SeqCst) {
+            0 => None,
+            ms => Some(ms),
+        }
+    }
+
+    pub(crate) fn set(&self, epoch_ms: i64) {
+        self.0.store(epoch_ms, Ordering::SeqCst);
+    }
 }
 
 /// What the handler decided.

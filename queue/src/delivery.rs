@@ -8,12 +8,14 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
+use tokio::sync::{oneshot, watch, Semaphore};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 
 use crate::backoff::RetryPolicy;
-use crate::consumer::{ConsumerStats, Delivery, Handler, Outcome};
+use crate::buggify::{self, Bug};
+use crate::consumer::{ConsumerStats, Delivery, Handler, LockedUntil, Outcome};
 use crate::error::QueueError;
 use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome};
 use crate::message::{Message, MessageKey};
@@ -106,18 +108,71 @@ pub(crate) enum Path {
     Recovered,
 }
 
-/// What the range tells a lease-fenced delivery of the lease write path (nothing is written
-/// for it unless it runs long or the range moves).
-pub(crate) struct Fence {
-    /// Give a delivery still under way after this long a lock of its own.
-    pub(crate) promote_after: Duration,
-    /// The range drains or is handed over: every delivery under way gets a lock of its own.
-    pub(crate) promote_now: CancellationToken,
-    /// The lease is lost: a delivery without a lock of its own is dropped (its answer could
-    /// no longer be recorded, and the range's next owner delivers it again).
+/// Long work stops holding its range (exclusive groups): a delivery still under way after
+/// `after`, or at once when `now` fires (the range drains or is handed over), lets its page
+/// pass it — one whose only lock is the range's lease first gets a lock of its own.
+pub(crate) struct Promotion {
+    pub(crate) after: Duration,
+    pub(crate) now: CancellationToken,
+    /// Told once the delivery holds the range no more.
+    pub(crate) promoted: Option<oneshot::Sender<()>>,
+}
+
+/// The range's lease as the lock of a first delivery (the lease write path): nothing is
+/// written for it unless it runs long or the range moves.
+pub(crate) struct LeaseLock {
+    /// The lease is lost: the call is cut (its answer could no longer be recorded, and the
+    /// range's next owner delivers it again).
     pub(crate) lost: CancellationToken,
-    /// Told once the delivery has a lock of its own (the range may pass it).
-    pub(crate) promoted: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Until when the lease is surely this host's (its last write plus the expiry others judge
+    /// it by, minus a margin; monotonic): the call is cut past it.
+    pub(crate) held: watch::Receiver<Instant>,
+}
+
+/// What a delivery keeps an eye on while the app works.
+pub(crate) struct Watch {
+    pub(crate) promotion: Option<Promotion>,
+    /// `Some` while the claim has no state document and the lease is its lock.
+    pub(crate) lease: Option<LeaseLock>,
+    pub(crate) locked_until: LockedUntil,
+    /// Set while the app may have the current attempt (its call went out and was not
+    /// refused): a delivery tried again after nothing could be recorded counts it.
+    pub(crate) reached: Arc<std::sync::atomic::AtomicBool>,
+    started: Instant,
+}
+
+impl Watch {
+    pub(crate) fn new(
+        promotion: Option<Promotion>,
+        lease: Option<LeaseLock>,
+        locked_until: LockedUntil,
+    ) -> Self {
+        Self {
+            promotion,
+            lease,
+            locked_until,
+            reached: Arc::default(),
+            started: Instant::now(),
+        }
+    }
+
+    /// Resolves when the delivery is due to stop holding its range; never when it does not.
+    async fn promotion_due(promotion: &Option<Promotion>, started: Instant) {
+        match promotion {
+            Some(p) => tokio::select! {
+                _ = tokio::time::sleep_until(started + p.after) => {}
+                _ = p.now.cancelled() => {}
+            },
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Tells the range the delivery holds it no more.
+    fn promoted(&mut self) {
+        if let Some(tx) = self.promotion.take().and_then(|p| p.promoted) {
+            let _ = tx.send(());
+        }
+    }
 }
 
 /// A delivery permit that its task gives back while it only waits (for a schedule, a back-off
@@ -148,7 +203,7 @@ impl Permit {
     }
 
     /// Runs `wait` without the permit, then takes one again.
-    async fn released_while<T>(&mut self, wait: impl Future<Output = T>) -> T {
+    pub(crate) async fn released_while<T>(&mut self, wait: impl Future<Output = T>) -> T {
         self.held = None;
         let out = wait.await;
         self.held = Some(
@@ -160,6 +215,9 @@ impl Permit {
         out
     }
 }
+
+/// How soon the sweep looks again at a message parked behind its key's predecessors.
+const PARKED_LOOK_AGAIN: Duration = Duration::from_secs(1);
 
 /// Longest pause between looks at a message another holder has (ordered groups): its holder
 /// usually settles long before the lock would expire.
@@ -190,7 +248,7 @@ impl<H: Handler> Deliverer<H> {
         give_up: &CancellationToken,
         permit: &mut Permit,
         mut path: Path,
-        fence: Option<Fence>,
+        mut watch: Watch,
     ) -> Fate {
         let mut failures = 0;
         let mut held_polls = 0;
@@ -217,9 +275,11 @@ impl<H: Handler> Deliverer<H> {
             };
             match claimed {
                 Ok(ClaimOutcome::Claimed(claim)) => {
-                    let fence = fence.filter(|_| !claim.is_recorded());
+                    if claim.is_recorded() {
+                        watch.lease = None;
+                    }
                     return self
-                        .deliver(message, claim, give_up, permit, fence, &token)
+                        .deliver(message, claim, give_up, permit, watch, &token)
                         .await;
                 }
                 Ok(ClaimOutcome::DeadLettered) => {
@@ -273,22 +333,34 @@ impl<H: Handler> Deliverer<H> {
         }
     }
 
-    /// Returns once the group's state of a message says it is settled (or gone): what the
-    /// next message of an ordered key waits for when this one's fate was left to its state
-    /// document. Looks again with back-off, holding no permit.
-    pub(crate) async fn settled(&self, key: &MessageKey, message_id: &str) {
+    /// Returns once the group's state of each message `ids` of `key` says it is settled (or
+    /// gone): what the next message of an ordered key waits for when its predecessors' fate
+    /// was left to their state documents. Looks again with back-off, holding no permit.
+    pub(crate) async fn all_settled(&self, key: &MessageKey, ids: &[String]) {
         let mut looks = 0;
         loop {
-            match self.group.read_doc(key, message_id).await {
-                Ok(None) => return,
-                Ok(Some(doc)) if doc.state.is_settled() => return,
-                Err(QueueError::UnknownState { .. }) => return,
-                Ok(Some(_)) | Err(_) => {}
+            if let Ok(true) = self.predecessors_settled(key, ids).await {
+                return;
             }
             looks += 1;
-            let wait = look_again_after(looks);
-            tokio::time::sleep(wait).await;
+            tokio::time::sleep(look_again_after(looks)).await;
         }
+    }
+
+    /// Whether every message `ids` of `key` is settled (or gone).
+    pub(crate) async fn predecessors_settled(
+        &self,
+        key: &MessageKey,
+        ids: &[String],
+    ) -> crate::error::Result<bool> {
+        for id in ids {
+            match self.group.read_doc(key, id).await {
+                Ok(Some(doc)) if !doc.state.is_settled() => return Ok(false),
+                Ok(_) | Err(QueueError::UnknownState { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
     }
 
     /// The claim of `message` can never be written (Cosmos refused it as a request): it goes
@@ -379,6 +451,20 @@ impl<H: Handler> Deliverer<H> {
 
     pub(crate) async fn process_due(&self, doc: StateDoc, permit: &mut Permit) {
         let (pk, id) = (doc.message_pk.clone(), doc.id.clone());
+        // Parked behind earlier messages of its key (ordered groups): not before they settle.
+        if !doc.waits_for.is_empty() {
+            match self.predecessors_settled(&pk, &doc.waits_for).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    debug!(group = self.group.name(), message_id = %id, waits_for = ?doc.waits_for, "parked: its key's earlier messages are not settled yet");
+                    if let Err(e) = self.group.postpone(doc, PARKED_LOOK_AGAIN).await {
+                        self.failed("postpone", &id, e);
+                    }
+                    return;
+                }
+                Err(e) => return self.failed("read predecessors", &id, e),
+            }
+        }
         // Take over first, then read the message: of the hosts that found the same document,
         // only the one that won reads its body (the others lose on the ETag at a fraction of
         // the cost). A take-over whose answer was lost may have taken effect: tried again with
@@ -410,7 +496,10 @@ impl<H: Handler> Deliverer<H> {
                     ConsumerStats::bump(&self.stats.dead_lettered);
                     return;
                 }
-                Ok(_) => return,
+                Ok(other) => {
+                    debug!(group = self.group.name(), message_id = %id, outcome = ?other, "due, not claimed");
+                    return;
+                }
                 Err(e) => {
                     let never = CancellationToken::new();
                     if !self
@@ -441,12 +530,13 @@ impl<H: Handler> Deliverer<H> {
                     .as_ref()
                     .and_then(|s| s.lock_token.clone())
                     .unwrap_or_default();
+                let watch = Watch::new(None, None, LockedUntil::default());
                 self.deliver(
                     message,
                     claim,
                     &CancellationToken::new(),
                     permit,
-                    None,
+                    watch,
                     &token,
                 )
                 .await;
@@ -475,30 +565,54 @@ impl<H: Handler> Deliverer<H> {
         mut claim: Claim,
         give_up: &CancellationToken,
         permit: &mut Permit,
-        mut fence: Option<Fence>,
+        mut watch: Watch,
         token: &str,
     ) -> Fate {
         let id = message.id.clone();
+        if let Some(until) = claim.locked_until.filter(|_| claim.is_recorded()) {
+            watch.locked_until.set(until);
+        }
         let mut undelivered_since: Option<tokio::time::Instant> = None;
+        // Exclusive groups: a delivery the app never saw (it refused the connection) is not
+        // counted while it waits to be tried again, so that a holder that dies meanwhile leaves
+        // the count at what the app saw; it is counted again as the next try starts.
+        let exclusive = self.group.config().mode == crate::config::DeliveryMode::Exclusive;
+        let mut uncounted = false;
         let outcome = loop {
+            if uncounted {
+                if let Some(fate) = self.next_attempt(&mut claim, give_up).await {
+                    return fate;
+                }
+                uncounted = false;
+            }
             ConsumerStats::bump(&self.stats.delivered);
             let delivery = Delivery {
                 message: message.clone(),
                 delivery_count: claim.attempt,
                 group: self.group.name().into(),
                 queue: self.group.queue().name().into(),
+                locked_until: watch.locked_until.clone(),
             };
-            let Some(outcome) = self
+            watch
+                .reached
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            let outcome = match self
                 .holding(
                     &mut claim,
-                    &mut fence,
+                    &mut watch,
                     token,
                     guarded(self.handler.handle(delivery)),
                 )
                 .await
-            else {
-                return Fate::Pending; // another holder has it now
+            {
+                Ok(outcome) => outcome,
+                Err(fate) => return fate,
             };
+            if matches!(outcome, Outcome::Undelivered { .. }) {
+                watch
+                    .reached
+                    .store(false, std::sync::atomic::Ordering::SeqCst);
+            }
             // Ordered groups retry in place, keeping the key, until the attempts run out.
             match outcome {
                 // The range stops and the app never saw it: give it back as it was, no
@@ -508,6 +622,9 @@ impl<H: Handler> Deliverer<H> {
                     debug!(group = self.group.name(), message_id = %id, %error, "not delivered before the range stopped; given back");
                     if !claim.is_recorded() {
                         return Fate::Unstarted;
+                    }
+                    if uncounted {
+                        claim.attempt += 1; // what the release takes back was taken back already
                     }
                     if let Err(e) = self.group.release(&claim).await {
                         self.failed("release", &id, e);
@@ -521,20 +638,31 @@ impl<H: Handler> Deliverer<H> {
                         < self.group.config().lock_duration =>
                 {
                     debug!(group = self.group.name(), message_id = %id, %error, "not delivered (the app is not listening); trying again");
+                    if exclusive && !uncounted {
+                        if let Err(fate) = self.uncount(&mut claim, &mut watch, token).await {
+                            return fate;
+                        }
+                        uncounted = true;
+                    }
                     let backoff = delay.unwrap_or_else(|| RECORD_RETRY.backoff_random(3));
-                    if self
-                        .holding(&mut claim, &mut fence, token, tokio::time::sleep(backoff))
+                    if let Err(fate) = self
+                        .holding(&mut claim, &mut watch, token, tokio::time::sleep(backoff))
                         .await
-                        .is_none()
                     {
-                        return Fate::Pending;
+                        return fate;
                     }
                 }
                 Outcome::Undelivered { error, delay } => {
+                    // Refused for a whole lock duration: that counts as a failed attempt.
+                    if uncounted {
+                        if let Some(fate) = self.next_attempt(&mut claim, give_up).await {
+                            return fate;
+                        }
+                    }
                     break Outcome::Retry {
                         error: format!("{error} for a whole lock duration"),
                         delay,
-                    }
+                    };
                 }
                 Outcome::Retry { error, delay }
                     if self.group.config().ordered
@@ -547,12 +675,13 @@ impl<H: Handler> Deliverer<H> {
                     }
                     ConsumerStats::bump(&self.stats.retried);
                     let wait = permit.released_while(tokio::time::sleep(backoff));
-                    if self
-                        .holding(&mut claim, &mut fence, token, wait)
-                        .await
-                        .is_none()
-                    {
-                        return Fate::Pending;
+                    if let Err(fate) = self.holding(&mut claim, &mut watch, token, wait).await {
+                        return fate;
+                    }
+                    // The next attempt is counted as it starts, not before the back-off: a
+                    // holder that dies meanwhile leaves the count at what the app saw.
+                    if let Some(fate) = self.next_attempt(&mut claim, give_up).await {
+                        return fate;
                     }
                 }
                 other => break other,
@@ -661,35 +790,132 @@ impl<H: Handler> Deliverer<H> {
         }
     }
 
-    /// Runs `work` while renewing the claim's lock, so the message stays ours however long
-    /// the app takes. Renewals are timed from the lock's expiry (a third of the lock before
-    /// it), and a failed one is tried again soon (429s, timeouts) rather than a whole interval
-    /// later. `None` when the lock is lost to another holder: `work` (the app's call) is then
-    /// dropped, since its answer could no longer be recorded.
+    /// Takes back the attempt of a delivery the app refused (see `deliver`): the message keeps
+    /// its lock (one of its own, if the range's lease was its lock) with the count of what the
+    /// app saw. `Err(fate)` when the delivery must stop.
+    async fn uncount(&self, claim: &mut Claim, watch: &mut Watch, token: &str) -> Result<(), Fate> {
+        let lost = match &watch.lease {
+            Some(lease) => lease.lost.clone(),
+            None => CancellationToken::new(),
+        };
+        let was_recorded = claim.is_recorded();
+        let mut failures = 0;
+        loop {
+            match self.group.uncount(claim, &self.owner, token).await {
+                Ok(true) => {
+                    if !was_recorded {
+                        watch.lease = None;
+                        watch.promoted();
+                    }
+                    if let Some(until) = claim.locked_until {
+                        watch.locked_until.set(until);
+                    }
+                    return Ok(());
+                }
+                Ok(false) => return Err(Fate::Pending),
+                Err(e @ QueueError::LockLost { .. }) => {
+                    self.failed("take the attempt back", &claim.message_id, e);
+                    return Err(Fate::Pending);
+                }
+                Err(e) => {
+                    let deadline = claim.locked_until.filter(|_| claim.is_recorded());
+                    if !self
+                        .keep_trying(
+                            "take the attempt back",
+                            &claim.message_id,
+                            e,
+                            &mut failures,
+                            deadline,
+                            &lost,
+                        )
+                        .await
+                    {
+                        return Err(match claim.is_recorded() {
+                            true => Fate::Pending,
+                            false => Fate::Unrecorded,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Counts the next in-place attempt of an ordered group's message before it starts.
+    /// `Some(fate)` when the message is no longer this task's to deliver.
+    async fn next_attempt(&self, claim: &mut Claim, give_up: &CancellationToken) -> Option<Fate> {
+        let mut failures = 0;
+        loop {
+            let deadline = claim.locked_until;
+            match self.group.next_attempt(claim).await {
+                Ok(()) => return None,
+                Err(e @ QueueError::LockLost { .. }) => {
+                    self.failed("count the attempt", &claim.message_id, e);
+                    return Some(Fate::Pending);
+                }
+                Err(e) => {
+                    if !self
+                        .keep_trying(
+                            "count the attempt",
+                            &claim.message_id,
+                            e,
+                            &mut failures,
+                            deadline,
+                            give_up,
+                        )
+                        .await
+                    {
+                        return Some(Fate::Pending);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs `work` while keeping the message this holder's: under the range's lease (cut when
+    /// the lease is lost or not renewed in time; given a lock of its own when the work runs
+    /// long), then under its own lock, renewed a third of the lock before its expiry (timed
+    /// from the expiry, not from the last attempt; a failed renewal is tried again soon). Long
+    /// work stops holding its range (see [`Promotion`]). `Err(fate)` when the delivery must
+    /// stop: `work` (the app's call) is then dropped, since its answer could no longer be
+    /// recorded.
     async fn holding<T>(
         &self,
         claim: &mut Claim,
-        fence: &mut Option<Fence>,
+        watch: &mut Watch,
         token: &str,
         work: impl Future<Output = T>,
-    ) -> Option<T> {
+    ) -> Result<T, Fate> {
         tokio::pin!(work);
-        if let Some(f) = fence.as_ref() {
-            let (after, now, lost) = (f.promote_after, f.promote_now.clone(), f.lost.clone());
+        while !claim.is_recorded() {
+            let Some(lease) = watch.lease.as_mut() else {
+                break;
+            };
+            let deadline = *lease.held.borrow_and_update();
+            watch.locked_until.set(self.wall_ms(deadline));
+            let lost = lease.lost.clone();
+            let enforce = !buggify::on(Bug::StartUnderExpiredLease);
             tokio::select! {
                 biased;
                 _ = lost.cancelled() => {
-                    debug!(group = self.group.name(), message_id = %claim.message_id, "lease lost mid-delivery; dropped (the range's next owner delivers it again)");
-                    return None;
+                    debug!(group = self.group.name(), message_id = %claim.message_id, "lease lost mid-delivery; the call is cut (the range's next owner delivers it again)");
+                    return Err(Fate::Unrecorded);
                 }
-                out = &mut work => return Some(out),
-                _ = now.cancelled() => {}
-                _ = tokio::time::sleep(after) => {}
+                out = &mut work => return Ok(out),
+                changed = lease.held.changed() => {
+                    if changed.is_err() {
+                        watch.lease = None; // the range is gone; `lost` says the rest
+                    }
+                    continue;
+                }
+                _ = tokio::time::sleep_until(deadline), if enforce => {
+                    warn!(group = self.group.name(), message_id = %claim.message_id, "the range's lease was not renewed in time: its lock of this delivery ran out, and the call is cut");
+                    return Err(Fate::Unrecorded);
+                }
+                _ = Watch::promotion_due(&watch.promotion, watch.started) => {}
             }
-            if !self.promote(claim, fence, token, &lost).await {
-                return None;
-            }
+            self.promote(claim, watch, token).await?;
         }
+        watch.lease = None;
         let third = crate::clock::duration_ms(self.group.config().lock_duration / 3);
         let mut failures = 0;
         loop {
@@ -701,13 +927,21 @@ impl<H: Handler> Deliverer<H> {
                 None => Duration::ZERO,
             };
             tokio::select! {
-                out = &mut work => return Some(out),
+                out = &mut work => return Ok(out),
+                _ = Watch::promotion_due(&watch.promotion, watch.started), if claim.is_recorded() && !buggify::on(Bug::RecordedClaimHoldsRange) => {
+                    watch.promoted();
+                }
                 _ = tokio::time::sleep(wait), if claim.locked_until.is_some() => {
                     match self.group.renew(claim).await {
-                        Ok(()) => failures = 0,
+                        Ok(()) => {
+                            failures = 0;
+                            if let Some(until) = claim.locked_until {
+                                watch.locked_until.set(until);
+                            }
+                        }
                         Err(e @ QueueError::LockLost { .. }) => {
                             self.failed("renew", &claim.message_id.clone(), e);
-                            return None;
+                            return Err(Fate::Pending);
                         }
                         Err(e) => {
                             failures += 1;
@@ -722,36 +956,70 @@ impl<H: Handler> Deliverer<H> {
         }
     }
 
-    /// Gives a lease-fenced delivery a lock of its own (see [`Fence`]), retrying through
-    /// transient errors while the lease holds. `false` when the delivery must stop: a state
-    /// document owns the message, or the lease was lost first.
-    async fn promote(
-        &self,
-        claim: &mut Claim,
-        fence: &mut Option<Fence>,
-        token: &str,
-        lost: &CancellationToken,
-    ) -> bool {
+    /// `deadline` (monotonic) as epoch ms by the queue's clock.
+    fn wall_ms(&self, deadline: Instant) -> i64 {
+        let now = Instant::now();
+        let clock = self.group.queue().clock().now_ms();
+        match deadline.checked_duration_since(now) {
+            Some(ahead) => clock + crate::clock::duration_ms(ahead),
+            None => clock - crate::clock::duration_ms(now - deadline),
+        }
+    }
+
+    /// Gives a delivery whose lock is the range's lease a lock of its own (a `locked` state
+    /// document with the same attempt count), retrying through transient errors while the
+    /// lease holds. `Err(fate)` when the delivery must stop: a state document owns the message
+    /// already (`Pending`), the lease was lost first (`Unrecorded`), or Cosmos DB refused the
+    /// document for good — then the message goes to the dead letters with the cause, as a
+    /// refused claim does, since nothing else would ever bring it back.
+    async fn promote(&self, claim: &mut Claim, watch: &mut Watch, token: &str) -> Result<(), Fate> {
+        let lost = match &watch.lease {
+            Some(lease) => lease.lost.clone(),
+            None => CancellationToken::new(),
+        };
         let mut failures = 0;
         loop {
             match self.group.promote(claim, &self.owner, token).await {
                 Ok(true) => {
                     debug!(group = self.group.name(), message_id = %claim.message_id, "the delivery has a lock of its own now");
-                    if let Some(tx) = fence.take().and_then(|f| f.promoted) {
-                        let _ = tx.send(());
+                    watch.lease = None;
+                    if let Some(until) = claim.locked_until {
+                        watch.locked_until.set(until);
                     }
-                    return true;
+                    watch.promoted();
+                    return Ok(());
                 }
                 Ok(false) => {
                     warn!(group = self.group.name(), message_id = %claim.message_id, "a state document owns the message; this delivery stops");
-                    return false;
+                    return Err(Fate::Pending);
+                }
+                Err(e) if e.is_permanent() => {
+                    if buggify::on(Bug::PromoteRefusalForgotten) {
+                        return Err(Fate::Pending);
+                    }
+                    ConsumerStats::bump(&self.stats.errors);
+                    let error = format!("its lock could not be recorded: {e}");
+                    return match self
+                        .group
+                        .dead_letter_unrecorded(claim, REASON_PERMANENT_ERROR, &error)
+                        .await
+                    {
+                        Ok(()) => {
+                            ConsumerStats::bump(&self.stats.dead_lettered);
+                            Err(Fate::Settled)
+                        }
+                        Err(dead) => {
+                            error!(group = self.group.name(), message_id = %claim.message_id, cause = %e, error = %dead, "the message can be neither locked nor dead-lettered; it stays ahead of the checkpoint");
+                            Err(Fate::Unrecorded)
+                        }
+                    };
                 }
                 Err(e) => {
                     if !self
-                        .keep_trying("promote", &claim.message_id, e, &mut failures, None, lost)
+                        .keep_trying("promote", &claim.message_id, e, &mut failures, None, &lost)
                         .await
                     {
-                        return false;
+                        return Err(Fate::Unrecorded);
                     }
                 }
             }

@@ -11,10 +11,11 @@
 //!   where scale-from-zero and scale-in are decided) is refined by counting the unread items.
 //! - **Backlog** (not yet settled) = lag + messages the group has read and must still deliver
 //!   soon: state documents whose retry or scheduled time falls within [`DUE_HORIZON`], and
-//!   redeliveries in progress (locked with more than one attempt). First deliveries in
-//!   progress sit after the checkpoint and are already in the lag. Work due later is no
-//!   backlog: a schedule a week out must not hold a group at its maximum or block scale to
-//!   zero. At most [`MAX_PENDING`] state documents are counted per estimate.
+//!   every locked message (redeliveries, long work under a lock of its own past the
+//!   checkpoint, locks whose holder died). What the lease's window settled past the checkpoint
+//!   is taken off the lag. Work due later is no backlog: a schedule a week out must not hold a
+//!   group at its maximum or block scale to zero. At most [`MAX_PENDING`] state documents are
+//!   counted per estimate.
 //! - **Oldest unsettled**: the earliest enqueue time among those, and the first unread message.
 
 use std::collections::BTreeMap;
@@ -148,6 +149,16 @@ pub fn extrapolated_lag(
     items + (rest * items).div_ceil(span)
 }
 
+/// What a lease's window accounts for past its checkpoint, which the feed's lag counts: the
+/// messages settled there, and those a state document holds (counted with the state documents
+/// when due). Nothing for lists a split copied from the parent: they may name the other half.
+fn accounted(window: &crate::lease::Window) -> u64 {
+    if window.split {
+        return 0;
+    }
+    (window.done.len() + window.pending.len()) as u64
+}
+
 /// What the change feed says about one lease: unread count and the first unread message.
 #[derive(Debug, Default)]
 struct FeedLag {
@@ -193,12 +204,23 @@ impl Group {
         leases: Vec<Lease>,
         pending: Vec<Vec<Pending>>,
     ) -> Result<GroupEstimate> {
+        // The SDK routes each page by its cached topology: after a split or a merge it would
+        // serve a first page from a partition that no longer holds the range (empty, which is
+        // no end of the feed). Reading the ranges afresh is a metadata read, no request units.
+        self.queue()
+            .messages()
+            .read_feed_ranges(Some(
+                azure_data_cosmos::options::ReadFeedRangesOptions::default()
+                    .with_force_refresh(true),
+            ))
+            .await
+            .map_err(QueueError::cosmos("read feed ranges"))?;
         let mut ranges = Vec::with_capacity(leases.len());
         for (i, lease) in leases.iter().enumerate() {
             let mut feed = self.feed_lag(lease).await?;
-            // Completions past the checkpoint are recorded in the lease's window: not lag.
-            let done = lease.window.done.len() as u64;
-            feed.lag = feed.lag.map(|lag| lag.saturating_sub(done));
+            feed.lag = feed
+                .lag
+                .map(|lag| lag.saturating_sub(accounted(&lease.window)));
             let waiting = &pending[i];
             let oldest = waiting
                 .iter()
@@ -244,10 +266,15 @@ impl Group {
     /// Messages read and not yet settled that the lag does not count, bucketed by lease.
     async fn pending_by_range(&self, leases: &[Lease]) -> Result<Vec<Vec<Pending>>> {
         let horizon = self.queue().clock().now_ms() + crate::clock::duration_ms(DUE_HORIZON);
+        // Every locked message counts: redeliveries, locks whose holder died (due: at zero
+        // replicas they must wake the group), and work running long under a lock of its own,
+        // which its range's checkpoint has passed (so the lag no longer counts it). A first
+        // delivery's claim younger than `promoteAfter` on the `claims` path is counted twice,
+        // in the lag too: over by what is in flight, never under.
         let query = sql::query(
             "SELECT TOP @limit c.messagePk, c.enqueuedAt FROM c WHERE c.type = @type \
              AND c.group = @group AND (((c.state = 'retry' OR c.state = 'scheduled') \
-             AND c.due <= @horizon) OR (c.state = 'locked' AND c.attempts > 1))",
+             AND c.due <= @horizon) OR c.state = 'locked')",
             &[
                 ("@limit", json!(MAX_PENDING)),
                 ("@type", json!(STATE_DOC_TYPE)),
@@ -295,16 +322,12 @@ impl Group {
             "estimate lag",
         )
         .await?;
-        let Some(page) = pages.next().await else {
+        let Some(page) = self.next_items(&mut pages).await? else {
             return Ok(FeedLag {
                 lag: Some(0),
                 ..FeedLag::default()
             });
         };
-        let page = page.map_err(QueueError::cosmos("estimate lag"))?;
-        self.queue()
-            .charges()
-            .record_diagnostics("estimate", &page.diagnostics());
         let partition_lsn = page.headers().lsn();
         let Some(first) = page.items().first().and_then(|i| i.current().cloned()) else {
             return Ok(FeedLag {
@@ -349,13 +372,9 @@ impl Group {
         .await?;
         let (mut items, mut last) = (0u64, None);
         for _ in 0..EXACT_COUNT_PAGES {
-            let Some(page) = pages.next().await else {
+            let Some(page) = self.next_items(&mut pages).await? else {
                 return Ok(items);
             };
-            let page = page.map_err(QueueError::cosmos("estimate lag"))?;
-            self.queue()
-                .charges()
-                .record_diagnostics("estimate", &page.diagnostics());
             if page.items().is_empty() {
                 return Ok(items);
             }
@@ -370,6 +389,33 @@ impl Group {
             None => None,
         };
         Ok(extrapolated_lag(items, first_lsn, last_lsn, session_lsn))
+    }
+
+    /// The next page of `pages` that has items, or the last empty one once every physical
+    /// partition the scope spans answered empty. One page comes from one partition: a lease
+    /// whose range spans several (it split, and the lease did not yet), or a topology the SDK
+    /// has not refreshed since a split or merge, answers empty for one while another has
+    /// items, which is no end of the feed. `None` when the feed ended.
+    async fn next_items(&self, pages: &mut feed::Pages) -> Result<Option<feed::PageOf>> {
+        let mut looked = 0;
+        loop {
+            let Some(page) = pages.next().await else {
+                return Ok(None);
+            };
+            let page = page.map_err(QueueError::cosmos("estimate lag"))?;
+            self.queue()
+                .charges()
+                .record_diagnostics("estimate", &page.diagnostics());
+            looked += 1;
+            let spans = pages
+                .to_continuation_token()
+                .ok()
+                .and_then(|t| crate::range::continuation_ranges(t.as_str()))
+                .map_or(1, |ranges| ranges.len());
+            if !page.items().is_empty() || looked >= spans {
+                return Ok(Some(page));
+            }
+        }
     }
 
     /// The LSN of a message from a point read (for feeds whose items carry no `_lsn`).

@@ -5,36 +5,48 @@
 //! Several hosts of one group balance the leases between them (`balance::plan`); a host that
 //! cannot renew a lease stops reading that range (fencing); a graceful stop drains, checkpoints
 //! and releases its leases at once so others take them without waiting for expiry.
+//!
+//! Each process is its own lease holder (`<owner>#<incarnation>`): a sidecar restarted in its
+//! pod does not take back at once what its previous life may still have in the app. Whether a
+//! lease is expired is judged on this host's monotonic clock, from how long it has seen the
+//! lease unchanged, never from another host's wall clock.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use azure_data_cosmos::FeedScope;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 use tracing::{debug, info, instrument, warn};
 
 use crate::balance::{self, LeaseView};
-use crate::checkpoint::{Checkpoint, PageEnd, Settle};
+use crate::buggify::{self, Bug};
+use crate::checkpoint::{Checkpoint, Completion, PageEnd, Settle};
 use crate::clock::duration_ms;
 use crate::config::DeliveryMode;
-use crate::consumer::{AdaptivePoll, ConsumerStats, Handler};
+use crate::consumer::{AdaptivePoll, ConsumerStats, Handler, LockedUntil};
 use crate::cosmos::feed::FeedReader;
-use crate::delivery::{Deliverer, Fate, Fence, Path, Permit};
+use crate::delivery::{Deliverer, Fate, LeaseLock, Path, Permit, Promotion, Watch};
 use crate::error::{QueueError, Result};
 use crate::group::Group;
 use crate::lease::{Lease, LeaseError, LeaseStore, Marker};
-use crate::message::Message;
+use crate::message::{Message, MessageKey};
+use crate::recovery::{Handling, Inherited};
 
 /// How a [`Host`] runs: its identity, concurrency, polling and lease timings.
 #[derive(Clone, Debug)]
 pub struct HostOptions {
-    /// This host's identity: the owner its leases and locks name (the pod name).
+    /// This host's name: the pod's. With [`Self::incarnation`] it names the holder of its
+    /// leases and locks.
     pub owner: String,
+    /// This process among the lives of `owner` (a container restarted in its pod is a new
+    /// one): random by default.
+    pub incarnation: String,
     /// Deliveries in flight on this host at most.
     pub max_concurrency: usize,
     /// Messages read but not yet settled per range at most; reading a range pauses at this
@@ -52,16 +64,16 @@ pub struct HostOptions {
     pub lease_renew: Duration,
     /// How often free and expired leases are looked for.
     pub lease_acquire: Duration,
-    /// How long an unrenewed lease stays its owner's.
+    /// How long a lease another host holds must stay unchanged before this one takes it.
     pub lease_expire: Duration,
     /// Write a moved checkpoint at most this often.
     pub checkpoint_interval: Duration,
     /// Leases per physical partition when the group's leases are first created (finer
     /// leases: more hosts than physical partitions can share the work).
     pub leases_per_partition: u32,
-    /// Exclusive groups on the lease write path: a delivery still under way after this long
-    /// gets a lock of its own (a state document), so that it neither holds the range's
-    /// checkpoint nor depends on the range's lease.
+    /// Exclusive groups: a delivery still under way after this long stops holding its range
+    /// (its page may pass it); on the lease write path it first gets a lock of its own (a
+    /// state document), so that it does not depend on the range's lease either.
     pub promote_after: Duration,
 }
 
@@ -70,6 +82,7 @@ impl HostOptions {
     pub fn new(owner: impl Into<String>) -> Self {
         Self {
             owner: owner.into(),
+            incarnation: crate::state::new_lock_token()[..8].to_owned(),
             max_concurrency: 64,
             max_in_flight_per_range: 256,
             page_size: 100,
@@ -83,6 +96,11 @@ impl HostOptions {
             leases_per_partition: 1,
             promote_after: Duration::from_secs(5),
         }
+    }
+
+    /// What this process writes as the owner of its leases and locks: `<owner>#<incarnation>`.
+    pub fn holder(&self) -> String {
+        format!("{}#{}", self.owner, self.incarnation)
     }
 
     /// Refuses timings under which leases could not be kept (renewal slower than expiry, …).
@@ -102,6 +120,11 @@ impl HostOptions {
                 "maxConcurrency, maxInFlightPerRange and pageSize must be at least 1".into(),
             ));
         }
+        if self.owner.contains('#') || self.incarnation.contains('#') {
+            return Err(QueueError::Config(
+                "a host's owner and incarnation cannot hold '#'".into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -116,6 +139,22 @@ const RELEASE_TRIES: u32 = 32;
 
 /// Keys remembered for FIFO ordering before settled ones are forgotten.
 const MAX_IDLE_CHAINS: usize = 4096;
+
+/// Back-off before a range delivers again a message nothing could be recorded for.
+const UNRECORDED_AGAIN: crate::backoff::RetryPolicy = crate::backoff::RetryPolicy {
+    max_delivery_attempts: u32::MAX,
+    initial_backoff: Duration::from_secs(1),
+    max_backoff: Duration::from_secs(60),
+    multiplier: 2.0,
+    jitter: 0.2,
+};
+
+/// The pause before a lease write refused on an ETag is tried again on the lease as it now is
+/// (it is still this host's: asked for, or changed by an earlier write whose answer was lost).
+const LOST_AGAIN: Duration = Duration::from_millis(50);
+
+/// The shortest pause between looks at the leases while another host's short lock is watched.
+const MIN_WATCH: Duration = Duration::from_millis(100);
 
 /// How a range processor ended.
 #[derive(Debug)]
@@ -132,6 +171,36 @@ struct Running {
     task: AbortOnDropHandle<RangeExit>,
     /// The lease's EPK range: this host sweeps the state of the messages in it.
     range: (String, String),
+}
+
+/// When this host first saw each lease as it is now (its ETag). A lease held by another host
+/// is expired once this host has seen it unchanged for its expiry, on this host's monotonic
+/// clock: another host's wall clock says nothing here (one 45 s ahead would see every live
+/// lease as expired), as in Kubernetes' leader election.
+#[derive(Debug, Default)]
+struct Observed(BTreeMap<String, (Option<String>, Instant)>);
+
+impl Observed {
+    /// Notes the leases as read now; forgets those that are gone.
+    fn see(&mut self, leases: &[Lease], now: Instant) {
+        self.0.retain(|id, _| leases.iter().any(|l| &l.id == id));
+        for lease in leases {
+            match self.0.get(&lease.id) {
+                Some((etag, _)) if *etag == lease.etag => {}
+                _ => {
+                    self.0.insert(lease.id.clone(), (lease.etag.clone(), now));
+                }
+            }
+        }
+    }
+
+    /// How long this host has seen `lease` as it is.
+    fn unchanged_for(&self, lease: &Lease, now: Instant) -> Duration {
+        match self.0.get(&lease.id) {
+            Some((etag, since)) if *etag == lease.etag => now - *since,
+            _ => Duration::ZERO,
+        }
+    }
 }
 
 /// One consumer host of a group.
@@ -176,7 +245,7 @@ impl<H: Handler> Host<H> {
         Arc::new(Deliverer {
             group: self.group.clone(),
             handler: Arc::clone(&self.handler),
-            owner: self.options.owner.clone(),
+            owner: self.options.holder(),
             stats: Arc::clone(&self.stats),
         })
     }
@@ -191,23 +260,31 @@ impl<H: Handler> Host<H> {
         self.options.validate()?;
         let permits = Arc::new(Semaphore::new(self.options.max_concurrency));
         let deliverer = self.deliverer();
-        let mut owned: HashMap<String, Running> = HashMap::new();
+        let mut owned: BTreeMap<String, Running> = BTreeMap::new();
+        let mut observed = Observed::default();
         let mut sweeps = JoinSet::new();
         let tracker = TaskTracker::new();
-        let mut acquire = tokio::time::interval(self.options.lease_acquire);
+        let mut acquire_at = Instant::now();
         let mut sweep = tokio::time::interval(self.options.sweep_interval);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        acquire.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             while sweeps.try_join_next().is_some() {}
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                _ = acquire.tick() => {
-                    if let Err(e) = self.balance_round(&mut owned, &permits, &deliverer, &tracker).await {
-                        ConsumerStats::bump(&self.stats.errors);
-                        warn!(group = self.group.name(), host = %self.options.owner, error = %e, "lease round failed; trying again next interval");
-                    }
+                _ = tokio::time::sleep_until(acquire_at) => {
+                    let round = self
+                        .balance_round(&mut owned, &mut observed, &permits, &deliverer, &tracker)
+                        .await;
+                    let every = match round {
+                        Ok(watch) => watch.unwrap_or(self.options.lease_acquire),
+                        Err(e) => {
+                            ConsumerStats::bump(&self.stats.errors);
+                            warn!(group = self.group.name(), host = %self.options.holder(), error = %e, "lease round failed; trying again next interval");
+                            self.options.lease_acquire
+                        }
+                    };
+                    acquire_at = Instant::now() + every.min(self.options.lease_acquire);
                 }
                 _ = sweep.tick() => {
                     let ranges: Vec<_> = owned.values().map(|r| r.range.clone()).collect();
@@ -215,7 +292,7 @@ impl<H: Handler> Host<H> {
                 }
             }
         }
-        info!(group = self.group.name(), host = %self.options.owner, leases = owned.len(), "stopping: draining and releasing leases");
+        info!(group = self.group.name(), host = %self.options.holder(), leases = owned.len(), "stopping: draining and releasing leases");
         for running in owned.values() {
             running.stop.cancel();
         }
@@ -225,7 +302,7 @@ impl<H: Handler> Host<H> {
         while sweeps.join_next().await.is_some() {}
         tracker.close();
         if !tracker.is_empty() {
-            info!(group = self.group.name(), host = %self.options.owner, deliveries = tracker.len(), "waiting for deliveries of lost ranges to settle");
+            info!(group = self.group.name(), host = %self.options.holder(), deliveries = tracker.len(), "waiting for deliveries of lost ranges to settle");
         }
         tracker.wait().await;
         self.stats
@@ -234,14 +311,49 @@ impl<H: Handler> Host<H> {
         Ok(())
     }
 
+    /// How long `lease` must be seen unchanged before it is expired, as this host judges it.
+    fn expiry_of(&self, lease: &Lease) -> Duration {
+        let expire = duration_ms(self.options.lease_expire);
+        Duration::from_millis(lease.unchanged_expiry_ms(expire).max(0) as u64)
+    }
+
+    /// Whether another host may take `lease` now without its owner handing it over: it is
+    /// free, or this host has seen it unchanged for its expiry, or it is a previous life of
+    /// this very host whose window holds nothing that may still be in the app.
+    fn takeable(&self, lease: &Lease, observed: &Observed, now: Instant) -> bool {
+        let Some(owner) = &lease.owner else {
+            return true;
+        };
+        let holder = self.options.holder();
+        let mine = owner
+            .split_once('#')
+            .map_or(owner.as_str(), |(name, _)| name)
+            == self.options.owner;
+        if mine && *owner != holder {
+            if buggify::on(Bug::RestartRetakesLease) {
+                return true; // the defect: the pod name was the owner
+            }
+            // This process restarted: its previous life is gone (a container runs once at a
+            // time), so only what it had started, which the app may still hold, waits for the
+            // lock to run out.
+            if lease.window.started.is_empty() {
+                return true;
+            }
+        }
+        observed.unchanged_for(lease, now) >= self.expiry_of(lease)
+    }
+
     /// One acquire round: reap ended ranges, create/split leases, take what balance needs.
+    /// Returns how soon to look again when another host's lease is watched for a short lock
+    /// (its started deliveries come back within the lock duration, not the lease expiry).
     async fn balance_round(
         &self,
-        owned: &mut HashMap<String, Running>,
+        owned: &mut BTreeMap<String, Running>,
+        observed: &mut Observed,
         permits: &Arc<Semaphore>,
         deliverer: &Arc<Deliverer<H>>,
         tracker: &TaskTracker,
-    ) -> Result<()> {
+    ) -> Result<Option<Duration>> {
         let ended: Vec<String> = owned
             .iter()
             .filter(|(_, r)| r.task.is_finished())
@@ -267,31 +379,34 @@ impl<H: Handler> Host<H> {
             }
         }
         let now = self.now();
+        let seen_at = Instant::now();
         let expire = duration_ms(self.options.lease_expire);
+        // Splits are judged as takes are, by what this host observed before this round (a
+        // lease that changed since is not expired).
         let reconciled = self
             .store
-            .reconcile_with(now, expire, self.options.leases_per_partition)
+            .reconcile_judged(now, self.options.leases_per_partition, |l| {
+                !owned.contains_key(&l.id) && self.takeable(l, observed, seen_at)
+            })
             .await?;
+        observed.see(&reconciled.leases, seen_at);
         for id in &reconciled.split_pending {
             if let Some(running) = owned.get(id) {
                 info!(group = self.group.name(), lease = %id, "range split: handing the lease back so it can be split");
                 running.stop.cancel();
             }
         }
+        let me = self.options.holder();
         let views: Vec<LeaseView> = reconciled
             .leases
             .iter()
             .map(|l| LeaseView {
                 id: l.id.clone(),
                 owner: l.owner.clone(),
-                // A lease in our name that this process does not run is left over from a
-                // previous life of this host (a restarted pod): take it back at once.
-                expired: (l.is_expired(now, expire)
-                    || l.owner.as_deref() == Some(self.options.owner.as_str()))
-                    && !owned.contains_key(&l.id),
+                expired: !owned.contains_key(&l.id) && self.takeable(l, observed, seen_at),
             })
             .collect();
-        for take in balance::plan(&views, &self.options.owner) {
+        for take in balance::plan(&views, &me) {
             if owned.contains_key(&take.lease_id)
                 || reconciled.split_pending.contains(&take.lease_id)
             {
@@ -300,38 +415,39 @@ impl<H: Handler> Host<H> {
             let Some(lease) = reconciled.leases.iter().find(|l| l.id == take.lease_id) else {
                 continue;
             };
-            let me = self.options.owner.as_str();
-            if lease.reserved_for_other(me, now, expire) {
+            if lease.reserved_for_other(&me, now, expire) {
                 continue; // being handed over to the host that asked for it
             }
             // Where the lease fences first deliveries (stream groups, and exclusive ones on the
             // lease write path), a live owner is asked to hand the lease over rather than have
             // it stolen: a steal makes the new owner deliver again what the owner has under
-            // way. Only an owner that does not answer within the expiry has the lease taken.
+            // way. It is taken without a hand-over only once it expired.
             if let (Some(victim), true) = (&take.steal_from, self.hands_over()) {
-                if lease.handover_to.as_deref() != Some(me) {
-                    match self.store.request_handover(lease, me, now).await {
+                if lease.handover_to.as_deref() != Some(me.as_str()) {
+                    match self.store.request_handover(lease, &me, now).await {
                         Ok(_) => {
-                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %victim, to = %me, "asked for the lease for balance")
+                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %victim, to = %me, "asked for the lease for balance");
+                            crate::ledger::lease_asked(self.group.name(), &lease.id, victim, &me);
                         }
                         Err(LeaseError::Lost) => {}
                         Err(LeaseError::Other(e)) => return Err(e),
                     }
                     continue;
                 }
-                if lease.handover_at.is_some_and(|at| now - at < expire) {
-                    continue; // asked; the owner is draining
+                let timed_out = lease.handover_at.is_some_and(|at| now - at >= expire);
+                if !(buggify::on(Bug::StartUnderExpiredLease) && timed_out) {
+                    continue; // asked; the owner drains, or its lease expires
                 }
                 warn!(group = self.group.name(), lease = %lease.range_label(), owner = %victim, "the owner did not hand the lease over in time; taking it");
             }
-            match self.store.acquire(lease, &self.options.owner, now).await {
+            match self.store.acquire(lease, &me, now).await {
                 Ok(lease) => {
                     match &take.steal_from {
                         Some(victim) => {
-                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %self.options.owner, from = %victim, "lease stolen for balance")
+                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %me, from = %victim, "lease stolen for balance")
                         }
                         None => {
-                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %self.options.owner, "lease acquired")
+                            info!(group = self.group.name(), lease = %lease.range_label(), owner = %me, previous = ?take_previous(&reconciled.leases, &lease.id), "lease acquired")
                         }
                     }
                     let stop = CancellationToken::new();
@@ -346,8 +462,12 @@ impl<H: Handler> Host<H> {
                     };
                     let id = lease.id.clone();
                     let range = (lease.min_epk.clone(), lease.max_epk.clone());
-                    let task =
-                        AbortOnDropHandle::new(tokio::spawn(processor.run(lease, stop.clone())));
+                    let sent = Instant::now();
+                    let task = AbortOnDropHandle::new(tokio::spawn(processor.run(
+                        lease,
+                        sent,
+                        stop.clone(),
+                    )));
                     owned.insert(id, Running { stop, task, range });
                     ConsumerStats::bump(&self.stats.leases_acquired);
                 }
@@ -360,7 +480,18 @@ impl<H: Handler> Host<H> {
         self.stats
             .leases_owned
             .store(owned.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        // Another host's lease that holds started deliveries under a lock shorter than the
+        // lease expiry is looked at again within half that lock, so that if its owner died its
+        // deliveries come back within the lock duration (plus this look), as claims' do.
+        let watch = reconciled
+            .leases
+            .iter()
+            .filter(|l| l.owner.is_some() && !owned.contains_key(&l.id))
+            .map(|l| self.expiry_of(l))
+            .filter(|d| *d < self.options.lease_expire)
+            .min()
+            .map(|d| (d / 2).max(MIN_WATCH));
+        Ok(watch)
     }
 
     /// Delivers the due retries, schedules and expired locks of the ranges this host owns
@@ -382,6 +513,9 @@ impl<H: Handler> Host<H> {
             .max(1);
         match self.group.due(limit, Some(ranges)).await {
             Ok(docs) => {
+                if !docs.is_empty() {
+                    debug!(group = self.group.name(), due = docs.len(), "sweep");
+                }
                 for doc in docs {
                     let deliverer = Arc::clone(deliverer);
                     let permits = Arc::clone(permits);
@@ -399,6 +533,18 @@ impl<H: Handler> Host<H> {
     }
 }
 
+/// Who held `id` before (for the log).
+fn take_previous(leases: &[Lease], id: &str) -> Option<String> {
+    leases
+        .iter()
+        .find(|l| l.id == id)
+        .and_then(|l| l.owner.clone())
+}
+
+/// The lease expiry hosts use unless told otherwise (the change feed processor's 60 s); also
+/// what tools that create or judge leases from outside a host assume.
+pub const DEFAULT_LEASE_EXPIRE: Duration = Duration::from_secs(60);
+
 /// Reads one leased range and keeps its lease: renewals, checkpoints, release.
 struct RangeProcessor<H> {
     store: LeaseStore,
@@ -412,21 +558,32 @@ struct RangeProcessor<H> {
     deliveries: TaskTracker,
 }
 
-/// What a message of an ordered group tells the next message of its key: its id and fate.
-type KeyFate = (String, Fate);
+/// What a message of an ordered group tells the next message of its key: its id and where it
+/// stands — `None` while it is under way, `Pending` once its own state document holds it (its
+/// long work got a lock of its own, it was parked, it waits for a retry), then its fate.
+type KeyState = Option<(String, Fate)>;
 
 /// When a delivery may start.
 enum Turn {
-    /// Ordered groups: after the previous message of the key has settled.
+    /// Ordered groups: after the previous message of the key has settled (`previous`, in
+    /// this range) and after the messages `waits_for` of the key that the range's previous
+    /// owner left unsettled behind the checkpoint.
     Key {
-        previous: Option<oneshot::Receiver<KeyFate>>,
-        next: oneshot::Sender<KeyFate>,
+        previous: Option<watch::Receiver<KeyState>>,
+        waits_for: Vec<String>,
+        /// The first of its key with nothing to wait for starts at once (the lease write path:
+        /// with the permit taken before the read).
+        permit: Option<OwnedSemaphorePermit>,
     },
-    /// Unordered groups: permits are taken in feed order.
+    /// Unordered groups, where each delivery's claim records its start: permits are taken in
+    /// feed order.
     Feed {
         previous: Option<oneshot::Receiver<()>>,
         next: Option<oneshot::Sender<()>>,
     },
+    /// The lease write path, unordered: the permit was taken before the page was read, so the
+    /// delivery starts as the page's record says it did.
+    Now(OwnedSemaphorePermit),
 }
 
 /// A range's stop signals, as its deliveries see them.
@@ -442,73 +599,43 @@ struct Stops {
     /// The range is lost or drains: deliveries stop retrying failed writes, and what they
     /// could not record holds the checkpoint.
     give_up: CancellationToken,
-    /// The range drains or is handed over: lease-fenced deliveries of the lease write path
-    /// get locks of their own, so the drain does not wait for long work.
+    /// The range drains or is handed over: long work stops holding it at once (see
+    /// [`Promotion`]), so the drain does not wait for it.
     promote_now: CancellationToken,
 }
 
-/// What a range's next owner learns from the lease's window (exclusive groups): which of
-/// the documents past the continuation are done, pending on a state document, never
-/// started, or delivered without a recorded outcome (redeliveries).
-#[derive(Debug, Default)]
-struct Recovery {
-    /// Documents of the window still to come.
-    left: u32,
-    done: std::collections::HashSet<String>,
-    pending: std::collections::HashSet<String>,
-    unstarted: std::collections::HashSet<String>,
-    /// Documents to look up the state of first: the lease was last written by a host whose
-    /// first deliveries wrote claims (another version, or the `claims` path).
-    check: usize,
+/// A delivery's report to its range.
+struct Report {
+    seq: u64,
+    identity: String,
+    id: String,
+    key: MessageKey,
+    /// The message's enqueue time and expiry, should its completion need a state document.
+    enqueued_at: i64,
+    expires_at: Option<i64>,
+    fate: Fate,
 }
 
-/// What the range does with a document it read.
-#[derive(Debug, PartialEq)]
-enum Handling {
-    /// Deliver it this way.
-    Deliver(Path),
-    /// Hand nothing out: the window says it is already this.
-    Known(Settle),
+/// A delivery that waited for its turn asks to start (the lease write path): its start is
+/// recorded on the lease first, with the completions before it, so that a next owner counts
+/// it as delivered only if it was, and never delivers it before what preceded it.
+struct StartRequest {
+    seq: u64,
+    identity: String,
+    reply: oneshot::Sender<bool>,
 }
 
-impl Recovery {
-    fn new(lease: &Lease, look_up_first: usize) -> Self {
-        let w = &lease.window;
-        Self {
-            left: w.read,
-            done: w.done.iter().cloned().collect(),
-            pending: w.pending.iter().cloned().collect(),
-            unstarted: w.unstarted.iter().cloned().collect(),
-            check: look_up_first,
-        }
-    }
-
-    /// The next document read, in feed order (pure). Ordered groups deliver a pending
-    /// message through its state document rather than skip it: the key's later messages
-    /// must wait behind it.
-    fn next(&mut self, id: &str, ordered: bool) -> Handling {
-        if self.left > 0 {
-            self.left -= 1;
-            self.check = self.check.saturating_sub(1);
-            return if self.done.contains(id) {
-                Handling::Known(Settle::Done)
-            } else if self.pending.contains(id) {
-                match ordered {
-                    true => Handling::Deliver(Path::Checked),
-                    false => Handling::Known(Settle::Pending),
-                }
-            } else if self.unstarted.contains(id) {
-                Handling::Deliver(Path::Feed)
-            } else {
-                Handling::Deliver(Path::Recovered)
-            };
-        }
-        if self.check > 0 {
-            self.check -= 1;
-            return Handling::Deliver(Path::Checked);
-        }
-        Handling::Deliver(Path::Feed)
-    }
+/// How a waiting ordered message goes on.
+enum Wait {
+    /// Its turn came.
+    Go,
+    /// Its turn came after waiting on its predecessors' state documents.
+    GoChecked,
+    /// Its predecessors `0` hold their own state: it waits behind them in a state of its own
+    /// (parked), and holds its range no more.
+    Park(Vec<String>),
+    /// The range stopped first: never started.
+    Stop,
 }
 
 /// One message of a range on its way to the handler.
@@ -523,105 +650,260 @@ struct RangeDelivery<H> {
     /// it could not checkpoint whole (it drained or handed the range over while a message of
     /// that page waited): those are waited for, or skipped, not delivered past. One point read
     /// per message of that window; none after it, none in other groups. Exclusive groups
-    /// learn the same from the lease's window ([`Recovery`]).
+    /// learn the same from the lease's window ([`Inherited`]).
     path: Path,
-    /// The lease write path's signals, for a first delivery that the lease fences.
-    fence: Option<Fence>,
+    /// Exclusive groups: when long work stops holding the range.
+    promotion: Option<Promotion>,
+    /// The lease write path: the lease as the lock of a first delivery.
+    lease: Option<LeaseLock>,
+    /// The lease write path: where a waiting delivery asks to start.
+    start: Option<(u64, String, mpsc::UnboundedSender<StartRequest>)>,
+    locked_until: LockedUntil,
 }
 
 impl<H: Handler> RangeDelivery<H> {
-    async fn run(self, message: Message, turn: Turn) -> Fate {
+    async fn run(mut self, message: Message, turn: Turn) -> Fate {
         match turn {
-            Turn::Key { previous, next } => {
-                let id = message.id.clone();
-                let fate = match self.after_previous_of_key(&message, previous).await {
-                    true => self.deliver(message, None).await,
-                    false => Fate::Unstarted,
-                };
-                let _ = next.send((id, fate));
-                fate
-            }
+            Turn::Key {
+                permit: Some(permit),
+                ..
+            } => self.deliver(message, None, Some(permit)).await,
+            Turn::Key {
+                previous,
+                waits_for,
+                permit: None,
+            } => match self
+                .after_previous_of_key(&message, previous, waits_for)
+                .await
+            {
+                Wait::Go => self.start_when_granted(message).await,
+                Wait::GoChecked => {
+                    // It waited on its predecessors' state: a state of its own may exist too
+                    // (its schedule, or a park whose answer was lost).
+                    self.path = Path::Checked;
+                    self.start_when_granted(message).await
+                }
+                Wait::Park(ids) => self.park(message, ids).await,
+                Wait::Stop => Fate::Unstarted,
+            },
             Turn::Feed { previous, next } => {
                 if let Some(previous) = previous {
                     let _ = previous.await;
                 }
-                self.deliver(message, next).await
+                self.deliver(message, next, None).await
             }
+            Turn::Now(permit) => self.deliver(message, None, Some(permit)).await,
         }
     }
 
-    /// Waits until the key's previous message is settled; `false` when it never will be here
-    /// (nothing recorded, or the range stopped meanwhile): this one must not overtake it.
+    /// Waits until the key's previous messages are settled: the one before it in this range,
+    /// and those the previous owner left unsettled. One whose predecessors hold their own
+    /// state (long work, a retry, parked) parks itself after `promoteAfter`, or at once when
+    /// the range drains: the range need not hold it.
     async fn after_previous_of_key(
         &self,
         message: &Message,
-        previous: Option<oneshot::Receiver<KeyFate>>,
-    ) -> bool {
-        let Some(previous) = previous else {
-            return true;
-        };
-        let (previous_id, fate) = previous
-            .await
-            .unwrap_or_else(|_| (String::new(), Fate::Unrecorded));
-        match fate {
-            Fate::Settled | Fate::Completed => true,
-            Fate::Unrecorded | Fate::Unstarted => false,
-            // Its state document brings it back (its lock was lost, or expires): another
-            // delivery settles it, and only then may this one go.
-            Fate::Pending => tokio::select! {
+        previous: Option<watch::Receiver<KeyState>>,
+        mut waits_for: Vec<String>,
+    ) -> Wait {
+        let began = Instant::now();
+        if let Some(mut previous) = previous {
+            loop {
+                let state = previous.borrow_and_update().clone();
+                match state {
+                    Some((_, Fate::Settled | Fate::Completed)) => break,
+                    Some((id, Fate::Pending)) => {
+                        waits_for.push(id);
+                        break;
+                    }
+                    Some((_, Fate::Unrecorded | Fate::Unstarted)) => return Wait::Stop,
+                    None => {}
+                }
+                tokio::select! {
+                    biased;
+                    _ = self.stop.step_aside.cancelled() => return Wait::Stop,
+                    _ = self.stop.draining.cancelled() => return Wait::Stop,
+                    changed = previous.changed() => {
+                        if changed.is_err() {
+                            return Wait::Stop; // its task ended without a word: the range stops
+                        }
+                    }
+                }
+            }
+        }
+        waits_for.retain(|id| *id != message.id);
+        if waits_for.is_empty() {
+            return Wait::Go;
+        }
+        debug!(message_id = %message.id, ?waits_for, "waiting for the earlier messages of its key");
+        let promote_after = self.promotion.as_ref().map(|p| p.after);
+        let park = {
+            let settled = self
+                .deliverer
+                .all_settled(&message.partition_key, &waits_for);
+            tokio::pin!(settled);
+            tokio::select! {
                 biased;
-                _ = self.stop.step_aside.cancelled() => false,
-                _ = self.stop.draining.cancelled() => false,
-                _ = self.deliverer.settled(&message.partition_key, &previous_id) => true,
-            },
+                _ = self.stop.step_aside.cancelled() => return Wait::Stop,
+                _ = &mut settled => return Wait::GoChecked,
+                _ = self.stop.promote_now.cancelled(), if promote_after.is_some() => true,
+                _ = async {
+                    match promote_after {
+                        Some(after) => tokio::time::sleep_until(began + after).await,
+                        None => std::future::pending().await,
+                    }
+                } => true,
+                // Groups without promotion wait in place; a drain leaves the message unstarted.
+                _ = self.stop.draining.cancelled(), if promote_after.is_none() => false,
+            }
+        };
+        match park {
+            true => Wait::Park(waits_for),
+            false => Wait::Stop,
         }
     }
 
-    async fn deliver(self, message: Message, turn_done: Option<oneshot::Sender<()>>) -> Fate {
-        let mut stay = false;
-        let permit = loop {
-            tokio::select! {
-                biased;
-                _ = self.stop.step_aside.cancelled() => return Fate::Unstarted,
-                _ = self.stop.draining.cancelled(), if !stay => {
-                    stay = self.page_started.load(Ordering::SeqCst);
-                    if !stay {
-                        return Fate::Unstarted;
+    /// Parks `message` behind its key's predecessors `ids`; where it cannot (a state document
+    /// of its own exists, or the write failed), it waits here and then starts.
+    async fn park(mut self, message: Message, ids: Vec<String>) -> Fate {
+        match self.deliverer.group.park(&message, ids.clone()).await {
+            Ok(true) => {
+                debug!(message_id = %message.id, waits_for = ?ids, "parked behind the earlier messages of its key");
+                Fate::Pending
+            }
+            parked => {
+                debug!(message_id = %message.id, ?parked, "not parked: waiting in place");
+                tokio::select! {
+                    biased;
+                    _ = self.stop.step_aside.cancelled() => return Fate::Unstarted,
+                    _ = self.stop.draining.cancelled() => return Fate::Unstarted,
+                    _ = self.deliverer.all_settled(&message.partition_key, &ids) => {}
+                }
+                self.path = Path::Checked;
+                self.start_when_granted(message).await
+            }
+        }
+    }
+
+    /// Takes a permit and, on the lease write path, has the start recorded; then delivers.
+    async fn start_when_granted(self, message: Message) -> Fate {
+        let permit = tokio::select! {
+            biased;
+            _ = self.stop.step_aside.cancelled() => return Fate::Unstarted,
+            _ = self.stop.draining.cancelled() => return Fate::Unstarted,
+            permit = Arc::clone(&self.permits).acquire_owned() => permit.expect("never closed"),
+        };
+        if let Some((seq, identity, requests)) = &self.start {
+            let (reply, granted) = oneshot::channel();
+            let request = StartRequest {
+                seq: *seq,
+                identity: identity.clone(),
+                reply,
+            };
+            if requests.send(request).is_err() || granted.await != Ok(true) {
+                return Fate::Unstarted;
+            }
+        }
+        self.deliver(message, None, Some(permit)).await
+    }
+
+    async fn deliver(
+        self,
+        message: Message,
+        turn_done: Option<oneshot::Sender<()>>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Fate {
+        let permit = match permit {
+            Some(permit) => permit,
+            None => {
+                let mut stay = false;
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = self.stop.step_aside.cancelled() => return Fate::Unstarted,
+                        _ = self.stop.draining.cancelled(), if !stay => {
+                            stay = self.page_started.load(Ordering::SeqCst);
+                            if !stay {
+                                return Fate::Unstarted;
+                            }
+                        }
+                        permit = Arc::clone(&self.permits).acquire_owned() => break permit.expect("never closed"),
                     }
                 }
-                permit = Arc::clone(&self.permits).acquire_owned() => break permit.expect("never closed"),
             }
         };
+        // The lease is a lock only while it is live: nothing starts under one whose last
+        // write is older than the expiry others judge it by (minus a margin).
+        if let Some(lease) = &self.lease {
+            let held = *lease.held.borrow();
+            if Instant::now() >= held && !buggify::on(Bug::StartUnderExpiredLease) {
+                debug!(message_id = %message.id, "not started: the range's lease was not renewed in time");
+                return Fate::Unstarted;
+            }
+        }
         self.page_started.store(true, Ordering::SeqCst);
         drop(turn_done);
         let mut permit = Permit::held(Arc::clone(&self.permits), permit);
+        let watch = Watch::new(self.promotion, self.lease, self.locked_until.clone());
+        let reached = Arc::clone(&watch.reached);
         // Boxed: a range reads up to `max_in_flight_per_range` ahead, and each waiting task
         // would otherwise be as large as a delivery in progress (its HTTP and SDK futures,
         // ≈ 14 KB): 14 MiB for 1,024 waiting messages where 64 are processed.
-        Box::pin(self.deliverer.process(
-            message,
+        let first_path = self.path;
+        let mut fate = Box::pin(self.deliverer.process(
+            message.clone(),
             &self.stop.give_up,
             &mut permit,
-            self.path,
-            self.fence,
+            first_path,
+            watch,
         ))
-        .await
+        .await;
+        // Nothing could be recorded (Cosmos DB refused it, even as a dead letter): while the
+        // range lives nobody else would bring the message back, so it is delivered again
+        // after a back-off, as a redelivery (claimed first: a refusal that lasts reaches no
+        // app), until something is recorded or the range stops.
+        let mut tries = 0;
+        while fate == Fate::Unrecorded && !self.stop.give_up.is_cancelled() {
+            tries += 1;
+            let wait = UNRECORDED_AGAIN.backoff_random(tries);
+            warn!(message_id = %message.id, retry_in_ms = wait.as_millis() as u64, "nothing could be recorded for the message; delivering it again later");
+            let give_up = self.stop.give_up.clone();
+            let waited = permit
+                .released_while(async {
+                    tokio::select! {
+                        _ = give_up.cancelled() => false,
+                        _ = tokio::time::sleep(wait) => true,
+                    }
+                })
+                .await;
+            if !waited {
+                break;
+            }
+            // A redelivery stays one, as does a delivery whose call may have reached the app.
+            let path = match first_path == Path::Recovered || reached.load(Ordering::SeqCst) {
+                true => Path::Recovered,
+                false => Path::Checked,
+            };
+            let watch = Watch::new(None, None, self.locked_until.clone());
+            let again = Arc::clone(&watch.reached);
+            fate = Box::pin(self.deliverer.process(
+                message.clone(),
+                &self.stop.give_up,
+                &mut permit,
+                path,
+                watch,
+            ))
+            .await;
+            reached.fetch_or(again.load(Ordering::SeqCst), Ordering::SeqCst);
+        }
+        fate
     }
 }
 
 /// Drops the chains of keys whose last message settled (bounded memory); a key whose last
 /// message is still pending keeps its chain, so its next message still waits.
-fn forget_settled_keys(chains: &mut HashMap<String, oneshot::Receiver<KeyFate>>) {
-    chains.retain(|_, rx| match rx.try_recv() {
-        Err(oneshot::error::TryRecvError::Empty) => true,
-        Ok((id, Fate::Pending)) => {
-            let (tx, again) = oneshot::channel();
-            let _ = tx.send((id, Fate::Pending));
-            *rx = again;
-            true
-        }
-        Ok(_) | Err(oneshot::error::TryRecvError::Closed) => false,
-    });
+fn forget_settled_keys(chains: &mut HashMap<String, watch::Receiver<KeyState>>) {
+    chains.retain(|_, rx| matches!(*rx.borrow(), None | Some((_, Fate::Pending))));
 }
 
 /// The range's lease is gone. Deliveries already under way finish and settle under their own
@@ -637,17 +919,16 @@ fn abandon(stops: &Stops, deliveries: &mut JoinSet<()>) {
     deliveries.detach_all();
 }
 
-/// The lease expiry hosts use unless told otherwise (the change feed processor's 60 s); also
-/// what tools that create or judge leases from outside a host assume.
-pub const DEFAULT_LEASE_EXPIRE: Duration = Duration::from_secs(60);
-
 /// What one range's processing keeps while its lease is held.
 struct Reading {
     lease: Lease,
     reader: FeedReader,
-    /// Deliveries report here: (page, message id, fate).
-    done_tx: mpsc::UnboundedSender<(u64, String, Fate)>,
-    done_rx: mpsc::UnboundedReceiver<(u64, String, Fate)>,
+    /// Deliveries report here.
+    done_tx: mpsc::UnboundedSender<Report>,
+    done_rx: mpsc::UnboundedReceiver<Report>,
+    /// Waiting deliveries ask to start here (the lease write path).
+    start_tx: mpsc::UnboundedSender<StartRequest>,
+    start_rx: mpsc::UnboundedReceiver<StartRequest>,
     deliveries: JoinSet<()>,
     stops: Stops,
     checkpoint: Checkpoint,
@@ -655,58 +936,73 @@ struct Reading {
     poll: AdaptivePoll,
     /// When the next read is due: fixed once the last read's back-off is known, so the other
     /// events of the loop (settlements, renewals, flushes) do not push it back.
-    read_at: Option<tokio::time::Instant>,
+    read_at: Option<Instant>,
     /// Still reading the feed (not draining or handing over).
     reading: bool,
-    /// Ordered groups: each key's last message's fate, which its next message waits for.
-    chains: HashMap<String, oneshot::Receiver<KeyFate>>,
+    /// Ordered groups: where each key's last message stands, which its next message waits for.
+    chains: HashMap<String, watch::Receiver<KeyState>>,
+    /// Ordered groups: the messages of each key that the range's previous owners left
+    /// unsettled (behind the checkpoint); the key's next message read here waits for them.
+    held_back: BTreeMap<String, Vec<String>>,
     /// Messages read so far; the first window after taking a range is checked for state the
-    /// previous owner left (see `RangeDelivery::check_state`).
+    /// previous owner left (see `RangeDelivery::path`).
     read: usize,
     /// The last delivery's "got a permit" signal (unordered groups).
     in_feed_order: Option<oneshot::Receiver<()>>,
-    /// Exclusive groups: what the lease's window says of what comes next.
-    recovery: Option<Recovery>,
-    /// The lease write path: the window changed since the lease was last written.
+    /// Exclusive groups: the lease records the window.
+    windowed: bool,
+    /// The window changed since the lease was last written.
     unwritten: bool,
+    /// When the last lease write that landed was sent, and the next renewal is due.
+    written_at: Instant,
+    renew_at: Instant,
+    /// Until when the lease is surely this range's: its last write plus the expiry other
+    /// hosts judge that version by, minus a margin. Past it nothing starts, and first
+    /// deliveries whose lock is the lease are cut.
+    held: watch::Sender<Instant>,
     /// The lease write path: where each sub-range of the feed was read up to (see [`SubFeed`]).
     rewind: Option<Rewind>,
-    /// The lease write path: ids this processor has read, newest last (bounded): a feed that
-    /// serves earlier documents again mid-read (the emulator renumbers LSNs when partitions
-    /// merge) must not deliver again what this range completed with nothing but its lease.
+    /// The lease write path: identities this processor has read, newest last (bounded): a
+    /// feed that serves earlier documents again mid-read (the emulator renumbers LSNs when
+    /// partitions merge) must not deliver again what this range completed with nothing but
+    /// its lease.
     seen: Option<Seen>,
 }
 
-/// Ids read lately, in read order, at most [`SEEN_CAP`]. Each id is stored once, shared by
-/// the set and the order (a range at the cap holds ≈ 2 MB instead of ≈ 3 MB).
+/// Identities read lately, in read order, at most [`SEEN_CAP`]. Each is stored once, shared
+/// by the set and the order.
 #[derive(Debug, Default)]
 struct Seen {
     ids: std::collections::HashSet<Arc<str>>,
     order: std::collections::VecDeque<Arc<str>>,
 }
 
-/// How many ids a range remembers having read (about 100 bytes each, with the set's slot).
+/// How many identities a range remembers having read (about 70 bytes each, with the set's
+/// slot).
 const SEEN_CAP: usize = 20_000;
 
 impl Seen {
     /// Drops the documents read before (keeping the first of repeats within the page), and
-    /// remembers the rest.
-    fn first_reads(&mut self, docs: Vec<serde_json::Value>) -> Vec<serde_json::Value> {
+    /// remembers the rest. Documents are known by identity (id and key): the same id under
+    /// another key is another message.
+    fn first_reads(
+        &mut self,
+        docs: Vec<serde_json::Value>,
+        key_field: &str,
+    ) -> Vec<serde_json::Value> {
         let before = docs.len();
         let fresh: Vec<serde_json::Value> = docs
             .into_iter()
-            .filter(
-                |doc| match doc.get("id").and_then(serde_json::Value::as_str) {
-                    Some(id) if self.ids.contains(id) => false,
-                    Some(id) => {
-                        let id: Arc<str> = Arc::from(id);
-                        self.ids.insert(Arc::clone(&id));
-                        self.order.push_back(id);
-                        true
-                    }
-                    None => true,
-                },
-            )
+            .filter(|doc| match crate::identity::of_document(doc, key_field) {
+                Some(identity) if self.ids.contains(identity.as_str()) => false,
+                Some(identity) => {
+                    let identity: Arc<str> = Arc::from(identity);
+                    self.ids.insert(Arc::clone(&identity));
+                    self.order.push_back(identity);
+                    true
+                }
+                None => true,
+            })
             .collect();
         while self.order.len() > SEEN_CAP {
             if let Some(old) = self.order.pop_front() {
@@ -825,24 +1121,40 @@ impl Reading {
         self.unwritten || self.checkpoint.position() != &self.lease.continuation
     }
 
-    /// The host stops: stop reading, let what is under way settle.
-    fn drain(&mut self) {
+    /// Stop reading; long work stops holding the range; let what is under way settle.
+    fn stop_reading(&mut self) {
         self.reading = false;
         self.stops.give_up.cancel();
         self.stops.draining.cancel();
         self.stops.promote_now.cancel();
+    }
+
+    /// The host stops.
+    fn drain(&mut self) {
+        self.stop_reading();
         debug!(in_flight = self.in_flight, "draining range");
     }
 
-    fn delivered(&mut self, seq: u64, id: &str, fate: Fate) {
+    fn delivered(&mut self, report: Report) {
         while self.deliveries.try_join_next().is_some() {}
         self.in_flight -= 1;
-        self.checkpoint.settle(seq, id, fate.settle());
-        self.unwritten |= self.recovery.is_some();
+        let completion = (report.fate == Fate::Completed).then_some(Completion {
+            id: report.id,
+            key: report.key,
+            enqueued_at: report.enqueued_at,
+            expires_at: report.expires_at,
+        });
+        self.checkpoint.settle(
+            report.seq,
+            &report.identity,
+            report.fate.settle(),
+            completion,
+        );
+        self.unwritten |= self.windowed;
     }
 
-    /// Another host asked for the range (stream groups): stop reading, let what is under way
-    /// settle, then the drain checkpoints and releases it (the release keeps the reservation).
+    /// Another host asked for the range: stop reading, let what is under way settle, then the
+    /// drain checkpoints and releases it (the release keeps the reservation).
     fn hand_over(&mut self, current: Lease) {
         self.lease = current;
         if self.reading {
@@ -850,30 +1162,26 @@ impl Reading {
                 to = self.lease.handover_to.as_deref().unwrap_or_default(),
                 "handing the range over: draining, then checkpoint and release"
             );
-            self.reading = false;
-            self.stops.give_up.cancel();
-            self.stops.draining.cancel();
-            self.stops.promote_now.cancel();
+            self.stop_reading();
         }
     }
 
-    /// When a delivery may start: FIFO per key waits for the key's previous message;
-    /// otherwise permits are taken in feed order, so that when the range stops, what is under
-    /// way is the oldest, and what steps aside comes after it, behind the checkpoint, with
-    /// nothing done after it.
-    fn turn(&mut self, ordered: bool, message: &Message) -> Turn {
-        if ordered {
-            let (tx, rx) = oneshot::channel();
-            Turn::Key {
-                previous: self.chains.insert(message.partition_key.canonical(), rx),
-                next: tx,
-            }
-        } else {
-            let (tx, rx) = oneshot::channel();
-            Turn::Feed {
-                previous: self.in_feed_order.replace(rx),
-                next: Some(tx),
-            }
+    /// A lease write that landed was sent at `sent`: the lease is surely this range's until
+    /// the expiry others judge this version by (minus a margin), and is renewed well before.
+    fn written(&mut self, sent: Instant, options: &HostOptions) {
+        let expiry = self
+            .lease
+            .unchanged_expiry_ms(duration_ms(options.lease_expire))
+            .max(1) as u64;
+        let expiry = Duration::from_millis(expiry);
+        self.written_at = sent;
+        self.renew_at = sent + options.lease_renew.min(expiry / 3);
+        self.held.send_replace(sent + expiry - expiry / 10);
+        // A hand-over request may have come between this range's writes (one retried on the
+        // lease as it now is carries the request on): noticed whichever write shows it.
+        if self.reading && self.lease.handover_to.is_some() {
+            let current = self.lease.clone();
+            self.hand_over(current);
         }
     }
 }
@@ -891,40 +1199,55 @@ fn continuation_ranges(token: &Option<String>, whole: &(String, String)) -> Vec<
 /// gone: what waits steps aside, what is under way finishes under its own claims).
 type Step = Option<RangeExit>;
 
+/// A message read from the feed, ready to be handed out.
+struct Handed {
+    message: Message,
+    identity: String,
+    path: Path,
+}
+
 impl<H: Handler> RangeProcessor<H> {
     fn now(&self) -> i64 {
         self.group.queue().clock().now_ms()
     }
 
+    /// Whether starts are recorded on the lease (the lease write path): permits are taken
+    /// before a page is read, and a delivery that waits for its turn asks to start.
+    fn records_starts(&self) -> bool {
+        self.group.config().lease_recorded()
+    }
+
     #[instrument(skip_all, fields(group = %lease.group, lease = %lease.range_label()))]
-    async fn run(self, lease: Lease, stop: CancellationToken) -> RangeExit {
-        let mut r = match self.start(lease) {
+    async fn run(self, lease: Lease, acquired: Instant, stop: CancellationToken) -> RangeExit {
+        let mut r = match self.start(lease, acquired).await {
             Ok(r) => r,
             Err(e) => return RangeExit::Failed(e),
         };
-        let mut renew = tokio::time::interval(self.options.lease_renew);
-        renew.reset(); // acquiring just renewed it
         let mut flush = tokio::time::interval(self.options.checkpoint_interval);
         while !r.drained() {
             let delay = r.poll.delay();
-            let read_at = *r
-                .read_at
-                .get_or_insert_with(|| tokio::time::Instant::now() + delay);
+            let read_at = *r.read_at.get_or_insert_with(|| Instant::now() + delay);
+            let held = *r.held.borrow();
             let step = tokio::select! {
                 biased;
                 _ = stop.cancelled(), if r.reading => {
                     r.drain();
                     None
                 }
-                Some((seq, id, fate)) = r.done_rx.recv() => {
-                    r.delivered(seq, &id, fate);
+                Some(report) = r.done_rx.recv() => {
+                    r.delivered(report);
                     None
                 }
-                _ = renew.tick() => self.renew(&mut r).await,
+                Some(request) = r.start_rx.recv() => self.grant(&mut r, request).await,
+                _ = tokio::time::sleep_until(held) => {
+                    warn!(owner = %self.options.holder(), in_flight = r.in_flight, "the lease could not be renewed in time; stopped reading the range");
+                    Some(RangeExit::Lost)
+                }
+                _ = tokio::time::sleep_until(r.renew_at) => self.renew(&mut r).await,
                 _ = flush.tick(), if r.checkpoint_due() => self.flush(&mut r).await,
-                _ = tokio::time::sleep_until(read_at), if r.reading && self.room(&r) => {
+                permit = self.read_when(read_at), if r.reading && self.room(&r) => {
                     r.read_at = None;
-                    self.read_page(&mut r).await
+                    self.read_page(&mut r, permit).await
                 }
             };
             if let Some(exit) = step {
@@ -935,24 +1258,39 @@ impl<H: Handler> RangeProcessor<H> {
         self.finish(r).await
     }
 
+    /// When the next read may go: at `at`, and on the lease write path once a delivery permit
+    /// is free (taken now, so that what the page hands out starts as its record says).
+    async fn read_when(&self, at: Instant) -> Option<OwnedSemaphorePermit> {
+        tokio::time::sleep_until(at).await;
+        if !self.records_starts() {
+            return None;
+        }
+        Some(
+            Arc::clone(&self.permits)
+                .acquire_owned()
+                .await
+                .expect("never closed"),
+        )
+    }
+
     /// Whether the range may read another page: fewer messages in flight than its limit,
     /// and (exclusive groups) a window small enough to write with the lease.
     fn room(&self, r: &Reading) -> bool {
         let limit = self.options.max_in_flight_per_range;
-        r.in_flight < limit
-            && (r.recovery.is_none() || (r.checkpoint.window_docs() as usize) < limit * 4)
+        r.in_flight < limit && (!r.windowed || (r.checkpoint.window_docs() as usize) < limit * 4)
     }
 
-    fn start(&self, lease: Lease) -> Result<Reading> {
+    async fn start(&self, lease: Lease, acquired: Instant) -> Result<Reading> {
         let range = lease.feed_range()?;
         let config = self.group.config();
-        let recovery = (config.mode == DeliveryMode::Exclusive).then(|| {
+        let windowed = config.mode == DeliveryMode::Exclusive;
+        let inherited = windowed.then(|| {
             let wrote_claims = lease.writes != Some(crate::config::ExclusiveWrites::Lease);
             let look_up = match config.lease_recorded() && wrote_claims {
                 true => self.options.max_in_flight_per_range,
                 false => 0,
             };
-            Recovery::new(&lease, look_up)
+            Inherited::new(&lease.window, look_up)
         });
         // The lease's markers (a split child holds its parent's, of both halves).
         let markers: Vec<(String, Marker)> = lease
@@ -960,7 +1298,7 @@ impl<H: Handler> RangeProcessor<H> {
             .markers()
             .into_iter()
             .filter_map(|marker| {
-                let key = crate::message::MessageKey::from_json(marker.pk.clone()).ok()?;
+                let key = MessageKey::from_json(marker.pk.clone()).ok()?;
                 Some((self.group.queue().message_epk(&key), marker))
             })
             .collect();
@@ -968,10 +1306,20 @@ impl<H: Handler> RangeProcessor<H> {
             let whole = (lease.min_epk.clone(), lease.max_epk.clone());
             Rewind::start(&markers, &continuation_ranges(&lease.continuation, &whole))
         });
-        let checkpoint = Checkpoint::new(lease.continuation.clone()).after(markers);
-        let checkpoint = match recovery.is_some() {
-            true => checkpoint.tracking_ids(),
-            false => checkpoint,
+        let mut checkpoint = Checkpoint::new(lease.continuation.clone()).after(markers);
+        if let Some(inherited) = inherited {
+            checkpoint = checkpoint.tracking_ids().inheriting(inherited);
+        }
+        // An ordered key's earlier messages that hold their own state lie behind the
+        // checkpoint (long work, retries, parked): the key's next message read here waits
+        // for them, though the window no longer lists them.
+        let held_back = match config.ordered && !buggify::on(Bug::OrderedMoveForgetsPredecessor) {
+            true => {
+                self.group
+                    .unsettled_in(&lease.min_epk, &lease.max_epk)
+                    .await?
+            }
+            false => BTreeMap::new(),
         };
         let reader = FeedReader::new(
             self.group.queue().messages().clone(),
@@ -982,12 +1330,16 @@ impl<H: Handler> RangeProcessor<H> {
             Arc::clone(self.group.queue().charges()),
         );
         let (done_tx, done_rx) = mpsc::unbounded_channel();
-        Ok(Reading {
+        let (start_tx, start_rx) = mpsc::unbounded_channel();
+        let (held, _) = watch::channel(acquired);
+        let mut r = Reading {
             checkpoint,
             lease,
             reader,
             done_tx,
             done_rx,
+            start_tx,
+            start_rx,
             deliveries: JoinSet::new(),
             stops: Stops {
                 step_aside: CancellationToken::new(),
@@ -1000,51 +1352,102 @@ impl<H: Handler> RangeProcessor<H> {
             read_at: None,
             reading: true,
             chains: HashMap::new(),
+            held_back,
             read: 0,
             in_feed_order: None,
-            recovery,
+            windowed,
             unwritten: false,
+            written_at: acquired,
+            renew_at: acquired,
+            held,
             seen: config.lease_recorded().then(Seen::default),
             rewind,
-        })
+        };
+        r.written(acquired, &self.options);
+        Ok(r)
     }
 
-    /// Renews the lease. Fencing: when another host owns the range now, or the lease expired
-    /// without a renewal, nothing more is read from it.
+    /// Renews the lease. Fencing: when another host owns the range now, nothing more is read
+    /// from it; when renewals keep failing, the range stops once the lease is no longer
+    /// surely its own (see [`Reading::held`]).
     async fn renew(&self, r: &mut Reading) -> Step {
-        // A record or checkpoint written since the last tick renewed it already.
-        if self.now() - r.lease.timestamp < duration_ms(self.options.lease_renew) / 2 {
-            return None;
-        }
+        let sent = Instant::now();
         match self.store.renew(&r.lease, self.now()).await {
-            Ok(renewed) => r.lease = renewed,
+            Ok(renewed) => {
+                r.lease = renewed;
+                r.written(sent, &self.options);
+            }
+            // Changed but still ours: another host asked for it, or an earlier write whose
+            // answer was lost landed (the SDK's retry of it then finds a new ETag). Renewed
+            // again on what is there now, soon but not at once: a write that keeps landing
+            // unanswered must not spin.
             Err(LeaseError::Lost) => match self.current(&r.lease).await {
-                // Changed but still ours: another host asked for it (stream groups).
-                Ok(Some(current)) if current.handover_to.is_some() => r.hand_over(current),
-                Ok(Some(current)) => r.lease = current,
+                Ok(Some(current)) if current.handover_to.is_some() => {
+                    r.hand_over(current);
+                    r.renew_at = Instant::now() + LOST_AGAIN;
+                }
+                Ok(Some(current)) => {
+                    r.lease = current;
+                    r.renew_at = Instant::now() + LOST_AGAIN;
+                }
                 _ => {
-                    warn!(owner = %self.options.owner, in_flight = r.in_flight, "lease lost; stopped reading the range");
+                    warn!(owner = %self.options.holder(), in_flight = r.in_flight, "lease lost; stopped reading the range");
                     return Some(RangeExit::Lost);
                 }
             },
             Err(LeaseError::Other(e)) => {
                 warn!(error = %e, "lease renewal failed; retrying");
-                if self.now() - r.lease.timestamp > duration_ms(self.options.lease_expire) {
-                    warn!("lease expired without renewal; stopped reading the range");
-                    return Some(RangeExit::Lost);
-                }
+                r.renew_at =
+                    Instant::now() + Duration::from_millis(200).min(self.options.lease_renew);
             }
         }
         None
     }
 
-    /// Reads the next page and hands its messages out.
-    async fn read_page(&self, r: &mut Reading) -> Step {
+    /// Records the starts waiting deliveries ask for (with the completions before them) and
+    /// lets them start once the record landed.
+    async fn grant(&self, r: &mut Reading, first: StartRequest) -> Step {
+        let mut requests = vec![first];
+        while let Ok(more) = r.start_rx.try_recv() {
+            requests.push(more);
+        }
+        for request in &requests {
+            r.checkpoint.start(request.seq, &request.identity);
+        }
+        r.unwritten = true;
+        let (landed, step) = match self.write_record(r).await {
+            Ok(_) => (true, None),
+            Err(exit) => (false, Some(exit)),
+        };
+        for request in requests {
+            let _ = request.reply.send(landed);
+        }
+        step
+    }
+
+    /// Reads the next page and hands its messages out. `permit`: the first delivery permit
+    /// of the page (the lease write path), others are taken as free.
+    async fn read_page(&self, r: &mut Reading, permit: Option<OwnedSemaphorePermit>) -> Step {
+        let mut reserved: Vec<OwnedSemaphorePermit> = permit.into_iter().collect();
+        if !reserved.is_empty() {
+            let room = self.options.max_in_flight_per_range - r.in_flight;
+            let limit = (self.options.page_size as usize).min(room);
+            while reserved.len() < limit {
+                match Arc::clone(&self.permits).try_acquire_owned() {
+                    Ok(permit) => reserved.push(permit),
+                    Err(_) => break,
+                }
+            }
+        }
+        let max = match reserved.is_empty() {
+            true => self.options.page_size,
+            false => reserved.len() as u32,
+        };
         let crate::cosmos::feed::Page {
             docs,
             token,
             partition,
-        } = match r.reader.next_page().await {
+        } = match r.reader.next_page_of(max).await {
             Ok(page) => page,
             Err(e) => {
                 ConsumerStats::bump(&self.stats.errors);
@@ -1059,15 +1462,20 @@ impl<H: Handler> RangeProcessor<H> {
                 next_read_ms = r.poll.delay().as_millis() as u64,
                 "feed idle; backing off"
             );
+            // Everything there is was read: what a previous owner recorded and this range
+            // never read again is not in it any more (the other half of a split, expired).
+            if let Some(inherited) = r.checkpoint.inherited() {
+                r.unwritten |= inherited.caught_up();
+            }
         } else {
-            r.poll.observed(docs.len(), self.options.page_size as usize);
+            r.poll.observed(docs.len(), max as usize);
             // Stream mode has no claims to stop a second reader: check the lease is still
             // ours before handing out a page (1 RU a page). The lease write path's record of
             // the page does the same, below.
             if self.group.config().mode == DeliveryMode::Stream {
                 match self.current_confirmed(&r.lease).await {
                     Err(()) => {
-                        warn!(owner = %self.options.owner, in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
+                        warn!(owner = %self.options.holder(), in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
                         return Some(RangeExit::Lost);
                     }
                     Ok(Some(current)) if current.handover_to.is_some() => {
@@ -1099,7 +1507,8 @@ impl<H: Handler> RangeProcessor<H> {
                 docs = self.past_marker(feed, partition.as_deref(), docs).await;
                 feed.partition = partition.or(feed.partition.take());
                 if let Some(seen) = r.seen.as_mut() {
-                    docs = seen.first_reads(docs);
+                    docs =
+                        seen.first_reads(docs, self.group.queue().config().partition_key_field());
                 }
                 last = docs
                     .iter()
@@ -1112,32 +1521,92 @@ impl<H: Handler> RangeProcessor<H> {
             }
         }
         let count = docs.len() as u32;
-        let (deliveries, known) = self.handling(r, docs);
-        let seq = r.checkpoint.read_docs(token, count, deliveries.len(), last);
-        for (id, fate) in known {
-            r.checkpoint.known(seq, &id, fate);
+        let (handed, known) = self.handling(r, docs);
+        let turns: Vec<(Turn, Option<watch::Sender<KeyState>>)> = handed
+            .iter()
+            .map(|h| self.turn(r, &h.message, &mut reserved))
+            .collect();
+        drop(reserved); // not needed: fewer messages than documents, or none
+                        // What starts at once (with its permit) is recorded started; what waits for its turn
+                        // (or, where each delivery's claim records its start, everything) unstarted.
+        let listed: Vec<(String, bool)> = handed
+            .iter()
+            .zip(&turns)
+            .map(|(h, (turn, _))| {
+                let now = matches!(
+                    turn,
+                    Turn::Now(_)
+                        | Turn::Key {
+                            permit: Some(_),
+                            ..
+                        }
+                );
+                (h.identity.clone(), now)
+            })
+            .collect();
+        let seq = r.checkpoint.read_docs(token, count, &listed, last);
+        for (identity, fate) in known {
+            r.checkpoint.known(seq, &identity, fate);
             r.unwritten = true;
         }
-        if self.group.config().lease_recorded() && !deliveries.is_empty() {
+        if self.records_starts() && !handed.is_empty() {
             // The page's delivery is recorded before it starts: a next owner after a crash
             // then knows these are redeliveries. Also the fence: it fails once the lease is
             // another host's.
-            match self.write_record(r).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    for (message, _) in &deliveries {
-                        r.checkpoint.settle(seq, &message.id, Settle::Unstarted);
-                    }
-                    return None;
-                }
-                Err(exit) => return Some(exit),
+            if let Err(exit) = self.write_record(r).await {
+                return Some(exit);
             }
         }
-        self.dispatch(r, seq, deliveries);
+        self.dispatch(r, seq, handed, turns);
         if r.chains.len() > MAX_IDLE_CHAINS {
             forget_settled_keys(&mut r.chains);
         }
         None
+    }
+
+    /// When a message read now may start: ordered groups after its key's previous messages
+    /// (in this range, or left unsettled by a previous owner); on the lease write path with a
+    /// permit taken before the read (the first of a key takes one too); elsewhere, permits in
+    /// feed order. With it, the sender of its state for the key's next message.
+    fn turn(
+        &self,
+        r: &mut Reading,
+        message: &Message,
+        reserved: &mut Vec<OwnedSemaphorePermit>,
+    ) -> (Turn, Option<watch::Sender<KeyState>>) {
+        if self.group.config().ordered {
+            let key = message.partition_key.canonical();
+            let (tx, rx) = watch::channel(None);
+            let previous = r.chains.insert(key.clone(), rx).filter(|previous| {
+                // A predecessor settled for good (recorded) is nothing to wait for.
+                match &*previous.borrow() {
+                    Some((_, Fate::Settled)) => false,
+                    Some((id, Fate::Completed)) => r.checkpoint.is_unwritten(id),
+                    _ => true,
+                }
+            });
+            let mut waits_for = r.held_back.remove(&key).unwrap_or_default();
+            waits_for.retain(|id| *id != message.id);
+            let permit = match previous.is_none() && waits_for.is_empty() {
+                true => reserved.pop(),
+                false => None,
+            };
+            let turn = Turn::Key {
+                previous,
+                waits_for,
+                permit,
+            };
+            return (turn, Some(tx));
+        }
+        if let Some(permit) = reserved.pop() {
+            return (Turn::Now(permit), None);
+        }
+        let (tx, rx) = oneshot::channel();
+        let turn = Turn::Feed {
+            previous: r.in_feed_order.replace(rx),
+            next: Some(tx),
+        };
+        (turn, None)
     }
 
     /// The page without the documents read before (see [`Rewind`]), when its sub-range is
@@ -1155,14 +1624,10 @@ impl<H: Handler> RangeProcessor<H> {
         let Some(seek) = feed.seek.as_mut() else {
             return docs;
         };
-        let id = |doc: &serde_json::Value| {
-            doc.get("id")
-                .and_then(serde_json::Value::as_str)
-                .map(str::to_owned)
-        };
+        let field = self.group.queue().config().partition_key_field();
         if let Some(at) = docs
             .iter()
-            .position(|d| id(d).as_deref() == Some(&seek.marker.id))
+            .position(|d| crate::identity::is(d, field, &seek.marker.id, &seek.marker.pk))
         {
             if at > 0 || seek.seeking {
                 warn!(skipped = at + 1, "the feed served documents before the checkpoint again; skipped up to the last one recorded");
@@ -1171,7 +1636,6 @@ impl<H: Handler> RangeProcessor<H> {
             return docs.into_iter().skip(at + 1).collect();
         }
         if seek.position.is_none() {
-            let field = self.group.queue().config().partition_key_field();
             let marker = serde_json::json!({"id": seek.marker.id, field: seek.marker.pk});
             seek.position = Some(self.group.item_position(&marker).await.ok().flatten());
         }
@@ -1266,30 +1730,30 @@ impl<H: Handler> RangeProcessor<H> {
 
     /// A page's messages and how each is delivered, and the documents the lease's window says
     /// are done or pending already. Malformed documents are counted and skipped with a reason.
-    #[allow(clippy::type_complexity)]
     fn handling(
         &self,
         r: &mut Reading,
         docs: Vec<serde_json::Value>,
-    ) -> (Vec<(Message, Path)>, Vec<(String, Settle)>) {
+    ) -> (Vec<Handed>, Vec<(String, Settle)>) {
         let config = self.group.config();
         let field = self.group.queue().config().partition_key_field();
         let check_stream = config.mode == DeliveryMode::Stream && config.ordered;
-        let (mut deliveries, mut known) = (Vec::new(), Vec::new());
+        let (mut handed, mut known) = (Vec::new(), Vec::new());
         for doc in docs {
             let message = match Message::from_document(&doc, field) {
                 Ok(message) => message,
                 Err(reason) => {
                     ConsumerStats::bump(&self.stats.malformed);
                     warn!(queue = self.group.queue().name(), id = ?doc.get("id"), %reason, "skipping a malformed document in the messages container");
-                    if let Some(recovery) = &mut r.recovery {
-                        recovery.left = recovery.left.saturating_sub(1);
+                    if let Some(inherited) = r.checkpoint.inherited() {
+                        inherited.skipped();
                     }
                     continue;
                 }
             };
-            let handling = match &mut r.recovery {
-                Some(recovery) => recovery.next(&message.id, config.ordered),
+            let identity = crate::identity::fingerprint(&message.id, &message.partition_key);
+            let handling = match r.checkpoint.inherited() {
+                Some(inherited) => inherited.next(&identity, &message.id, config.ordered),
                 None if check_stream && r.read < self.options.max_in_flight_per_range => {
                     Handling::Deliver(Path::Checked)
                 }
@@ -1297,54 +1761,100 @@ impl<H: Handler> RangeProcessor<H> {
             };
             r.read += 1;
             match handling {
-                Handling::Deliver(path) => deliveries.push((message, path)),
-                Handling::Known(fate) => known.push((message.id, fate)),
+                Handling::Deliver(path) => handed.push(Handed {
+                    message,
+                    identity,
+                    path,
+                }),
+                Handling::Known(fate) => known.push((identity, fate)),
             }
         }
-        (deliveries, known)
+        (handed, known)
     }
 
     /// One delivery task per message of page `seq`, each taking its turn.
-    fn dispatch(&self, r: &mut Reading, seq: u64, messages: Vec<(Message, Path)>) {
+    fn dispatch(
+        &self,
+        r: &mut Reading,
+        seq: u64,
+        handed: Vec<Handed>,
+        turns: Vec<(Turn, Option<watch::Sender<KeyState>>)>,
+    ) {
         let config = self.group.config();
-        let ordered = config.ordered;
-        let fenced = config.lease_recorded();
+        let lease_locked = config.lease_recorded();
+        let promoting = config.mode == DeliveryMode::Exclusive;
         let page_started = Arc::new(AtomicBool::new(false));
-        for (message, path) in messages {
+        for (
+            Handed {
+                message,
+                identity,
+                path,
+            },
+            (turn, key_state),
+        ) in handed.into_iter().zip(turns)
+        {
             r.in_flight += 1;
-            let turn = r.turn(ordered, &message);
             let (promoted_tx, mut promoted) = oneshot::channel();
-            let fence = fenced.then(|| Fence {
-                promote_after: self.options.promote_after,
-                promote_now: r.stops.promote_now.clone(),
-                lost: r.stops.step_aside.clone(),
+            let promotion = promoting.then(|| Promotion {
+                after: self.options.promote_after,
+                now: r.stops.promote_now.clone(),
                 promoted: Some(promoted_tx),
             });
+            let lease = lease_locked.then(|| LeaseLock {
+                lost: r.stops.step_aside.clone(),
+                held: r.held.subscribe(),
+            });
+            let start = self
+                .records_starts()
+                .then(|| (seq, identity.clone(), r.start_tx.clone()));
             let delivery = RangeDelivery {
                 deliverer: Arc::clone(&self.deliverer),
                 permits: Arc::clone(&self.permits),
                 stop: r.stops.clone(),
                 page_started: Arc::clone(&page_started),
                 path,
-                fence,
+                promotion,
+                lease,
+                start,
+                locked_until: LockedUntil::default(),
             };
             let done = r.done_tx.clone();
+            let (id, key) = (message.id.clone(), message.partition_key.clone());
+            let (enqueued_at, expires_at) = (
+                message.enqueued_at,
+                self.group.queue().message_expires_at(&message),
+            );
             r.deliveries.spawn(self.deliveries.track_future(async move {
-                let id = message.id.clone();
+                let report = |fate| Report {
+                    seq,
+                    identity: identity.clone(),
+                    id: id.clone(),
+                    key: key.clone(),
+                    enqueued_at,
+                    expires_at,
+                    fate,
+                };
                 let run = delivery.run(message, turn);
                 tokio::pin!(run);
-                // A delivery that gets a lock of its own is reported as pending at once: the
-                // range may pass it, and the delivery goes on under its lock.
+                // A delivery that stops holding the range (its long work has a lock of its
+                // own, or it was parked) is reported as pending at once: the range may pass
+                // it, the key's next message waits on its state, and the delivery goes on.
                 let fate = tokio::select! {
                     biased;
                     fate = &mut run => fate,
                     Ok(()) = &mut promoted => {
-                        let _ = done.send((seq, id, Fate::Pending));
+                        if let Some(state) = &key_state {
+                            state.send_replace(Some((id.clone(), Fate::Pending)));
+                        }
+                        let _ = done.send(report(Fate::Pending));
                         run.await;
                         return;
                     }
                 };
-                let _ = done.send((seq, id, fate));
+                if let Some(state) = &key_state {
+                    state.send_replace(Some((id.clone(), fate)));
+                }
+                let _ = done.send(report(fate));
             }));
         }
     }
@@ -1362,7 +1872,12 @@ impl<H: Handler> RangeProcessor<H> {
         for _ in 0..RELEASE_TRIES {
             match self.store.release(&lease).await {
                 Ok(()) => {
-                    info!(owner = %self.options.owner, "lease released");
+                    info!(owner = %self.options.holder(), "lease released");
+                    crate::ledger::lease_released(
+                        self.group.name(),
+                        &lease.id,
+                        &self.options.holder(),
+                    );
                     return RangeExit::Released;
                 }
                 // Changed by another host asking for it (a hand-over request), not taken:
@@ -1381,37 +1896,71 @@ impl<H: Handler> RangeProcessor<H> {
     /// Writes what the range recorded: the checkpoint, and in exclusive groups the window
     /// past it. `Some(exit)` when the lease is gone.
     async fn flush(&self, r: &mut Reading) -> Step {
-        if r.recovery.is_none() {
-            return self
-                .write_checkpoint(&mut r.lease, r.checkpoint.position())
-                .await;
+        if !r.windowed {
+            return self.write_checkpoint(r).await;
         }
         self.write_record(r).await.err()
     }
 
     /// Writes the lease with the checkpoint and the window (exclusive groups), and counts the
     /// completions it records. `Ok(false)` when the lease is being handed over (the range
-    /// drains); a write that keeps failing is retried until the lease would expire, then the
-    /// range stops (the lease, still in this host's name, is taken back at the next acquire
-    /// round, and what the write would have recorded is delivered again).
+    /// drains); a write that keeps failing is retried until the lease would no longer surely
+    /// be this range's, then the range stops (the lease, still in this host's name, is taken
+    /// back at the next acquire round, and what the write would have recorded is delivered
+    /// again).
     ///
-    /// Completions are counted as the write is sent, and taken back when it is known not to
-    /// have landed: a write whose answer is lost (a timeout after the service applied it) is
-    /// recorded, and the process may die before it learns so, while a refusal is known at once.
+    /// Completions are counted (and announced on the ledger) once the write landed; a write
+    /// whose answer is lost (a timeout after the service applied it) is read back.
     async fn write_record(&self, r: &mut Reading) -> Result<bool, RangeExit> {
-        let completions = r.checkpoint.unwritten_completions();
-        r.checkpoint.completions_written(completions);
-        self.stats
-            .completed
-            .fetch_add(completions, std::sync::atomic::Ordering::Relaxed);
+        let completions = r.checkpoint.take_unwritten();
         let (written, result) = self.try_record(r).await;
-        if !written {
-            r.checkpoint.completions_unwritten(completions);
+        if written {
             self.stats
                 .completed
-                .fetch_sub(completions, std::sync::atomic::Ordering::Relaxed);
+                .fetch_add(completions.len() as u64, Ordering::Relaxed);
+            for c in &completions {
+                crate::ledger::completion_recorded(self.group.name(), &c.id, &c.key);
+            }
+        } else if result.is_err() {
+            // The range stops with completions its lease could not record (an outage outlasted
+            // the lease, or another host has it now): they are written as state documents
+            // instead, so a success is not thrown away and delivered again.
+            self.complete_by_documents(completions).await;
+        } else {
+            r.checkpoint.restore_unwritten(completions);
         }
         result
+    }
+
+    /// Records completions the lease could not, one state document each (best effort: what
+    /// cannot be written is delivered again by the range's next owner).
+    async fn complete_by_documents(&self, completions: Vec<Completion>) {
+        for c in completions {
+            match self
+                .group
+                .record_completion(&c.id, &c.key, c.enqueued_at, c.expires_at)
+                .await
+            {
+                Ok(true) => {
+                    ConsumerStats::bump(&self.stats.completed);
+                    crate::ledger::completion_recorded(self.group.name(), &c.id, &c.key);
+                }
+                Ok(false) => {
+                    debug!(message_id = %c.id, "a state document owns the message already; its completion here is not recorded")
+                }
+                Err(e) => {
+                    warn!(message_id = %c.id, error = %e, "its completion could not be recorded; the range's next owner delivers it again")
+                }
+            }
+        }
+    }
+
+    /// The lock duration the lease advertises while it holds started deliveries: the group's,
+    /// when shorter than the lease expiry (see [`Lease::lock_ms`]).
+    fn lease_lock_ms(&self) -> Option<u64> {
+        let lock = self.group.config().lock_duration;
+        (self.records_starts() && lock < self.options.lease_expire)
+            .then_some(lock.as_millis() as u64)
     }
 
     /// [`Self::write_record`]'s write: whether it landed, and what the range does next.
@@ -1419,21 +1968,28 @@ impl<H: Handler> RangeProcessor<H> {
         let writes = self.group.config().exclusive_writes;
         let position = r.checkpoint.position().clone();
         let window = r.checkpoint.record();
-        let expire = duration_ms(self.options.lease_expire);
         let mut attempt = 0u32;
-        // Tried until the lease would expire: giving up sooner would throw completions away
-        // (the next owner delivers them again) while the lease may still be good.
-        while self.now() - r.lease.timestamp < expire {
+        // Tried while the lease is surely this range's: giving up sooner would throw
+        // completions away (the next owner delivers them again) while the lease may be good.
+        while Instant::now() < *r.held.borrow() {
             attempt += 1;
-            let now = self.now();
+            let sent = Instant::now();
             let written = self
                 .store
-                .record(&r.lease, position.clone(), window.clone(), writes, now)
+                .record(
+                    &r.lease,
+                    position.clone(),
+                    window.clone(),
+                    writes,
+                    self.lease_lock_ms(),
+                    self.now(),
+                )
                 .await;
             match written {
                 Ok(written) => {
                     r.lease = written;
                     r.unwritten = false;
+                    r.written(sent, &self.options);
                     if r.reading && r.lease.handover_to.is_some() {
                         let current = r.lease.clone();
                         r.hand_over(current);
@@ -1442,15 +1998,12 @@ impl<H: Handler> RangeProcessor<H> {
                     return (true, Ok(true));
                 }
                 Err(LeaseError::Lost) => match self.current(&r.lease).await {
-                    Ok(Some(current)) if current.handover_to.is_some() && r.reading => {
-                        r.hand_over(current);
-                        return (false, Ok(false));
-                    }
-                    // Still ours (asked for, or an earlier write landed unanswered): again.
+                    // Still ours (asked for, or an earlier write landed unanswered): written
+                    // again on what is there now (and handed over after, if asked).
                     Ok(Some(current)) => r.lease = current,
                     Ok(None) => {}
                     Err(()) => {
-                        warn!(owner = %self.options.owner, in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
+                        warn!(owner = %self.options.holder(), in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
                         return (false, Err(RangeExit::Lost));
                     }
                 },
@@ -1463,6 +2016,7 @@ impl<H: Handler> RangeProcessor<H> {
                         r.lease = current;
                         if landed {
                             r.unwritten = false;
+                            r.written(sent, &self.options);
                             return (true, Ok(true));
                         }
                     }
@@ -1470,7 +2024,7 @@ impl<H: Handler> RangeProcessor<H> {
             }
             tokio::time::sleep(Duration::from_millis(50 << attempt.min(4))).await;
         }
-        warn!(group = self.group.name(), lease = %r.lease.range_label(), "the lease could not be written before it expired; stopped reading the range");
+        warn!(group = self.group.name(), lease = %r.lease.range_label(), "the lease could not be written before it ran out; stopped reading the range");
         (false, Err(RangeExit::Lost))
     }
 
@@ -1478,7 +2032,9 @@ impl<H: Handler> RangeProcessor<H> {
     /// decides); `Err(())` when another host owns it or it is gone.
     async fn current(&self, lease: &Lease) -> Result<Option<Lease>, ()> {
         match self.store.read(&lease.id).await {
-            Ok(Some(current)) if current.owner.as_deref() == Some(self.options.owner.as_str()) => {
+            Ok(Some(current))
+                if current.owner.as_deref() == Some(self.options.holder().as_str()) =>
+            {
                 Ok(Some(current))
             }
             Ok(_) => Err(()),
@@ -1502,31 +2058,37 @@ impl<H: Handler> RangeProcessor<H> {
         Err(())
     }
 
-    /// `Some(exit)` when the lease is gone.
-    async fn write_checkpoint(
-        &self,
-        lease: &mut Lease,
-        checkpoint: &Option<String>,
-    ) -> Option<RangeExit> {
-        let token = checkpoint.clone()?;
-        match self.store.checkpoint(lease, token, self.now()).await {
-            Ok(written) => {
-                debug!(group = self.group.name(), lease = %lease.range_label(), "checkpoint");
-                *lease = written;
-                None
-            }
-            Err(LeaseError::Lost) => {
-                // Still ours (another host asked for it): write again on what is stored.
-                if let Ok(Some(current)) = self.current(lease).await {
-                    *lease = current;
-                    return Box::pin(self.write_checkpoint(lease, checkpoint)).await;
+    /// Writes a moved checkpoint (groups without a window); `Some(exit)` when the lease is
+    /// gone.
+    async fn write_checkpoint(&self, r: &mut Reading) -> Step {
+        let token = r.checkpoint.position().clone()?;
+        loop {
+            let sent = Instant::now();
+            match self
+                .store
+                .checkpoint(&r.lease, token.clone(), self.now())
+                .await
+            {
+                Ok(written) => {
+                    debug!(group = self.group.name(), lease = %r.lease.range_label(), "checkpoint");
+                    r.lease = written;
+                    r.written(sent, &self.options);
+                    return None;
                 }
-                warn!(group = self.group.name(), lease = %lease.range_label(), "lease lost at checkpoint; stopped reading the range");
-                Some(RangeExit::Lost)
-            }
-            Err(LeaseError::Other(e)) => {
-                warn!(group = self.group.name(), lease = %lease.range_label(), error = %e, "checkpoint failed; retrying");
-                None
+                Err(LeaseError::Lost) => {
+                    // Still ours (another host asked for it): write again on what is stored.
+                    if let Ok(Some(current)) = self.current(&r.lease).await {
+                        r.lease = current;
+                        tokio::time::sleep(LOST_AGAIN).await;
+                        continue;
+                    }
+                    warn!(group = self.group.name(), lease = %r.lease.range_label(), "lease lost at checkpoint; stopped reading the range");
+                    return Some(RangeExit::Lost);
+                }
+                Err(LeaseError::Other(e)) => {
+                    warn!(group = self.group.name(), lease = %r.lease.range_label(), error = %e, "checkpoint failed; retrying");
+                    return None;
+                }
             }
         }
     }
@@ -1538,7 +2100,7 @@ mod tests {
 
     fn page(ids: &[&str]) -> Vec<serde_json::Value> {
         ids.iter()
-            .map(|id| serde_json::json!({ "id": id }))
+            .map(|id| serde_json::json!({ "id": id, "pk": "k" }))
             .collect()
     }
 
@@ -1549,22 +2111,33 @@ mod tests {
     }
 
     #[test]
-    fn a_range_delivers_each_id_it_read_once_and_forgets_the_oldest_past_the_cap() {
+    fn a_range_delivers_each_message_it_read_once_and_forgets_the_oldest_past_the_cap() {
         let mut seen = Seen::default();
-        assert_eq!(ids(&seen.first_reads(page(&["a", "b", "a"]))), ["a", "b"]);
+        assert_eq!(
+            ids(&seen.first_reads(page(&["a", "b", "a"]), "pk")),
+            ["a", "b"]
+        );
         // Served again after a merge renumbered the feed: skipped; documents without an id
-        // are left for the malformed-document path.
-        let again = seen.first_reads(vec![
-            serde_json::json!({"id": "b"}),
-            serde_json::json!({"no": "id"}),
-            serde_json::json!({"id": "c"}),
-        ]);
-        assert_eq!(ids(&again), ["-", "c"]);
+        // are left for the malformed-document path; the same id under another key is another
+        // message.
+        let again = seen.first_reads(
+            vec![
+                serde_json::json!({"id": "b", "pk": "k"}),
+                serde_json::json!({"no": "id"}),
+                serde_json::json!({"id": "c", "pk": "k"}),
+                serde_json::json!({"id": "b", "pk": "other"}),
+            ],
+            "pk",
+        );
+        assert_eq!(ids(&again), ["-", "c", "b"]);
         let many: Vec<String> = (0..SEEN_CAP).map(|i| format!("m{i}")).collect();
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
-        assert_eq!(seen.first_reads(page(&many)).len(), SEEN_CAP);
+        assert_eq!(seen.first_reads(page(&many), "pk").len(), SEEN_CAP);
         assert_eq!((seen.ids.len(), seen.order.len()), (SEEN_CAP, SEEN_CAP));
         // "a", "b" and "c" were the oldest: forgotten, so read as new; "m0" is still known.
-        assert_eq!(ids(&seen.first_reads(page(&["a", "m0", "c"]))), ["a", "c"]);
+        assert_eq!(
+            ids(&seen.first_reads(page(&["a", "m0", "c"]), "pk")),
+            ["a", "c"]
+        );
     }
 }

@@ -71,6 +71,12 @@ pub struct Lease {
     /// documents through its first window, since its deliveries wrote claims.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writes: Option<crate::config::ExclusiveWrites>,
+    /// Set while the window lists started deliveries whose only lock is this lease and the
+    /// group's lock duration (ms) is shorter than the lease expiry: the lease is then expired
+    /// once unchanged for this long, so a dead owner's deliveries come back within the lock
+    /// duration, as claims' do. Its owner renews it at least three times per this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock_ms: Option<u64>,
     /// The document's ETag as last read: every change is `If-Match` on it.
     #[serde(rename = "_etag", default, skip_serializing)]
     pub etag: Option<String>,
@@ -80,14 +86,18 @@ pub struct Lease {
 /// in-flight window, bounded by the range's in-flight limit.
 ///
 /// The continuation moves by whole pages, so one slow message holds it while later ones
-/// settle; this records their fate without a write per message. Ids, not positions: a
-/// document that leaves by TTL shifts positions, never ids.
+/// settle; this records their fate without a write per message. Each list names messages by
+/// identity ([`crate::identity::fingerprint`] of id and key), never by position: a document
+/// that leaves by TTL, or a split that gives half of the window's documents to another range,
+/// moves positions, never identities.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Window {
-    /// Feed documents read past the continuation and handed out (or skipped as done). A
-    /// next owner that took the lease without a release delivers the ones among them that are
-    /// in no list below as redeliveries (their first delivery may have happened).
+    /// [`WINDOW_IDENTITIES`] when the lists hold identities. Absent in windows of older
+    /// versions: their lists hold ids, and `read` counts positions.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub v: u32,
+    /// Older versions: feed documents read past the continuation and handed out.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub read: u32,
     /// Settled: completed (recorded here and nowhere else) or settled by a state document.
@@ -96,9 +106,14 @@ pub struct Window {
     /// A state document brings them back (a retry, a schedule, long work under its own lock).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pending: Vec<String>,
-    /// Handed out but never started (the range drained first): first deliveries still.
+    /// Handed out but never started (the range drained first, or an ordered message still
+    /// waits for its key's turn): first deliveries still.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unstarted: Vec<String>,
+    /// Started with no outcome recorded: the app may have them. A next owner that took the
+    /// lease without a hand-over delivers them again, as redeliveries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub started: Vec<String>,
     /// The last document before the continuation. A feed that serves the continuation from
     /// an earlier position (the emulator after a partition merge renumbers its LSNs) would
     /// deliver again what was completed here, with no state document to say so: the next
@@ -111,7 +126,14 @@ pub struct Window {
     /// read `after` only.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub after_each: Vec<Marker>,
+    /// The lists came with a split: they may name documents of the sibling range, which this
+    /// range never reads (estimates do not count them as this range's).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub split: bool,
 }
+
+/// [`Window::v`] of windows whose lists hold identities.
+pub const WINDOW_IDENTITIES: u32 = 2;
 
 /// A message of the messages container: its id and partition key value.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -143,6 +165,23 @@ impl Window {
             && self.done.is_empty()
             && self.pending.is_empty()
             && self.unstarted.is_empty()
+            && self.started.is_empty()
+    }
+
+    /// Whether the lists hold identities (this version's windows) rather than ids.
+    pub fn by_identity(&self) -> bool {
+        self.v >= WINDOW_IDENTITIES
+    }
+
+    /// Whether `id` under `key` is in `list` (identities, or ids in older windows).
+    pub fn lists(&self, list: &[String], id: &str, key: &crate::message::MessageKey) -> bool {
+        match self.by_identity() {
+            true => {
+                let fingerprint = crate::identity::fingerprint(id, key);
+                list.contains(&fingerprint)
+            }
+            false => list.iter().any(|x| x == id),
+        }
     }
 }
 
@@ -170,6 +209,7 @@ impl Lease {
             handover_at: None,
             window: Window::default(),
             writes: None,
+            lock_ms: None,
             etag: None,
         }
     }
@@ -191,9 +231,24 @@ impl Lease {
             .map_err(|e| QueueError::Config(format!("lease {}: {e}", self.id)))
     }
 
-    /// Whether its owner missed renewing it for `expire_ms`.
+    /// Whether its owner missed renewing it for `expire_ms`, by the owner's wall clock (what
+    /// tools outside a host judge by; hosts judge by their own observation, see
+    /// [`Self::unchanged_expiry_ms`]).
     pub fn is_expired(&self, now: i64, expire_ms: i64) -> bool {
         self.owner.is_none() || self.timestamp + expire_ms < now
+    }
+
+    /// How long this version of the lease must stay unchanged before another host may take it:
+    /// `expire_ms`, or the lock duration it advertises while it is the only lock of started
+    /// deliveries (see [`Self::lock_ms`]).
+    pub fn unchanged_expiry_ms(&self, expire_ms: i64) -> i64 {
+        if crate::buggify::on(crate::buggify::Bug::RecoveryWaitsForLeaseExpiry) {
+            return expire_ms;
+        }
+        match self.lock_ms {
+            Some(lock) if !self.window.started.is_empty() => expire_ms.min(lock as i64),
+            _ => expire_ms,
+        }
     }
 
     /// A short name for logs: the range bounds.
@@ -345,6 +400,18 @@ impl LeaseStore {
         expire_ms: i64,
         per_partition: u32,
     ) -> Result<Reconciled> {
+        self.reconcile_judged(now, per_partition, |l: &Lease| l.is_expired(now, expire_ms))
+            .await
+    }
+
+    /// [`Self::reconcile_with`] where `expired` says which leases nobody holds (a host judges
+    /// by how long it has seen a lease unchanged, not by another host's clock).
+    pub async fn reconcile_judged(
+        &self,
+        now: i64,
+        per_partition: u32,
+        expired: impl Fn(&Lease) -> bool,
+    ) -> Result<Reconciled> {
         let ranges = self
             .queue
             .messages()
@@ -389,7 +456,7 @@ impl LeaseStore {
             if children.is_empty() {
                 continue;
             }
-            if lease.is_expired(now, expire_ms) {
+            if expired(lease) {
                 self.split(lease, &children, now).await?;
                 changed = true;
             } else {
@@ -432,10 +499,11 @@ impl LeaseStore {
             });
             // Upsert: children an interrupted split of an earlier version left behind are
             // brought up to the parent's checkpoint.
-            // The parent's window goes to both children: each skips the ids of its own range
-            // that were done, and ids of the other child never appear in its feed.
+            // The parent's window goes to both children: each finds the messages of its own
+            // range in it, by identity, and the other child's never appear in its feed.
             let mut child = Lease::new(&self.group, min, max, continuation, now);
             child.window = parent.window.clone();
+            child.window.split = parent.window.by_identity();
             child.writes = parent.writes;
             batch = batch
                 .upsert_item(child, None)
@@ -578,17 +646,20 @@ impl LeaseStore {
     }
 
     /// Writes the continuation and the window past it (the lease write path's record): also a
-    /// renewal, and a fence, since it fails once another host owns the lease.
+    /// renewal, and a fence, since it fails once another host owns the lease. `lock_ms`: the
+    /// lock duration the lease advertises for its started deliveries (see [`Lease::lock_ms`]).
     pub async fn record(
         &self,
         lease: &Lease,
         continuation: Option<String>,
         window: Window,
         writes: crate::config::ExclusiveWrites,
+        lock_ms: Option<u64>,
         now: i64,
     ) -> Result<Lease, LeaseError> {
         let mut next = lease.clone();
         next.writes = Some(writes);
+        next.lock_ms = lock_ms.filter(|_| !window.started.is_empty());
         if continuation != next.continuation {
             next.checkpointed_at = Some(now);
         }

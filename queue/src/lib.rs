@@ -12,6 +12,8 @@
 
 pub mod backoff;
 pub mod balance;
+pub mod buggify;
+pub mod chance;
 mod checkpoint;
 pub mod clock;
 pub mod config;
@@ -24,7 +26,9 @@ pub mod error;
 pub mod estimate;
 pub mod group;
 pub mod host;
+pub mod identity;
 pub mod lease;
+pub mod ledger;
 pub mod measure;
 pub mod message;
 pub mod metric_names;
@@ -33,6 +37,7 @@ pub mod producer;
 pub mod pull;
 pub mod queue;
 pub mod range;
+mod recovery;
 pub mod scaling;
 pub mod state;
 pub mod telemetry;

@@ -366,10 +366,15 @@ pub struct Message {
 
 impl Message {
     /// When the message leaves the container by TTL (epoch ms), given the queue's retention.
+    /// An item's own `ttl` wins over the container's; `-1` (or any negative) is Cosmos DB's
+    /// "never", which another producer may write.
     pub fn expires_at(&self, retention_secs: Option<i64>) -> Option<i64> {
-        self.ttl_secs
-            .or(retention_secs)
-            .map(|secs| self.enqueued_at.saturating_add(secs.saturating_mul(1000)))
+        let secs = match self.ttl_secs {
+            Some(ttl) if ttl < 0 => return None,
+            Some(ttl) => Some(ttl),
+            None => retention_secs,
+        };
+        secs.map(|secs| self.enqueued_at.saturating_add(secs.saturating_mul(1000)))
     }
 
     /// Whether the message may be delivered at `now_ms`.
@@ -641,6 +646,16 @@ mod tests {
             .into_message(1_000)
             .unwrap();
         assert_eq!(msg.expires_at(Some(10)), Some(3_000));
+    }
+
+    #[test]
+    fn a_foreign_ttl_of_minus_one_never_expires_whatever_the_retention() {
+        // Another producer wrote `"ttl": -1` (Cosmos DB's "never"): no expiry, so a retry
+        // backs off as usual and a completion is kept as long as the container keeps items.
+        let doc = json!({"id": "m", "pk": "k", "body": 1, "enqueuedAt": 1_000, "ttl": -1});
+        let msg = Message::from_document(&doc, "pk").unwrap();
+        assert_eq!(msg.expires_at(Some(10)), None);
+        assert_eq!(msg.expires_at(None), None);
     }
 
     #[test]

@@ -335,6 +335,7 @@ mod tests {
             delivery_count: count,
             group: "g".into(),
             queue: "q".into(),
+            locked_until: Default::default(),
         }
     }
 

@@ -117,6 +117,11 @@ pub struct StateDoc {
     /// Cosmos per-item TTL in seconds: the message's remaining life plus a margin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl: Option<i64>,
+    /// Ordered groups: ids of earlier messages of the same key that must be settled before
+    /// this one is delivered (it was parked behind them: their work ran long, or a range's new
+    /// owner found them unsettled). Cleared when it is claimed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waits_for: Vec<String>,
     /// The message's effective partition key (hex): which lease's range it is in, so each host
     /// sweeps the state of the ranges it owns. Set on every write of a state the sweep looks
     /// for (not on settled ones); documents written before it existed have none until their
@@ -130,7 +135,7 @@ pub struct StateDoc {
 
 /// A fresh lock token.
 pub fn new_lock_token() -> String {
-    uuid::Uuid::new_v4().simple().to_string()
+    format!("{:032x}", crate::chance::bits())
 }
 
 /// Longest readable state partition key, `<group>|<key>`; Cosmos takes up to 2 KB.
@@ -248,6 +253,7 @@ impl StateDoc {
             reason: None,
             settled_at: None,
             ttl: None,
+            waits_for: Vec::new(),
             epk: None,
             etag: None,
         }
@@ -260,6 +266,7 @@ impl StateDoc {
 
     pub(crate) fn lock(&mut self, owner: &str, now_ms: i64, lock: Duration, token: &str) {
         self.state = MessageState::Locked;
+        self.waits_for.clear();
         self.owner = Some(owner.into());
         self.lock_token = Some(token.to_owned());
         self.due = Some(now_ms + duration_ms(lock));

@@ -316,6 +316,7 @@ mod tests {
             delivery_count: 3,
             group: "billing".into(),
             queue: "orders".into(),
+            locked_until: Default::default(),
         }
     }
 

@@ -182,6 +182,7 @@ mod tests {
             delivery_count: 1,
             group: "g".into(),
             queue: "q".into(),
+            locked_until: Default::default(),
         }
     }
 

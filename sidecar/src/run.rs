@@ -85,7 +85,7 @@ async fn serve(
     let group = queue.group(config.group_config())?;
     let metrics = Arc::new(Metrics::new(&config.queue, &config.group));
     let options = config.host_options();
-    let owner = options.owner.clone();
+    let owner = options.holder();
     // The app pushed to, at its port; or none: pull workers come to the API.
     let (pushed, handler, puller) = match (config.app_mode, config.app_port) {
         (AppMode::Push, Some(port)) => {

@@ -282,6 +282,7 @@ mod tests {
             delivery_count: 1,
             group: "billing".into(),
             queue: "orders".into(),
+            locked_until: Default::default(),
         }
     }
 

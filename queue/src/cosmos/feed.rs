@@ -16,6 +16,9 @@ use crate::error::{QueueError, Result};
 
 pub(crate) type Pages = ChangeFeedPageIterator<ChangeFeedItem<Value>>;
 
+/// One page of [`Pages`].
+pub(crate) type PageOf = azure_data_cosmos::feed::FeedPage<ChangeFeedItem<Value>>;
+
 /// Opens the feed of `scope` at `position` (a continuation token), or at `start` without one.
 pub(crate) async fn open(
     container: &ContainerClient,
@@ -82,6 +85,16 @@ impl FeedReader {
             pages: None,
             charges,
         }
+    }
+
+    /// The next page, of at most `max` items (a new page size reopens the feed at the
+    /// position: no request is made for that).
+    pub(crate) async fn next_page_of(&mut self, max: u32) -> Result<Page> {
+        if max != self.page_size && max > 0 {
+            self.page_size = max;
+            self.pages = None;
+        }
+        self.next_page().await
     }
 
     /// The next page.

@@ -188,6 +188,13 @@ impl Group {
         doc.lock(owner, now, self.config.lock_duration, token);
         doc.refresh_ttl(now, self.retention_secs());
         let written = match self.create(&doc, "promote").await {
+            Ok(Write::Lost) => match self.read_doc(&doc.message_pk, &doc.id).await? {
+                // An earlier attempt whose answer was lost created it (the SDK tried again).
+                Some(current) if current.lock_token.as_deref() == Some(token) => {
+                    Write::Done(Box::new(current))
+                }
+                _ => Write::Lost,
+            },
             Ok(written) => written,
             Err(e) => Write::Done(Box::new(self.landed(&doc, e).await?)),
         };
@@ -309,6 +316,12 @@ impl Group {
         match self.create(&doc, "dead-letter").await? {
             Write::Done(_) => {
                 warn!(group = self.name(), message_id = %message.id, reason, error, "message dead-lettered");
+                crate::ledger::dead_lettered(
+                    self.name(),
+                    &message.id,
+                    &message.partition_key,
+                    reason,
+                );
                 Ok(())
             }
             // Already recorded by someone: that record stands.
@@ -366,6 +379,17 @@ impl Group {
         next.lock(owner, now, self.config.lock_duration, token);
         next.refresh_ttl(now, self.retention_secs());
         let written = match self.replace(&next, &etag, "claim").await {
+            // Refused on the ETag: an attempt whose answer was lost may have landed (and the
+            // SDK's retry of it found the new ETag); then the lock is this claim's.
+            Ok(Write::Lost) => match self.read_doc(&next.message_pk, &next.id).await? {
+                Some(current)
+                    if current.state == MessageState::Locked
+                        && current.lock_token.as_deref() == Some(token) =>
+                {
+                    Write::Done(Box::new(current))
+                }
+                _ => Write::Lost,
+            },
             Ok(written) => written,
             Err(e) => Write::Done(Box::new(self.landed(&next, e).await?)),
         };
@@ -400,6 +424,12 @@ impl Group {
         match self.replace(&dead, &etag, "dead-letter").await? {
             Write::Done(_) => {
                 warn!(group = self.name(), message_id = %dead.id, attempts = dead.attempts, "dead-lettered: last allowed delivery never settled");
+                crate::ledger::dead_lettered(
+                    self.name(),
+                    &dead.id,
+                    &dead.message_pk,
+                    REASON_MAX_ATTEMPTS,
+                );
                 Ok(ClaimOutcome::DeadLettered)
             }
             Write::Lost => Ok(ClaimOutcome::Held {

@@ -100,8 +100,9 @@ impl Group {
         })
     }
 
-    /// State documents whose lock expired or whose retry/schedule time has come, oldest due
-    /// first is not guaranteed; at most `limit`. With `ranges` (the lease ranges a host owns),
+    /// State documents whose lock expired or whose retry/schedule time has come, longest due
+    /// first (a message parked behind its key's predecessors is looked at again and again: it
+    /// must not keep the others out of the `limit`). With `ranges` (the lease ranges a host owns),
     /// only messages in them, plus documents that carry no EPK yet: hosts sweep disjoint sets
     /// instead of racing on the same documents. Documents this version cannot read are
     /// reported and left out: they are another version's to handle, and must not stop the
@@ -131,6 +132,7 @@ impl Group {
             }
             text.push_str(&format!(" AND ({})", any.join(" OR ")));
         }
+        text.push_str(" ORDER BY c.due");
         let params: Vec<(&str, serde_json::Value)> = params
             .iter()
             .map(|(k, v)| (k.as_str(), v.clone()))
@@ -155,6 +157,54 @@ impl Group {
                 }
             })
             .collect())
+    }
+
+    /// The messages of the EPK range `[min, max)` whose state is not settled (locked, retried,
+    /// scheduled, parked), by key: what a range's new owner of an ordered group must not
+    /// deliver a key's later messages past, though its checkpoint passed them.
+    pub(crate) async fn unsettled_in(
+        &self,
+        min: &str,
+        max: &str,
+    ) -> Result<std::collections::BTreeMap<String, Vec<String>>> {
+        #[derive(serde::Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Unsettled {
+            id: String,
+            message_pk: MessageKey,
+        }
+        let query = sql::query(
+            "SELECT c.id, c.messagePk FROM c WHERE c.type = @type AND c.group = @group \
+             AND (c.state = 'locked' OR c.state = 'retry' OR c.state = 'scheduled') \
+             AND (NOT IS_DEFINED(c.epk) OR (c.epk >= @min AND c.epk < @max))",
+            &[
+                ("@type", json!(STATE_DOC_TYPE)),
+                ("@group", json!(self.name())),
+                ("@min", json!(min)),
+                ("@max", json!(max)),
+            ],
+        )?;
+        let docs: Vec<Unsettled> = sql::collect(
+            self.queue.leases(),
+            query,
+            FeedScope::full_container(),
+            None,
+            self.queue.charges(),
+            "unsettled",
+        )
+        .await?;
+        let mut by_key: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+        for doc in docs {
+            // Documents written before `epk` existed: placed by their key here.
+            let epk = self.queue.message_epk(&doc.message_pk);
+            if crate::range::epk_in(&epk, min, max) {
+                by_key
+                    .entry(doc.message_pk.canonical())
+                    .or_default()
+                    .push(doc.id);
+            }
+        }
+        Ok(by_key)
     }
 
     /// The group's state of one message, if any. On the lease write path a completion writes
@@ -194,14 +244,14 @@ impl Group {
             return Ok(None);
         };
         let w = &lease.window;
-        let listed = |list: &[String]| list.iter().any(|id| id == message_id);
-        if listed(&w.pending) || listed(&w.unstarted) {
+        let listed = |list: &[String]| w.lists(list, message_id, message_pk);
+        if listed(&w.pending) || listed(&w.unstarted) || listed(&w.started) {
             return Ok(None);
         }
         let Some(message) = self.queue.read_message(message_pk, message_id).await? else {
             return Ok(None);
         };
-        if !listed(&w.done) && self.unread(lease, message_id).await? {
+        if !listed(&w.done) && self.unread(lease, message_pk, message_id).await? {
             return Ok(None);
         }
         // Completed with no state document: a first delivery (redeliveries write claims).
@@ -212,9 +262,16 @@ impl Group {
         Ok(Some(doc))
     }
 
-    /// Whether `message_id` is at or past the lease's checkpoint (read from there on).
-    async fn unread(&self, lease: &crate::lease::Lease, message_id: &str) -> Result<bool> {
+    /// Whether the message `message_id` under `message_pk` is at or past the lease's
+    /// checkpoint (read from there on).
+    async fn unread(
+        &self,
+        lease: &crate::lease::Lease,
+        message_pk: &MessageKey,
+        message_id: &str,
+    ) -> Result<bool> {
         use futures::StreamExt;
+        let field = self.queue.config().partition_key_field();
         let mut pages = crate::cosmos::feed::open(
             self.queue.messages(),
             FeedScope::range(lease.feed_range()?),
@@ -233,10 +290,9 @@ impl Group {
                 return Ok(false);
             }
             let found = page.items().iter().any(|item| {
-                item.current()
-                    .and_then(|v| v.get("id"))
-                    .and_then(serde_json::Value::as_str)
-                    == Some(message_id)
+                item.current().is_some_and(|doc| {
+                    crate::identity::is(doc, field, message_id, message_pk.as_json())
+                })
             });
             if found {
                 return Ok(true);

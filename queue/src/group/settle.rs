@@ -8,6 +8,7 @@ use tracing::{debug, warn};
 use super::{Claim, Group, Write};
 use crate::clock::duration_ms;
 use crate::error::Result;
+use crate::message::{Message, MessageKey};
 use crate::state::{
     new_lock_token, retry_at, truncate, MessageState, StateDoc, REASON_MAX_ATTEMPTS,
 };
@@ -33,7 +34,9 @@ impl Group {
         let mut next = StateDoc::clone(current);
         next.settle(MessageState::Completed, self.now());
         next.last_error = None;
-        self.settle_claim(claim, next, "complete").await
+        self.settle_claim(claim, next, "complete").await?;
+        crate::ledger::completion_recorded(self.name(), &claim.message_id, &claim.message_pk);
+        Ok(())
     }
 
     /// Records a failed delivery: back off and deliver again, or dead-letter when out of attempts.
@@ -74,14 +77,15 @@ impl Group {
     }
 
     /// Records a failed delivery and keeps the message (ordered groups retry in place so the
-    /// key's next message keeps waiting): the attempt count grows and the lock is extended.
+    /// key's next message keeps waiting): the lock is extended over the back-off, and the next
+    /// attempt is counted when it starts ([`Self::next_attempt`]).
     pub async fn retry_in_place(&self, claim: &mut Claim, owner: &str, error: &str) -> Result<()> {
         let now = self.now();
         let mut next = self.next_state(claim, now);
         // Same token: still this claim, so a lost answer is recognised like a renewal's.
         let token = next.lock_token.clone().unwrap_or_else(new_lock_token);
         next.lock(owner, now, self.config.lock_duration, &token);
-        next.attempts = claim.attempt + 1;
+        next.attempts = claim.attempt;
         next.last_error = Some(truncate(error));
         next.refresh_ttl(now, self.retention_secs());
         let written = match &claim.state {
@@ -102,6 +106,83 @@ impl Group {
         }
     }
 
+    /// Takes back the attempt a claim counted for a delivery the app never saw (it refused the
+    /// connection): the message stays locked to this holder, counted as the app saw it. A
+    /// delivery whose lock was the range's lease gets a lock of its own. `false` when another
+    /// holder's state owns the message.
+    pub(crate) async fn uncount(
+        &self,
+        claim: &mut Claim,
+        owner: &str,
+        token: &str,
+    ) -> Result<bool> {
+        let now = self.now();
+        let Some(current) = &claim.state else {
+            let mut doc = self.first_state(claim);
+            doc.lock(owner, now, self.config.lock_duration, token);
+            doc.attempts = claim.attempt.saturating_sub(1);
+            doc.refresh_ttl(now, self.retention_secs());
+            let written = match self.create(&doc, "uncount").await {
+                Ok(Write::Lost) => match self.read_doc(&doc.message_pk, &doc.id).await? {
+                    Some(current) if current.lock_token.as_deref() == Some(token) => {
+                        Write::Done(Box::new(current))
+                    }
+                    _ => Write::Lost,
+                },
+                Ok(written) => written,
+                Err(e) => Write::Done(Box::new(self.landed(&doc, e).await?)),
+            };
+            return match written {
+                Write::Done(doc) => {
+                    claim.attempt = doc.attempts;
+                    claim.locked_until = doc.due;
+                    claim.state = Some(doc);
+                    Ok(true)
+                }
+                Write::Lost | Write::Missing => Ok(false),
+            };
+        };
+        let mut next = StateDoc::clone(current);
+        next.attempts = claim.attempt.saturating_sub(1);
+        next.due = Some(now + duration_ms(self.config.lock_duration));
+        next.refresh_ttl(now, self.retention_secs());
+        let etag = current.etag.clone().unwrap_or_default();
+        match self.replace_own(&next, &etag, "uncount").await? {
+            Write::Done(doc) => {
+                claim.attempt = doc.attempts;
+                claim.locked_until = doc.due;
+                claim.state = Some(doc);
+                Ok(true)
+            }
+            Write::Lost | Write::Missing => Err(self.lock_lost(claim)),
+        }
+    }
+
+    /// Counts the next attempt of a message retried in place, as it starts: a holder that died
+    /// during the back-off leaves the count at the deliveries that happened.
+    pub async fn next_attempt(&self, claim: &mut Claim) -> Result<()> {
+        let Some(current) = &claim.state else {
+            claim.attempt += 1;
+            return Ok(());
+        };
+        let now = self.now();
+        let mut next = StateDoc::clone(current);
+        next.attempts = claim.attempt + 1;
+        next.last_attempt_at = Some(now);
+        next.due = Some(now + duration_ms(self.config.lock_duration));
+        next.refresh_ttl(now, self.retention_secs());
+        let etag = current.etag.clone().unwrap_or_default();
+        match self.replace_own(&next, &etag, "count attempt").await? {
+            Write::Done(doc) => {
+                claim.attempt = doc.attempts;
+                claim.locked_until = doc.due;
+                claim.state = Some(doc);
+                Ok(())
+            }
+            Write::Lost | Write::Missing => Err(self.lock_lost(claim)),
+        }
+    }
+
     /// Moves the message to the group's dead letters with a reason and the last error.
     pub async fn dead_letter(&self, claim: &Claim, reason: &str, error: &str) -> Result<()> {
         let now = self.now();
@@ -111,7 +192,117 @@ impl Group {
         next.last_error = Some(truncate(error));
         self.settle_claim(claim, next, "dead-letter").await?;
         warn!(group = self.name(), message_id = %claim.message_id, attempts = claim.attempt, reason, error, "message dead-lettered");
+        crate::ledger::dead_lettered(self.name(), &claim.message_id, &claim.message_pk, reason);
         Ok(())
+    }
+
+    /// Records a delivery that has no state document yet (its lock was the range's lease) in
+    /// the dead letters: its lock could never be written, so nothing else would bring it back.
+    pub(crate) async fn dead_letter_unrecorded(
+        &self,
+        claim: &Claim,
+        reason: &str,
+        error: &str,
+    ) -> Result<()> {
+        let now = self.now();
+        let mut doc = self.next_state(claim, now);
+        doc.settle(MessageState::DeadLettered, now);
+        doc.reason = Some(truncate(reason));
+        doc.last_error = Some(truncate(error));
+        doc.refresh_ttl(now, self.retention_secs());
+        match self.create(&doc, "dead-letter").await? {
+            Write::Done(_) => {
+                warn!(group = self.name(), message_id = %claim.message_id, attempts = claim.attempt, reason, error, "message dead-lettered");
+                crate::ledger::dead_lettered(
+                    self.name(),
+                    &claim.message_id,
+                    &claim.message_pk,
+                    reason,
+                );
+                Ok(())
+            }
+            // Already recorded by someone: that record stands.
+            Write::Lost | Write::Missing => Ok(()),
+        }
+    }
+
+    /// Records the completion of a first delivery that has no state document (its range's
+    /// lease could not record it): a `completed` state, so that nobody delivers it again.
+    /// `false` when the message has a state document already (another holder's, now).
+    pub(crate) async fn record_completion(
+        &self,
+        id: &str,
+        key: &MessageKey,
+        enqueued_at: i64,
+        expires_at: Option<i64>,
+    ) -> Result<bool> {
+        let now = self.now();
+        let mut doc = StateDoc::of_key(
+            self.name(),
+            id,
+            key,
+            enqueued_at,
+            expires_at,
+            MessageState::Completed,
+        );
+        doc.attempts = 1;
+        doc.first_attempt_at = Some(now);
+        doc.last_attempt_at = Some(now);
+        doc.settle(MessageState::Completed, now);
+        doc.refresh_ttl(now, self.retention_secs());
+        match self.create(&doc, "complete").await {
+            Ok(Write::Done(_)) => Ok(true),
+            Ok(_) => Ok(false),
+            // Its answer lost: recorded if the document says so.
+            Err(e) => match self.read_doc(key, id).await {
+                Ok(Some(current)) if current.state == MessageState::Completed => Ok(true),
+                _ => Err(e),
+            },
+        }
+    }
+
+    /// Moves a waiting document's next look `after` from now (a message parked behind its
+    /// key's predecessors, which are not settled yet). Someone else's change wins.
+    pub(crate) async fn postpone(&self, doc: StateDoc, after: Duration) -> Result<()> {
+        let now = self.now();
+        let etag = doc.etag.clone().unwrap_or_default();
+        let mut next = doc;
+        next.due = Some(now + duration_ms(after));
+        next.refresh_ttl(now, self.retention_secs());
+        self.replace(&next, &etag, "postpone").await.map(|_| ())
+    }
+
+    /// Parks `message` behind the earlier messages `waits_for` of its key (ordered groups):
+    /// a scheduled state due at once, which the sweep delivers once they are settled. `false`
+    /// when the message has a state document already (it is its to bring back).
+    pub(crate) async fn park(&self, message: &Message, waits_for: Vec<String>) -> Result<bool> {
+        let now = self.now();
+        let mut doc = StateDoc::new(
+            self.name(),
+            message,
+            self.queue.message_expires_at(message),
+            MessageState::Scheduled,
+        );
+        // Due at once (the sweep checks its predecessors), or at its schedule, if later.
+        doc.due = Some(message.visible_at.unwrap_or(now).max(now));
+        doc.waits_for = waits_for;
+        doc.refresh_ttl(now, self.retention_secs());
+        let written = self.create(&doc, "park").await;
+        if let Ok(Write::Done(_)) = written {
+            return Ok(true);
+        }
+        // Its answer lost (or the SDK tried again after a lost answer and was told it exists):
+        // parked if the document says so.
+        match self.read_doc(&doc.message_pk, &doc.id).await {
+            Ok(Some(current))
+                if current.state == MessageState::Scheduled
+                    && current.waits_for == doc.waits_for =>
+            {
+                Ok(true)
+            }
+            Ok(_) => written.map(|_| false),
+            Err(e) => Err(written.err().unwrap_or(e)),
+        }
     }
 
     /// The first state document of a lease-fenced delivery (nothing recorded it yet).

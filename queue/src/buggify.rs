@@ -1,0 +1,103 @@
+//! Defects put back on purpose, so that the simulation's power is measured rather than
+//! assumed (FoundationDB's "buggify", TigerBeetle's VOPR): each [`Bug`] restores, where its
+//! fix is, the behaviour that broke a promise, and the simulation must find it within its
+//! budget.
+//!
+//! The switches exist only in builds with the `simulation` feature (the test suite's); without it
+//! [`on`] is a constant `false` and the code behind it is dead. They are per thread: the
+//! simulation runs each history on its own single-threaded runtime, so histories running side
+//! by side never see each other's switches.
+
+/// A defect the simulation must find when it is put back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Bug {
+    /// Scenario 1: the lease path knows a message by its id alone, not by (id, key).
+    IdentityById,
+    /// Scenario 2: a range's next owner delivers an ordered key's next message without
+    /// waiting for a predecessor that the checkpoint had passed (long work, a retry).
+    OrderedMoveForgetsPredecessor,
+    /// Scenario 3: a host takes back at once a lease in its own name that it does not run
+    /// (the pod name is the owner, not the process incarnation).
+    RestartRetakesLease,
+    /// Scenario 4: a delivery of a recorded page starts without checking that the lease is
+    /// still live.
+    StartUnderExpiredLease,
+    /// Scenario 5: a range's window counts positions, so a split child treats documents of its
+    /// parent's window as redeliveries.
+    PositionalWindow,
+    /// Scenario 6: a promotion refused for good leaves the message pending with no record.
+    PromoteRefusalForgotten,
+    /// Scenario 7: a redelivery with a lock of its own holds its range until the app answers.
+    RecordedClaimHoldsRange,
+    /// Scenario 9: a dead owner's first deliveries come back only at the lease's expiry,
+    /// whatever the lock duration.
+    RecoveryWaitsForLeaseExpiry,
+}
+
+impl Bug {
+    /// Every defect, in the order of the scenarios.
+    pub const ALL: [Bug; 8] = [
+        Bug::IdentityById,
+        Bug::OrderedMoveForgetsPredecessor,
+        Bug::RestartRetakesLease,
+        Bug::StartUnderExpiredLease,
+        Bug::PositionalWindow,
+        Bug::PromoteRefusalForgotten,
+        Bug::RecordedClaimHoldsRange,
+        Bug::RecoveryWaitsForLeaseExpiry,
+    ];
+
+    #[cfg(feature = "simulation")]
+    fn bit(self) -> u32 {
+        1 << (self as u32)
+    }
+}
+
+#[cfg(feature = "simulation")]
+thread_local! {
+    static ON: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether `bug` is put back on this thread.
+#[inline]
+pub fn on(bug: Bug) -> bool {
+    #[cfg(feature = "simulation")]
+    {
+        ON.with(|on| on.get() & bug.bit() != 0)
+    }
+    #[cfg(not(feature = "simulation"))]
+    {
+        let _ = bug;
+        false
+    }
+}
+
+/// Puts `bugs` back on this thread (and only these); `false` in builds without the feature.
+pub fn set(bugs: &[Bug]) -> bool {
+    #[cfg(feature = "simulation")]
+    {
+        ON.with(|on| on.set(bugs.iter().fold(0, |all, b| all | b.bit())));
+        true
+    }
+    #[cfg(not(feature = "simulation"))]
+    {
+        let _ = bugs;
+        false
+    }
+}
+
+#[cfg(all(test, feature = "simulation"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn switches_are_per_thread() {
+        assert!(set(&[Bug::IdentityById]));
+        assert!(on(Bug::IdentityById) && !on(Bug::PositionalWindow));
+        std::thread::spawn(|| assert!(!on(Bug::IdentityById)))
+            .join()
+            .unwrap();
+        set(&[]);
+        assert!(!on(Bug::IdentityById));
+    }
+}

@@ -1,0 +1,267 @@
+//! What a range's next owner makes of the window its lease carries (the lease write path):
+//! which of the documents it reads again were done, pending on a state document, never
+//! started, or started with no outcome recorded (redeliveries). Pure.
+//!
+//! Windows name messages by identity, so a split child finds exactly the messages of its own
+//! half, and a document that left by TTL changes nothing. What the previous owner recorded
+//! stays in this owner's records until it is read again here, or until the range has read
+//! everything there is (an empty page): what was never read again by then is not in this
+//! range any more (the other half of a split, or expired).
+
+use std::collections::BTreeSet;
+
+use crate::buggify::{self, Bug};
+use crate::checkpoint::Settle;
+use crate::delivery::Path;
+use crate::lease::Window;
+
+/// What the range does with a document it read.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Handling {
+    /// Deliver it this way.
+    Deliver(Path),
+    /// Hand nothing out: the window says it is already this.
+    Known(Settle),
+}
+
+/// A previous owner's window, as far as this range has not read it again.
+#[derive(Debug, Default)]
+pub(crate) struct Inherited {
+    done: BTreeSet<String>,
+    pending: BTreeSet<String>,
+    unstarted: BTreeSet<String>,
+    started: BTreeSet<String>,
+    /// The lists may name the other half of a split.
+    split: bool,
+    /// Windows of older versions: their lists hold ids, and `left` documents from the
+    /// position on are the ones they handed out.
+    by_id: bool,
+    left: u32,
+    /// Documents to look up the state of first: the lease was last written by a host whose
+    /// first deliveries wrote claims (another version, or the `claims` path).
+    check: usize,
+}
+
+impl Inherited {
+    /// What `window` says; the first `look_up_first` documents after it are looked up.
+    pub(crate) fn new(window: &Window, look_up_first: usize) -> Self {
+        let set = |list: &[String]| list.iter().cloned().collect::<BTreeSet<_>>();
+        let by_id = !window.by_identity();
+        let positional = buggify::on(Bug::PositionalWindow) && window.split;
+        let handed_out = (window.done.len()
+            + window.pending.len()
+            + window.unstarted.len()
+            + window.started.len()) as u32;
+        Self {
+            done: set(&window.done),
+            pending: set(&window.pending),
+            unstarted: set(&window.unstarted),
+            started: set(&window.started),
+            split: window.split,
+            by_id,
+            left: match (by_id, positional) {
+                (true, _) => window.read,
+                // The defect: a split child counting its parent's documents as its own.
+                (false, true) => handed_out,
+                (false, false) => 0,
+            },
+            check: look_up_first,
+        }
+    }
+
+    /// The next document read, in feed order: `identity` is its fingerprint, `id` its id
+    /// (what older windows list). Ordered groups deliver a pending message through its state
+    /// document rather than skip it: the key's later messages must wait behind it.
+    pub(crate) fn next(&mut self, identity: &str, id: &str, ordered: bool) -> Handling {
+        let name = if self.by_id { id } else { identity };
+        let listed = if self.done.remove(name) {
+            Some(Handling::Known(Settle::Done))
+        } else if self.pending.remove(name) {
+            Some(match ordered {
+                true => Handling::Deliver(Path::Checked),
+                false => Handling::Known(Settle::Pending),
+            })
+        } else if self.unstarted.remove(name) {
+            Some(Handling::Deliver(Path::Feed))
+        } else if self.started.remove(name) {
+            Some(Handling::Deliver(Path::Recovered))
+        } else {
+            None
+        };
+        let within = self.left > 0;
+        self.left = self.left.saturating_sub(1);
+        if let Some(handling) = listed {
+            self.check = self.check.saturating_sub(1);
+            return handling;
+        }
+        if within {
+            // Older windows: handed out, no outcome listed.
+            self.check = self.check.saturating_sub(1);
+            return Handling::Deliver(Path::Recovered);
+        }
+        if self.check > 0 {
+            self.check -= 1;
+            return Handling::Deliver(Path::Checked);
+        }
+        Handling::Deliver(Path::Feed)
+    }
+
+    /// A document that is not a message was read (skipped with its reason): older windows
+    /// counted it among their positions.
+    pub(crate) fn skipped(&mut self) {
+        self.left = self.left.saturating_sub(1);
+    }
+
+    /// The range read everything there is: what was not read again is not in it any more.
+    /// Whether that dropped anything the lease still records.
+    pub(crate) fn caught_up(&mut self) -> bool {
+        let dropped = !self.is_empty() && !self.by_id;
+        *self = Self {
+            check: self.check,
+            ..Self::default()
+        };
+        dropped
+    }
+
+    /// Adds what was not read again to a record of this range's own (identities only: what an
+    /// older window listed by id is not written on).
+    pub(crate) fn carry_into(&self, window: &mut Window) {
+        if self.by_id {
+            return;
+        }
+        window.done.extend(self.done.iter().cloned());
+        window.pending.extend(self.pending.iter().cloned());
+        window.unstarted.extend(self.unstarted.iter().cloned());
+        window.started.extend(self.started.iter().cloned());
+        window.split |= self.split && !self.is_empty();
+    }
+
+    fn is_empty(&self) -> bool {
+        self.done.is_empty()
+            && self.pending.is_empty()
+            && self.unstarted.is_empty()
+            && self.started.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::WINDOW_IDENTITIES;
+
+    fn window(done: &[&str], pending: &[&str], unstarted: &[&str], started: &[&str]) -> Window {
+        let list = |l: &[&str]| l.iter().map(|s| (*s).to_owned()).collect();
+        Window {
+            v: WINDOW_IDENTITIES,
+            done: list(done),
+            pending: list(pending),
+            unstarted: list(unstarted),
+            started: list(started),
+            ..Window::default()
+        }
+    }
+
+    #[test]
+    fn each_document_is_handled_as_its_identity_was_recorded() {
+        use Handling::*;
+        let w = window(&["d"], &["p"], &["u"], &["s"]);
+        for (name, identity, ordered, expected) in [
+            ("done is skipped", "d", false, Known(Settle::Done)),
+            ("pending is its state's", "p", false, Known(Settle::Pending)),
+            (
+                "pending holds an ordered key",
+                "p",
+                true,
+                Deliver(Path::Checked),
+            ),
+            (
+                "unstarted is a first delivery",
+                "u",
+                false,
+                Deliver(Path::Feed),
+            ),
+            (
+                "started is a redelivery",
+                "s",
+                false,
+                Deliver(Path::Recovered),
+            ),
+            ("anything else is new", "n", false, Deliver(Path::Feed)),
+        ] {
+            let mut inherited = Inherited::new(&w, 0);
+            assert_eq!(inherited.next(identity, "id", ordered), expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_split_child_finds_only_its_own_half_and_carries_the_rest_until_caught_up() {
+        let mut parent = window(&["mine-done", "theirs-done"], &[], &[], &["theirs-started"]);
+        parent.split = true;
+        let mut child = Inherited::new(&parent, 0);
+        // Its feed holds its own documents only: none is taken for a redelivery by position.
+        assert_eq!(
+            child.next("mine-done", "x", false),
+            Handling::Known(Settle::Done)
+        );
+        assert_eq!(
+            child.next("mine-new", "y", false),
+            Handling::Deliver(Path::Feed)
+        );
+        let mut record = Window::default();
+        child.carry_into(&mut record);
+        assert_eq!(record.done, ["theirs-done"], "carried: not read again yet");
+        assert_eq!(record.started, ["theirs-started"]);
+        assert!(record.split, "names documents this range may never read");
+        child.caught_up();
+        let mut record = Window::default();
+        child.carry_into(&mut record);
+        assert!(record.is_empty() && !record.split, "{record:?}");
+    }
+
+    #[test]
+    fn older_windows_are_read_by_id_and_position() {
+        let old = Window {
+            read: 3,
+            done: vec!["a".into()],
+            ..Window::default()
+        };
+        let mut inherited = Inherited::new(&old, 0);
+        assert_eq!(
+            inherited.next("fa", "a", false),
+            Handling::Known(Settle::Done)
+        );
+        assert_eq!(
+            inherited.next("fb", "b", false),
+            Handling::Deliver(Path::Recovered)
+        );
+        assert_eq!(
+            inherited.next("fc", "c", false),
+            Handling::Deliver(Path::Recovered)
+        );
+        assert_eq!(
+            inherited.next("fd", "d", false),
+            Handling::Deliver(Path::Feed),
+            "past `read`"
+        );
+        let mut record = Window::default();
+        inherited.carry_into(&mut record);
+        assert!(record.is_empty(), "ids are not written on as identities");
+    }
+
+    #[test]
+    fn a_claims_written_lease_has_its_first_documents_looked_up() {
+        let mut inherited = Inherited::new(&Window::default(), 2);
+        assert_eq!(
+            inherited.next("a", "a", false),
+            Handling::Deliver(Path::Checked)
+        );
+        assert_eq!(
+            inherited.next("b", "b", false),
+            Handling::Deliver(Path::Checked)
+        );
+        assert_eq!(
+            inherited.next("c", "c", false),
+            Handling::Deliver(Path::Feed)
+        );
+    }
+}
