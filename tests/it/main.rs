@@ -12,4 +12,5 @@ mod histories;
 mod leases;
 mod operator;
 mod sidecar;
+mod sim;
 mod state_machine;
