@@ -135,8 +135,8 @@ pub(crate) struct Watch {
     /// `Some` while the claim has no state document and the lease is its lock.
     pub(crate) lease: Option<LeaseLock>,
     pub(crate) locked_until: LockedUntil,
-    /// Set while the app may have the current attempt (its call went out and was not
-    /// refused): a delivery tried again after nothing could be recorded counts it.
+    /// Set once the app may have had the message (a call went out and was not refused): a
+    /// delivery nothing could be recorded for is then delivered again as a redelivery.
     pub(crate) reached: Arc<std::sync::atomic::AtomicBool>,
     started: Instant,
 }
@@ -146,12 +146,13 @@ impl Watch {
         promotion: Option<Promotion>,
         lease: Option<LeaseLock>,
         locked_until: LockedUntil,
+        reached: Arc<std::sync::atomic::AtomicBool>,
     ) -> Self {
         Self {
             promotion,
             lease,
             locked_until,
-            reached: Arc::default(),
+            reached,
             started: Instant::now(),
         }
     }
@@ -372,10 +373,12 @@ impl<H: Handler> Deliverer<H> {
             .dead_letter_unclaimed(message, REASON_PERMANENT_ERROR, &error)
             .await
         {
-            Ok(()) => {
+            Ok(true) => {
                 ConsumerStats::bump(&self.stats.dead_lettered);
                 Fate::Settled
             }
+            // Another state of it stands (a lock, a schedule): that one brings it back.
+            Ok(false) => Fate::Pending,
             Err(e) => {
                 ConsumerStats::bump(&self.stats.errors);
                 error!(group = self.group.name(), message_id = %message.id, cause = %cause, error = %e, "the message can be neither claimed nor dead-lettered; it stays ahead of the checkpoint");
@@ -530,7 +533,7 @@ impl<H: Handler> Deliverer<H> {
                     .as_ref()
                     .and_then(|s| s.lock_token.clone())
                     .unwrap_or_default();
-                let watch = Watch::new(None, None, LockedUntil::default());
+                let watch = Watch::new(None, None, LockedUntil::default(), Arc::default());
                 self.deliver(
                     message,
                     claim,
@@ -586,6 +589,11 @@ impl<H: Handler> Deliverer<H> {
                 uncounted = false;
             }
             ConsumerStats::bump(&self.stats.delivered);
+            // What the app is told its lock is: the claim's as now renewed (an in-place retry
+            // or a counted attempt moved it).
+            if let Some(until) = claim.locked_until.filter(|_| claim.is_recorded()) {
+                watch.locked_until.set(until);
+            }
             let delivery = Delivery {
                 message: message.clone(),
                 delivery_count: claim.attempt,

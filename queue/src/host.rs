@@ -614,6 +614,9 @@ struct Report {
     enqueued_at: i64,
     expires_at: Option<i64>,
     fate: Fate,
+    /// Whether the app may have had it: what nothing could be recorded for is a redelivery
+    /// for the range's next reader then, a first delivery otherwise.
+    reached: bool,
 }
 
 /// A delivery that waited for its turn asks to start (the lease write path): its start is
@@ -659,6 +662,8 @@ struct RangeDelivery<H> {
     /// The lease write path: where a waiting delivery asks to start.
     start: Option<(u64, String, mpsc::UnboundedSender<StartRequest>)>,
     locked_until: LockedUntil,
+    /// Set once the app may have had the message (see [`Watch::reached`]).
+    reached: Arc<AtomicBool>,
 }
 
 impl<H: Handler> RangeDelivery<H> {
@@ -844,8 +849,13 @@ impl<H: Handler> RangeDelivery<H> {
         self.page_started.store(true, Ordering::SeqCst);
         drop(turn_done);
         let mut permit = Permit::held(Arc::clone(&self.permits), permit);
-        let watch = Watch::new(self.promotion, self.lease, self.locked_until.clone());
-        let reached = Arc::clone(&watch.reached);
+        let reached = Arc::clone(&self.reached);
+        let watch = Watch::new(
+            self.promotion,
+            self.lease,
+            self.locked_until.clone(),
+            Arc::clone(&reached),
+        );
         // Boxed: a range reads up to `max_in_flight_per_range` ahead, and each waiting task
         // would otherwise be as large as a delivery in progress (its HTTP and SDK futures,
         // ≈ 14 KB): 14 MiB for 1,024 waiting messages where 64 are processed.
@@ -884,8 +894,7 @@ impl<H: Handler> RangeDelivery<H> {
                 true => Path::Recovered,
                 false => Path::Checked,
             };
-            let watch = Watch::new(None, None, self.locked_until.clone());
-            let again = Arc::clone(&watch.reached);
+            let watch = Watch::new(None, None, self.locked_until.clone(), Arc::clone(&reached));
             fate = Box::pin(self.deliverer.process(
                 message.clone(),
                 &self.stop.give_up,
@@ -894,7 +903,6 @@ impl<H: Handler> RangeDelivery<H> {
                 watch,
             ))
             .await;
-            reached.fetch_or(again.load(Ordering::SeqCst), Ordering::SeqCst);
         }
         fate
     }
@@ -1144,12 +1152,13 @@ impl Reading {
             enqueued_at: report.enqueued_at,
             expires_at: report.expires_at,
         });
-        self.checkpoint.settle(
-            report.seq,
-            &report.identity,
-            report.fate.settle(),
-            completion,
-        );
+        // Nothing recorded and the app never had it: the next reader delivers it as new.
+        let settle = match (report.fate, report.reached) {
+            (Fate::Unrecorded, false) => Settle::Unstarted,
+            (fate, _) => fate.settle(),
+        };
+        self.checkpoint
+            .settle(report.seq, &report.identity, settle, completion);
         self.unwritten |= self.windowed;
     }
 
@@ -1794,6 +1803,7 @@ impl<H: Handler> RangeProcessor<H> {
         ) in handed.into_iter().zip(turns)
         {
             r.in_flight += 1;
+            let reached = Arc::new(AtomicBool::new(false));
             let (promoted_tx, mut promoted) = oneshot::channel();
             let promotion = promoting.then(|| Promotion {
                 after: self.options.promote_after,
@@ -1817,6 +1827,7 @@ impl<H: Handler> RangeProcessor<H> {
                 lease,
                 start,
                 locked_until: LockedUntil::default(),
+                reached: Arc::clone(&reached),
             };
             let done = r.done_tx.clone();
             let (id, key) = (message.id.clone(), message.partition_key.clone());
@@ -1833,6 +1844,7 @@ impl<H: Handler> RangeProcessor<H> {
                     enqueued_at,
                     expires_at,
                     fate,
+                    reached: reached.load(Ordering::SeqCst),
                 };
                 let run = delivery.run(message, turn);
                 tokio::pin!(run);

@@ -151,9 +151,13 @@ impl Group {
         if self.config.retry.exhausted(prior) {
             let error =
                 format!("delivery {prior} ended without an outcome (its worker stopped with it)");
-            self.dead_letter_new(message, prior, REASON_MAX_ATTEMPTS, &error)
-                .await?;
-            return Ok(ClaimOutcome::DeadLettered);
+            if self
+                .dead_letter_new(message, prior, REASON_MAX_ATTEMPTS, &error)
+                .await?
+            {
+                return Ok(ClaimOutcome::DeadLettered);
+            }
+            return self.claim_existing(message, owner, token).await;
         }
         doc.lock(owner, now, self.config.lock_duration, token);
         doc.refresh_ttl(now, self.retention_secs());
@@ -289,18 +293,19 @@ impl Group {
         message: &Message,
         reason: &str,
         error: &str,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         self.dead_letter_new(message, 0, reason, error).await
     }
 
-    /// Records `message`, delivered `attempts` times, straight in the dead letters.
+    /// Records `message`, delivered `attempts` times, straight in the dead letters: `false`
+    /// when another state of it was there first (someone's lock or schedule), which stands.
     async fn dead_letter_new(
         &self,
         message: &Message,
         attempts: u32,
         reason: &str,
         error: &str,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let now = self.now();
         let mut doc = StateDoc::new(
             self.name(),
@@ -322,10 +327,14 @@ impl Group {
                     &message.partition_key,
                     reason,
                 );
-                Ok(())
+                Ok(true)
             }
-            // Already recorded by someone: that record stands.
-            Write::Lost | Write::Missing => Ok(()),
+            // Already there (ours, when an answer was lost and the SDK tried again): dead
+            // letters only if that is what it says.
+            Write::Lost | Write::Missing => Ok(self
+                .read_doc(&message.partition_key, &message.id)
+                .await?
+                .is_some_and(|doc| doc.state == MessageState::DeadLettered)),
         }
     }
 

@@ -236,3 +236,51 @@ fn a_seed_replays_the_same_history() {
         );
     }
 }
+
+/// The simulation's power, measured: each defect of [`Bug::ALL`] put back must break a
+/// promise within the histories the suite runs (`COSMOSQ_SIM_CASES`), and the history that
+/// finds it must keep every promise without it — so what was found is the defect.
+#[test]
+fn the_simulation_finds_each_reintroduced_defect() {
+    let first = env_u64("COSMOSQ_SIM_SEED", 0);
+    let cases = env_u64("COSMOSQ_SIM_CASES", 200);
+    let only = std::env::var("COSMOSQ_SIM_BUG").ok();
+    let mut table = Vec::new();
+    let mut missed = Vec::new();
+    for bug in Bug::ALL {
+        if only.as_deref().is_some_and(|o| o != format!("{bug:?}")) {
+            continue;
+        }
+        let started = Instant::now();
+        let (result, _) = search(first, cases, &[bug]);
+        let wall = started.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => missed.push(format!("{bug:?}")),
+            Err(found) => {
+                let clean = world::run(&found.plan, &[]).verdict;
+                assert!(
+                    clean.is_ok(),
+                    "history {} fails without {bug:?} too: {}",
+                    found.seed,
+                    clean.unwrap_err()
+                );
+                table.push(format!(
+                    "{:<30} history {:>4} ({:>3} cases, {wall:>5.1} s): {}",
+                    format!("{bug:?}"),
+                    found.seed,
+                    found.seed - first + 1,
+                    kind(&found.error)
+                ));
+            }
+        }
+    }
+    println!(
+        "defect put back → first history that finds it\n{}",
+        table.join("\n")
+    );
+    assert!(
+        missed.is_empty(),
+        "{cases} histories from seed {first} did not find: {}",
+        missed.join(", ")
+    );
+}
