@@ -388,7 +388,7 @@ impl<H: Handler> Deliverer<H> {
     }
 
     /// How long until `epoch_ms` by the queue's clock.
-    fn until(&self, epoch_ms: i64) -> Duration {
+    pub(crate) fn until(&self, epoch_ms: i64) -> Duration {
         let now = self.group.queue().clock().now_ms();
         Duration::from_millis((epoch_ms - now).max(0) as u64)
     }

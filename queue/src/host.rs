@@ -873,9 +873,18 @@ impl<H: Handler> RangeDelivery<H> {
         // after a back-off, as a redelivery (claimed first: a refusal that lasts reaches no
         // app), until something is recorded or the range stops.
         let mut tries = 0;
+        let mut lock = self.locked_until.clone();
         while fate == Fate::Unrecorded && !self.stop.give_up.is_cancelled() {
             tries += 1;
-            let wait = UNRECORDED_AGAIN.backoff_random(tries);
+            // What the app may still be working on is not handed out again before the lock
+            // it was told of runs out.
+            let told = match reached.load(Ordering::SeqCst) {
+                true => lock.get().map(|until| self.deliverer.until(until)),
+                false => None,
+            };
+            let wait = UNRECORDED_AGAIN
+                .backoff_random(tries)
+                .max(told.unwrap_or_default());
             warn!(message_id = %message.id, retry_in_ms = wait.as_millis() as u64, "nothing could be recorded for the message; delivering it again later");
             let give_up = self.stop.give_up.clone();
             let waited = permit
@@ -894,7 +903,9 @@ impl<H: Handler> RangeDelivery<H> {
                 true => Path::Recovered,
                 false => Path::Checked,
             };
-            let watch = Watch::new(None, None, self.locked_until.clone(), Arc::clone(&reached));
+            // Each delivery the app gets has its own lock to watch.
+            lock = LockedUntil::default();
+            let watch = Watch::new(None, None, lock.clone(), Arc::clone(&reached));
             fate = Box::pin(self.deliverer.process(
                 message.clone(),
                 &self.stop.give_up,
@@ -1248,7 +1259,7 @@ impl<H: Handler> RangeProcessor<H> {
                     None
                 }
                 Some(request) = r.start_rx.recv() => self.grant(&mut r, request).await,
-                _ = tokio::time::sleep_until(held) => {
+                _ = tokio::time::sleep_until(held), if !buggify::on(Bug::StartUnderExpiredLease) => {
                     warn!(owner = %self.options.holder(), in_flight = r.in_flight, "the lease could not be renewed in time; stopped reading the range");
                     Some(RangeExit::Lost)
                 }
@@ -1271,7 +1282,7 @@ impl<H: Handler> RangeProcessor<H> {
     /// is free (taken now, so that what the page hands out starts as its record says).
     async fn read_when(&self, at: Instant) -> Option<OwnedSemaphorePermit> {
         tokio::time::sleep_until(at).await;
-        if !self.records_starts() {
+        if !self.records_starts() || buggify::on(Bug::StartUnderExpiredLease) {
             return None;
         }
         Some(

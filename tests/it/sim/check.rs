@@ -274,7 +274,82 @@ pub async fn all(shared: &Shared, producer: &Queue) -> Result<(), String> {
     }
     fifo_per_key(shared, &by, &settles)?;
     backlog_seen(shared, &by, &settles)?;
+    recovered_within_the_lock(shared, &by)?;
     leases_let_go(shared)
+}
+
+/// How long after a dead holder's lock runs out its message is delivered again at most: the
+/// next holder sees the lease or lock change within a watch interval (1 s for a lease
+/// advertising a short lock), judges it run out after the lock, and reads the page or sweeps
+/// (1 s); plus the pods' clock skew (±300 ms each) for claims judged by wall clock.
+const RECOVERED_WITHIN: u64 = 2_600;
+
+/// "A pod that dies loses its locks, and its work is picked up again within lock duration
+/// plus one sweep": checked where nothing else could hold the recovery up — an exclusive,
+/// unordered push group with enough permits, nothing else happening around the kill, and
+/// another host of the group up (or the sidecar back at once).
+fn recovered_within_the_lock(
+    shared: &Shared,
+    by: &BTreeMap<(usize, usize), Vec<AppDelivery>>,
+) -> Result<(), String> {
+    let plan = &shared.plan;
+    let kills = shared
+        .ledger
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .kills
+        .clone();
+    for (at, pod, incarnation) in kills {
+        let g = plan.pods[pod].group;
+        let spec = &plan.groups[g];
+        if spec.stream || spec.pull || spec.ordered || spec.concurrency < 8 {
+            continue;
+        }
+        let bound = at + spec.lock_ms + RECOVERED_WITHIN;
+        let calm = plan.events.iter().all(|e| match e.event {
+            Event::Kill { pod: p, .. } if p == pod && e.at_ms == at => true,
+            _ => e.at_ms + 2_000 < at || e.at_ms > bound,
+        });
+        let restarted_at_once = plan.events.iter().any(|e| {
+            matches!(e.event, Event::Kill { pod: p, restart_after_ms } if p == pod && e.at_ms == at && restart_after_ms <= 200)
+        });
+        let another_up = plan
+            .pods
+            .iter()
+            .enumerate()
+            .any(|(p, other)| p != pod && other.group == g && other.start_ms < at);
+        if !calm || !(restarted_at_once || another_up) {
+            continue;
+        }
+        for ((dg, m), seen) in by {
+            if *dg != g {
+                continue;
+            }
+            let Some(cut) = seen.iter().find(|d| {
+                d.pod == pod
+                    && d.incarnation == incarnation
+                    && d.begin <= at
+                    && d.answered.is_none_or(|(t, _)| t > at)
+                    && d.cut.is_none_or(|c| c >= at)
+            }) else {
+                continue;
+            };
+            if cut.count >= spec.max_attempts {
+                continue; // its recovery dead-letters it
+            }
+            let Some(next) = seen.iter().filter(|d| d.begin > at).min_by_key(|d| d.begin) else {
+                continue; // never again: `settled` names what became of it
+            };
+            if next.begin > bound {
+                return Err(format!(
+                    "recovered late: g{g} m{m} was in the app when p{pod}#{incarnation} died at {at} ms; \
+                     delivered again at {} ms, past its lock ({} ms) plus {RECOVERED_WITHIN} ms",
+                    next.begin, spec.lock_ms
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// How soon a range must be let go of once its owner stops or is asked for it: a renewal or a
@@ -296,7 +371,6 @@ fn leases_let_go(shared: &Shared) -> Result<(), String> {
             let (start, end) = match e.event {
                 Event::Partition { pod: p, for_ms } if p == pod => (e.at_ms, e.at_ms + for_ms),
                 Event::Fault { for_ms, .. } => (e.at_ms, e.at_ms + for_ms),
-                Event::Kill { pod: p, .. } if p == pod => (e.at_ms, u64::MAX),
                 Event::Split { .. } => (e.at_ms, e.at_ms + 10_000),
                 _ => return false,
             };
@@ -306,6 +380,19 @@ fn leases_let_go(shared: &Shared) -> Result<(), String> {
     let pod_of = |holder: &str| -> Option<usize> {
         let name = holder.split('#').next()?;
         name.split("-p").nth(1)?.parse().ok()
+    };
+    let kills = shared
+        .ledger
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .kills
+        .clone();
+    // A holder (an incarnation) killed before it had to let go never does: its lease expires.
+    let killed_by = |holder: &str, pod: usize, due: u64| {
+        let incarnation: Option<u32> = holder.split('#').nth(1).and_then(|i| i.parse().ok());
+        kills
+            .iter()
+            .any(|&(at, p, i)| p == pod && Some(i) == incarnation && at <= due)
     };
     let released = |lease: &str, owner: &str, after: u64| {
         recorded
@@ -326,7 +413,7 @@ fn leases_let_go(shared: &Shared) -> Result<(), String> {
             continue;
         }
         let due = ask.at + LET_GO_WITHIN;
-        if troubled(pod, ask.at, due) || shared.now() < due {
+        if troubled(pod, ask.at, due) || killed_by(&ask.owner, pod, due) || shared.now() < due {
             continue;
         }
         match released(&ask.lease, &ask.owner, ask.at) {

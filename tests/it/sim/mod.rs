@@ -6,7 +6,9 @@
 //!
 //! - `COSMOSQ_SIM_CASES` histories (200 by default) from `COSMOSQ_SIM_SEED` (0);
 //! - `COSMOSQ_SIM_PLAN='<json>'` replays a plan a failure printed;
-//! - `COSMOSQ_SIM_LOG=debug` keeps the engine's logs of a failing history at that level.
+//! - `COSMOSQ_SIM_LOG=debug` keeps the engine's logs of a failing history at that level;
+//! - `COSMOSQ_SIM_BUG=<Bug>` puts a defect back in a replay (and picks one for the mutation
+//!   test).
 //!
 //! The simulation is trusted because it is tested: each defect of `cosmosq_queue::buggify`
 //! put back must be found within a few cases (`the_simulation_finds_each_reintroduced_defect`).
@@ -14,6 +16,7 @@
 mod check;
 mod logs;
 mod plan;
+mod scenarios;
 mod ttl;
 mod world;
 
@@ -152,6 +155,21 @@ fn save(seed: u64, plan: &Plan, log: &str) -> String {
     base
 }
 
+/// The defects `COSMOSQ_SIM_BUG` names (`Bug`'s names, comma-separated) put back.
+fn bugs_from_env() -> Vec<Bug> {
+    let names = std::env::var("COSMOSQ_SIM_BUG").unwrap_or_default();
+    names
+        .split(',')
+        .filter(|n| !n.is_empty())
+        .map(|name| {
+            *Bug::ALL
+                .iter()
+                .find(|b| format!("{b:?}") == name)
+                .unwrap_or_else(|| panic!("COSMOSQ_SIM_BUG: no defect {name:?}"))
+        })
+        .collect()
+}
+
 fn tail(log: &str, lines: usize) -> String {
     let all: Vec<&str> = log.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
@@ -167,7 +185,7 @@ fn simulated_histories_keep_every_promise() {
         };
         let plan: Plan =
             serde_json::from_str(&text).expect("COSMOSQ_SIM_PLAN: a plan a failure printed");
-        let report = world::run(&plan, &[]);
+        let report = world::run(&plan, &bugs_from_env());
         let saved = save(
             plan.seed,
             &plan,
@@ -244,11 +262,11 @@ fn a_seed_replays_the_same_history() {
 fn the_simulation_finds_each_reintroduced_defect() {
     let first = env_u64("COSMOSQ_SIM_SEED", 0);
     let cases = env_u64("COSMOSQ_SIM_CASES", 200);
-    let only = std::env::var("COSMOSQ_SIM_BUG").ok();
+    let only = bugs_from_env();
     let mut table = Vec::new();
     let mut missed = Vec::new();
     for bug in Bug::ALL {
-        if only.as_deref().is_some_and(|o| o != format!("{bug:?}")) {
+        if !only.is_empty() && !only.contains(&bug) {
             continue;
         }
         let started = Instant::now();

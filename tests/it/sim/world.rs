@@ -534,7 +534,17 @@ impl World {
                 }
             }
         }
-        // Heal: no more faults, every pod up.
+        // Heal once the last fault has run its course: no more faults, every pod up.
+        let healed = plan
+            .events
+            .iter()
+            .map(|e| match e.event {
+                Event::Partition { for_ms, .. } | Event::Fault { for_ms, .. } => e.at_ms + for_ms,
+                _ => e.at_ms,
+            })
+            .max()
+            .unwrap_or(0);
+        tokio::time::sleep_until(self.shared.origin + Duration::from_millis(healed)).await;
         self.faults.all_off();
         estimating.cancel();
         let _ = estimator.await;

@@ -1,0 +1,354 @@
+//! The issue's scenarios as histories written by hand: each keeps every promise, and breaks
+//! the one it names with its defect put back (`cosmosq_queue::buggify`), so each test fails
+//! without its fix.
+
+use cosmosq_queue::buggify::Bug;
+use serde_json::{json, Value};
+
+use super::plan::{
+    Answer, AnswerKind, Event, Fault, GroupPlan, MessagePlan, Op, Plan, PodPlan, Timed,
+};
+use super::{kind, world};
+
+/// An exclusive, unordered push group on the lease write path.
+fn group() -> GroupPlan {
+    GroupPlan {
+        stream: false,
+        ordered: false,
+        claims: false,
+        pull: false,
+        max_attempts: 4,
+        lock_ms: 4_000,
+        promote_after_ms: 1_500,
+        concurrency: 8,
+    }
+}
+
+/// A message the app completes after `work_ms`, every time.
+fn message(id: &str, key: Value, at_ms: u64, work_ms: u64) -> MessagePlan {
+    MessagePlan {
+        id: id.to_owned(),
+        key,
+        at_ms,
+        batch: false,
+        delay_ms: 0,
+        ttl_secs: None,
+        answers: vec![Answer {
+            kind: AnswerKind::Complete,
+            work_ms,
+        }],
+    }
+}
+
+fn pod(start_ms: u64) -> PodPlan {
+    PodPlan {
+        group: 0,
+        skew_ms: 0,
+        start_ms,
+    }
+}
+
+fn at(at_ms: u64, event: Event) -> Timed {
+    Timed { at_ms, event }
+}
+
+fn plan(
+    seed: u64,
+    group: GroupPlan,
+    partitions: u32,
+    messages: Vec<MessagePlan>,
+    pods: Vec<PodPlan>,
+    events: Vec<Timed>,
+) -> Plan {
+    Plan {
+        seed,
+        partitions,
+        retention_secs: 3_600,
+        groups: vec![group],
+        messages,
+        pods,
+        events,
+    }
+}
+
+/// `plan` keeps every promise, and breaks `promise` (an error's kind) with `bug` put back.
+fn pins(plan: &Plan, bug: Bug, promise: &str) {
+    if let Err(error) = world::run(plan, &[]).verdict {
+        panic!("the history breaks a promise: {error}");
+    }
+    let report = world::run(plan, &[bug]);
+    match report.verdict {
+        Ok(()) => {
+            let saved = super::save(
+                plan.seed,
+                plan,
+                &format!("{}\n--- trace ---\n{}", report.log, report.trace.join("\n")),
+            );
+            panic!(
+                "{bug:?} put back, the history still keeps every promise \
+                 (replay: COSMOSQ_SIM_BUG={bug:?} COSMOSQ_SIM_PLAN=@{saved}.json)"
+            )
+        }
+        Err(error) => assert_eq!(
+            kind(&error),
+            promise,
+            "{bug:?} put back broke another promise: {error}"
+        ),
+    }
+}
+
+/// Scenario 1: ids are unique only within a key (per-tenant sequence numbers).
+#[test]
+fn the_same_id_under_two_keys_is_two_messages() {
+    let plan = plan(
+        9001,
+        group(),
+        1,
+        vec![
+            message("inv-1", json!("tenant-a"), 0, 10),
+            message("inv-1", json!("tenant-b"), 0, 10),
+            message("inv-2", json!("tenant-a"), 300, 10),
+            message("inv-1", json!(7), 300, 10),
+        ],
+        vec![pod(0)],
+        vec![],
+    );
+    pins(&plan, Bug::IdentityById, "completed without the app");
+}
+
+/// Scenario 2: an ordered key's long work is promoted and leaves the window; its host dies;
+/// the key's next message, read by the range's next holder, waits for its outcome.
+#[test]
+fn an_ordered_keys_next_message_waits_for_long_work_across_a_move() {
+    let plan = plan(
+        9002,
+        GroupPlan {
+            ordered: true,
+            promote_after_ms: 1_000,
+            ..group()
+        },
+        1,
+        vec![
+            message("m1", json!("a"), 0, 8_000),
+            message("m2", json!("a"), 3_000, 10),
+        ],
+        vec![pod(0)],
+        vec![at(
+            2_500,
+            Event::Kill {
+                pod: 0,
+                restart_after_ms: 0,
+            },
+        )],
+    );
+    pins(&plan, Bug::OrderedMoveForgetsPredecessor, "FIFO broken");
+}
+
+/// Scenario 3: a sidecar killed mid-delivery and restarted in the same pod is a new holder:
+/// what its previous life handed the app is not handed out again while its lock runs.
+#[test]
+fn a_restarted_sidecar_waits_for_what_its_previous_life_started() {
+    let plan = plan(
+        9003,
+        GroupPlan {
+            promote_after_ms: 3_000,
+            ..group()
+        },
+        1,
+        vec![message("m1", json!("a"), 0, 2_500)],
+        vec![pod(0)],
+        vec![at(
+            1_000,
+            Event::Kill {
+                pod: 0,
+                restart_after_ms: 0,
+            },
+        )],
+    );
+    pins(&plan, Bug::RestartRetakesLease, "in the app twice at once");
+}
+
+/// Scenario 4: a host cut off from Cosmos DB starts nothing once its lease may have expired,
+/// while another host takes the range over.
+#[test]
+fn nothing_starts_under_a_lease_past_its_expiry() {
+    let plan = plan(
+        9004,
+        GroupPlan {
+            concurrency: 2,
+            lock_ms: 8_000,
+            promote_after_ms: 3_500,
+            ..group()
+        },
+        1,
+        (0..6)
+            .map(|n| message(&format!("m{n}"), json!(n), 0, 3_000))
+            .collect(),
+        vec![pod(0), pod(500)],
+        vec![at(
+            1_000,
+            Event::Partition {
+                pod: 0,
+                for_ms: 20_000,
+            },
+        )],
+    );
+    pins(&plan, Bug::StartUnderExpiredLease, "counts not exact");
+}
+
+/// Scenario 5: a range splits while its dead owner's window lists what it started; each
+/// child finds its own half by identity, and nothing it never handed out counts as a
+/// redelivery (with one attempt allowed, that would be a dead letter never delivered).
+#[test]
+fn a_split_keeps_every_position_exact() {
+    let plan = plan(
+        9005,
+        GroupPlan {
+            concurrency: 2,
+            max_attempts: 1,
+            promote_after_ms: 3_000,
+            ..group()
+        },
+        1,
+        (0..10)
+            .map(|n| message(&format!("m{n}"), json!(format!("k{n}")), 0, 1_500))
+            .collect(),
+        vec![pod(0)],
+        vec![
+            at(
+                500,
+                Event::Kill {
+                    pod: 0,
+                    restart_after_ms: 3_000,
+                },
+            ),
+            at(1_000, Event::Split { partitions: 2 }),
+        ],
+    );
+    pins(
+        &plan,
+        Bug::PositionalWindow,
+        "dead letter without its cause",
+    );
+}
+
+/// Scenario 6: a promotion refused for good dead-letters the message with the cause.
+#[test]
+fn a_refused_promotion_is_a_dead_letter_with_its_cause() {
+    let plan = plan(
+        9006,
+        GroupPlan {
+            lock_ms: 8_000,
+            promote_after_ms: 1_000,
+            ..group()
+        },
+        1,
+        vec![message("m1", json!("a"), 0, 3_000)],
+        vec![pod(0)],
+        vec![at(
+            900,
+            Event::Fault {
+                fault: Fault::Refused,
+                op: Op::Create,
+                for_ms: 600,
+            },
+        )],
+    );
+    pins(
+        &plan,
+        Bug::PromoteRefusalForgotten,
+        "completed without the app",
+    );
+}
+
+/// Scenario 7: redeliveries with long work have locks of their own and do not hold their
+/// range: a host that asks for it gets it within seconds.
+#[test]
+fn long_redeliveries_do_not_hold_their_range() {
+    let long_second = |id: &str, key: Value| MessagePlan {
+        answers: vec![
+            Answer {
+                kind: AnswerKind::Complete,
+                work_ms: 1_000,
+            },
+            Answer {
+                kind: AnswerKind::Complete,
+                work_ms: 15_000,
+            },
+        ],
+        ..message(id, key, 0, 0)
+    };
+    let plan = plan(
+        9007,
+        GroupPlan {
+            promote_after_ms: 1_000,
+            ..group()
+        },
+        2,
+        (0..8)
+            .map(|n| long_second(&format!("m{n}"), json!(n)))
+            .collect(),
+        vec![pod(0), pod(9_000)],
+        vec![at(
+            500,
+            Event::Kill {
+                pod: 0,
+                restart_after_ms: 0,
+            },
+        )],
+    );
+    pins(&plan, Bug::RecordedClaimHoldsRange, "range held");
+}
+
+/// Scenario 9: a dead holder's first deliveries are picked up again within the lock, not
+/// at the lease's expiry.
+#[test]
+fn a_dead_holders_work_comes_back_within_its_lock() {
+    let plan = plan(
+        9009,
+        GroupPlan {
+            lock_ms: 2_000,
+            promote_after_ms: 1_500,
+            ..group()
+        },
+        1,
+        vec![message("m1", json!("a"), 1_200, 1_000)],
+        vec![pod(0), pod(1_000)],
+        vec![at(
+            1_500,
+            Event::Kill {
+                pod: 0,
+                restart_after_ms: 30_000,
+            },
+        )],
+    );
+    pins(&plan, Bug::RecoveryWaitsForLeaseExpiry, "recovered late");
+}
+
+/// Scenario 10: a host whose clock runs 45 s ahead judges leases by its own monotonic clock:
+/// it takes nothing from a live holder.
+#[test]
+fn a_host_far_ahead_takes_no_live_lease() {
+    let plan = plan(
+        9010,
+        GroupPlan {
+            promote_after_ms: 3_000,
+            ..group()
+        },
+        1,
+        (0..12)
+            .map(|n| message(&format!("m{n}"), json!(n), n * 700, 2_500))
+            .collect(),
+        vec![
+            pod(0),
+            PodPlan {
+                skew_ms: 45_000,
+                ..pod(1_000)
+            },
+        ],
+        vec![],
+    );
+    if let Err(error) = world::run(&plan, &[]).verdict {
+        panic!("the history breaks a promise: {error}");
+    }
+}
