@@ -302,6 +302,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let latency = latency_run(&client, &open, fresh(), args.latency_seconds).await?;
     let idle = idle_run(&client, &open, fresh(), args.idle_seconds).await?;
     let estimate = estimate_run(&open, fresh(), args.messages).await?;
+    let window = lease_write_run(&open, fresh()).await?;
 
     let rendered: Vec<Vec<String>> = rows
         .iter()
@@ -349,7 +350,86 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "estimate of one group ({} ranges), as the operator makes it each round: {:.1} RU with nothing unread, {:.1} RU with {} messages unread",
         estimate.ranges, estimate.empty, estimate.loaded, args.messages
     );
+    println!(
+        "lease write (exclusive, lease writes): {:.2} RU with an empty window, {:.2} RU with a full one ({} messages listed, {} bytes)",
+        window.empty, window.full, window.listed, window.bytes
+    );
     Ok(())
+}
+
+struct LeaseWriteCost {
+    empty: f64,
+    full: f64,
+    listed: usize,
+    bytes: usize,
+}
+
+/// What one lease write costs with an empty window and with the largest the engine writes
+/// (4 × `maxInFlightPerRange` identities, while a slow message holds the checkpoint): each
+/// write replaces the whole lease.
+async fn lease_write_run<F, Fut>(open: &F, config: QueueConfig) -> anyhow::Result<LeaseWriteCost>
+where
+    F: Fn(QueueConfig) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Queue>>,
+{
+    use cosmosq_queue::lease::{LeaseStore, Window, WINDOW_IDENTITIES};
+    let queue = open(config).await?;
+    let store = LeaseStore::new(queue.clone(), "window").with_writes(ExclusiveWrites::Lease);
+    let now = queue.clock().now_ms();
+    let lease = store
+        .reconcile(now, 60_000)
+        .await?
+        .leases
+        .into_iter()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no lease"))?;
+    let lease = store
+        .acquire(&lease, "bench", now)
+        .await
+        .map_err(|e| anyhow::anyhow!("acquire: {e:?}"))?;
+    let listed = 4 * HostOptions::new("bench").max_in_flight_per_range;
+    let key = cosmosq_queue::MessageKey::from_json(serde_json::json!("tenant-a"))?;
+    let full = Window {
+        v: WINDOW_IDENTITIES,
+        done: (0..listed)
+            .map(|i| cosmosq_queue::identity::fingerprint(&format!("m{i}"), &key))
+            .collect(),
+        ..Window::default()
+    };
+    let bytes = serde_json::to_vec(&full)?.len();
+    let cost = |window: Window, lease: cosmosq_queue::lease::Lease| {
+        let (store, queue) = (&store, &queue);
+        async move {
+            let before = queue.charges().snapshot();
+            let written = store
+                .record(
+                    &lease,
+                    lease.continuation.clone(),
+                    window,
+                    ExclusiveWrites::Lease,
+                    None,
+                    now,
+                )
+                .await
+                .map_err(|e| anyhow::anyhow!("record: {e:?}"))?;
+            anyhow::Ok((
+                queue
+                    .charges()
+                    .snapshot()
+                    .since(&before)
+                    .total_request_units(),
+                written,
+            ))
+        }
+    };
+    let (empty, lease) = cost(Window::default(), lease).await?;
+    let (full, _) = cost(full, lease).await?;
+    Ok(LeaseWriteCost {
+        empty,
+        full,
+        listed,
+        bytes,
+    })
 }
 
 struct EstimateCost {

@@ -86,7 +86,9 @@ fn pins(plan: &Plan, bug: Bug, promise: &str) {
             );
             panic!(
                 "{bug:?} put back, the history still keeps every promise \
-                 (replay: COSMOSQ_SIM_BUG={bug:?} COSMOSQ_SIM_PLAN=@{saved}.json)"
+                 (replay: COSMOSQ_SIM_BUG={bug:?} COSMOSQ_SIM_PLAN=@{saved}.json; \
+                 estimates {:?})",
+                report.estimates
             )
         }
         Err(error) => assert_eq!(
@@ -298,6 +300,45 @@ fn long_redeliveries_do_not_hold_their_range() {
         )],
     );
     pins(&plan, Bug::RecordedClaimHoldsRange, "range held");
+}
+
+/// Scenario 8: the operator's estimate counts a first delivery with long work under its own
+/// lock (a scaler at zero replicas must see it), and a split's children do not each subtract
+/// their parent's settled messages.
+#[test]
+fn estimates_see_long_work_and_split_children() {
+    let plan = plan(
+        9008,
+        GroupPlan {
+            promote_after_ms: 1_000,
+            lock_ms: 8_000,
+            ..group()
+        },
+        1,
+        (0..6)
+            .map(|n| message(&format!("m{n}"), json!(n), 0, 14_000 + n * 1_000))
+            // Quick ones after them: the checkpoint moves past the long work.
+            .chain((6..10).map(|n| message(&format!("m{n}"), json!(n), 2_000, 10)))
+            .collect(),
+        vec![pod(0)],
+        // The operator estimates every 5 s while the timeline runs: until the sweep at 13 s.
+        vec![
+            at(6_000, Event::Split { partitions: 2 }),
+            at(13_000, Event::TtlSweep),
+        ],
+    );
+    let report = world::run(&plan, &[]);
+    assert!(
+        report
+            .estimates
+            .iter()
+            .any(|&(at, _, backlog)| at < 14_000 && backlog > 0),
+        "an estimate was taken while the work was under way: {:?}",
+        report.estimates
+    );
+    if let Err(error) = report.verdict {
+        panic!("the history breaks a promise: {error}");
+    }
 }
 
 /// Scenario 9: a dead holder's first deliveries are picked up again within the lock, not

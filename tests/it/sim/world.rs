@@ -128,6 +128,8 @@ impl RequestObserver for Requests {
 /// What a run produced.
 pub struct Report {
     pub verdict: Result<(), String>,
+    /// The operator's estimates as the history took them: (ms, group, backlog).
+    pub estimates: Vec<(u64, usize, u64)>,
     /// The app's events and the requests, for comparing two runs of a seed.
     pub trace: Vec<String>,
     pub simulated_ms: u64,
@@ -206,6 +208,7 @@ pub fn run(plan: &Plan, bugs: &[cosmosq_queue::buggify::Bug]) -> Report {
                 "hang: the history did not end within {} s of wall time (a loop that never waits?)",
                 WALL_LIMIT.as_secs()
             )),
+            estimates: Vec::new(),
             trace: Vec::new(),
             simulated_ms: 0,
             log: String::from_utf8_lossy(&log_out.lock().unwrap_or_else(|e| e.into_inner())).into(),
@@ -223,6 +226,7 @@ pub fn run(plan: &Plan, bugs: &[cosmosq_queue::buggify::Bug]) -> Report {
                 "panic: the history panicked: {}",
                 panic_text(&panic)
             )),
+            estimates: Vec::new(),
             trace: Vec::new(),
             simulated_ms: 0,
             log,
@@ -479,8 +483,10 @@ impl World {
         trace.extend(std::mem::take(
             &mut *world.requests.lock().unwrap_or_else(|e| e.into_inner()),
         ));
+        let estimates = world.shared.ledger().estimates.clone();
         Report {
             verdict,
+            estimates,
             trace,
             simulated_ms,
             log: String::new(),
