@@ -473,9 +473,7 @@ impl<H: Handler> Deliverer<H> {
         // the cost). A take-over whose answer was lost may have taken effect: tried again with
         // the same token on the document as it now is, it is recognised as ours instead of
         // burning the attempt it recorded (bounded by a lock duration, after which the sweep
-        // finds it again). whose answer was lost may have taken effect: tried again with the same
-        // token on the document as it now is, it is recognised as ours instead of burning the
-        // attempt it recorded (bounded by a lock duration, after which the sweep finds it).
+        // finds it again).
         let token = crate::state::new_lock_token();
         let deadline = self.group.queue().clock().now_ms()
             + crate::clock::duration_ms(self.group.config().lock_duration);
@@ -672,9 +670,12 @@ impl<H: Handler> Deliverer<H> {
                         delay,
                     };
                 }
+                // A range that stopped keeps nothing in place: the retry is recorded as any
+                // other, and the range's next owner (its sweep) delivers it.
                 Outcome::Retry { error, delay }
                     if self.group.config().ordered
-                        && !self.group.config().retry.exhausted(claim.attempt) =>
+                        && !self.group.config().retry.exhausted(claim.attempt)
+                        && !give_up.is_cancelled() =>
                 {
                     let backoff = delay
                         .unwrap_or_else(|| self.group.config().retry.backoff_random(claim.attempt));
@@ -682,9 +683,22 @@ impl<H: Handler> Deliverer<H> {
                         return fate;
                     }
                     ConsumerStats::bump(&self.stats.retried);
-                    let wait = permit.released_while(tokio::time::sleep(backoff));
-                    if let Err(fate) = self.holding(&mut claim, &mut watch, token, wait).await {
-                        return fate;
+                    let began = tokio::time::Instant::now();
+                    let wait = permit.released_while(async {
+                        tokio::select! {
+                            _ = tokio::time::sleep(backoff) => false,
+                            _ = give_up.cancelled() => true,
+                        }
+                    });
+                    match self.holding(&mut claim, &mut watch, token, wait).await {
+                        Err(fate) => return fate,
+                        Ok(true) => {
+                            break Outcome::Retry {
+                                error,
+                                delay: Some(backoff.saturating_sub(began.elapsed())),
+                            }
+                        }
+                        Ok(false) => {}
                     }
                     // The next attempt is counted as it starts, not before the back-off: a
                     // holder that dies meanwhile leaves the count at what the app saw.

@@ -203,6 +203,25 @@ impl Observed {
     }
 }
 
+/// Deliveries that outlive their range (long work under a lock of its own, settles that keep
+/// trying until their lock expires), owned by the host: they go on after the range ends, and
+/// end with the host — a host dropped (its process killed) leaves nothing running.
+#[derive(Clone, Default)]
+struct Leftovers(Arc<std::sync::Mutex<JoinSet<()>>>);
+
+impl Leftovers {
+    /// Takes over a range's deliveries.
+    fn adopt(&self, deliveries: &mut JoinSet<()>) {
+        let mut orphans = std::mem::take(deliveries);
+        if orphans.is_empty() {
+            return;
+        }
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        while all.try_join_next().is_some() {}
+        all.spawn(async move { while orphans.join_next().await.is_some() {} });
+    }
+}
+
 /// One consumer host of a group.
 pub struct Host<H> {
     group: Group,
@@ -210,6 +229,7 @@ pub struct Host<H> {
     handler: Arc<H>,
     options: HostOptions,
     stats: Arc<ConsumerStats>,
+    leftovers: Leftovers,
 }
 
 impl<H: Handler> Host<H> {
@@ -233,6 +253,7 @@ impl<H: Handler> Host<H> {
             handler: Arc::new(handler),
             options,
             stats: Arc::default(),
+            leftovers: Leftovers::default(),
         }
     }
 
@@ -459,6 +480,7 @@ impl<H: Handler> Host<H> {
                         options: self.options.clone(),
                         stats: Arc::clone(&self.stats),
                         deliveries: tracker.clone(),
+                        leftovers: self.leftovers.clone(),
                     };
                     let id = lease.id.clone();
                     let range = (lease.min_epk.clone(), lease.max_epk.clone());
@@ -556,6 +578,8 @@ struct RangeProcessor<H> {
     /// Every delivery, including those a lost range leaves to finish under their own claims:
     /// the host waits for them before it returns, or the process would exit mid-settle.
     deliveries: TaskTracker,
+    /// Where those go when the range ends.
+    leftovers: Leftovers,
 }
 
 /// What a message of an ordered group tells the next message of its key: its id and where it
@@ -929,13 +953,13 @@ fn forget_settled_keys(chains: &mut HashMap<String, watch::Receiver<KeyState>>) 
 /// claims; those still waiting for a permit are not started: the checkpoint never passed them,
 /// so the new owner reads them again. (Delivering them anyway would only hand the app a second
 /// copy in stream mode, and waste a claim attempt in exclusive mode.)
-fn abandon(stops: &Stops, deliveries: &mut JoinSet<()>) {
+fn abandon(stops: &Stops, deliveries: &mut JoinSet<()>, leftovers: &Leftovers) {
     stops.step_aside.cancel();
     // Waits (schedules, held messages, back-offs of writes that keep failing) end: the range's
     // next owner brings those messages back. Settles of recorded claims keep trying until
     // their locks expire; the host waits for them before it returns.
     stops.give_up.cancel();
-    deliveries.detach_all();
+    leftovers.adopt(deliveries);
 }
 
 /// What one range's processing keeps while its lease is held.
@@ -1271,7 +1295,7 @@ impl<H: Handler> RangeProcessor<H> {
                 }
             };
             if let Some(exit) = step {
-                abandon(&r.stops, &mut r.deliveries);
+                abandon(&r.stops, &mut r.deliveries, &self.leftovers);
                 return exit;
             }
         }
@@ -1885,7 +1909,7 @@ impl<H: Handler> RangeProcessor<H> {
     /// Drained: record where the range is and hand the lease back.
     async fn finish(&self, mut r: Reading) -> RangeExit {
         // Deliveries with locks of their own go on after the range; the host waits for them.
-        r.deliveries.detach_all();
+        self.leftovers.adopt(&mut r.deliveries);
         if r.checkpoint_due() {
             if let Some(exit) = self.flush(&mut r).await {
                 return exit;
@@ -1992,6 +2016,8 @@ impl<H: Handler> RangeProcessor<H> {
         let position = r.checkpoint.position().clone();
         let window = r.checkpoint.record();
         let mut attempt = 0u32;
+        // A write found landed may be any attempt's: the lease is held from the first's send.
+        let first_sent = Instant::now();
         // Tried while the lease is surely this range's: giving up sooner would throw
         // completions away (the next owner delivers them again) while the lease may be good.
         while Instant::now() < *r.held.borrow() {
@@ -2021,9 +2047,23 @@ impl<H: Handler> RangeProcessor<H> {
                     return (true, Ok(true));
                 }
                 Err(LeaseError::Lost) => match self.current(&r.lease).await {
-                    // Still ours (asked for, or an earlier write landed unanswered): written
-                    // again on what is there now (and handed over after, if asked).
-                    Ok(Some(current)) => r.lease = current,
+                    // Still ours (asked for, or an earlier write landed unanswered): done if it
+                    // holds this record, else written again on what is there now (and handed
+                    // over after, if asked).
+                    Ok(Some(current)) => {
+                        let landed = current.window == window && current.continuation == position;
+                        r.lease = current;
+                        if landed {
+                            r.unwritten = false;
+                            r.written(first_sent, &self.options);
+                            if r.reading && r.lease.handover_to.is_some() {
+                                let current = r.lease.clone();
+                                r.hand_over(current);
+                                return (true, Ok(false));
+                            }
+                            return (true, Ok(true));
+                        }
+                    }
                     Ok(None) => {}
                     Err(()) => {
                         warn!(owner = %self.options.holder(), in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
@@ -2039,7 +2079,7 @@ impl<H: Handler> RangeProcessor<H> {
                         r.lease = current;
                         if landed {
                             r.unwritten = false;
-                            r.written(sent, &self.options);
+                            r.written(first_sent, &self.options);
                             return (true, Ok(true));
                         }
                     }

@@ -82,7 +82,12 @@ impl Inherited {
                 false => Handling::Known(Settle::Pending),
             })
         } else if self.unstarted.remove(name) {
-            Some(Handling::Deliver(Path::Feed))
+            // Not started by that reader; an ordered message may have a state of its own from
+            // before (parked, then delivered by a sweep): looked up first.
+            Some(Handling::Deliver(match ordered {
+                true => Path::Checked,
+                false => Path::Feed,
+            }))
         } else if self.started.remove(name) {
             Some(Handling::Deliver(Path::Recovered))
         } else {

@@ -37,6 +37,13 @@ impl Claim {
     pub fn is_recorded(&self) -> bool {
         self.state.is_some()
     }
+
+    /// Takes `doc`, as just written, as this claim's state: its count and its lock.
+    pub(crate) fn adopt(&mut self, doc: StateDoc) {
+        self.attempt = doc.attempts;
+        self.locked_until = doc.due;
+        self.state = Some(Box::new(doc));
+    }
 }
 
 /// What a claim attempt found.
@@ -186,22 +193,9 @@ impl Group {
         if claim.state.is_some() {
             return Ok(true);
         }
-        let now = self.now();
-        let mut doc = self.first_state(claim);
-        doc.attempts = claim.attempt.saturating_sub(1);
-        doc.lock(owner, now, self.config.lock_duration, token);
-        doc.refresh_ttl(now, self.retention_secs());
-        let written = match self.create(&doc, "promote").await {
-            Ok(Write::Lost) => match self.read_doc(&doc.message_pk, &doc.id).await? {
-                // An earlier attempt whose answer was lost created it (the SDK tried again).
-                Some(current) if current.lock_token.as_deref() == Some(token) => {
-                    Write::Done(Box::new(current))
-                }
-                _ => Write::Lost,
-            },
-            Ok(written) => written,
-            Err(e) => Write::Done(Box::new(self.landed(&doc, e).await?)),
-        };
+        let written = self
+            .create_first_lock(claim, claim.attempt, (owner, token), "promote")
+            .await?;
         match written {
             Write::Done(doc) => {
                 claim.locked_until = doc.due;
@@ -210,6 +204,33 @@ impl Group {
             }
             Write::Lost | Write::Missing => Ok(false),
         }
+    }
+
+    /// The first state document of a claim that had none (the lease was its lock): locked by
+    /// `token`, recording `attempts` deliveries. A create whose answer was lost and that the
+    /// SDK tried again is recognised by its token.
+    pub(super) async fn create_first_lock(
+        &self,
+        claim: &Claim,
+        attempts: u32,
+        (owner, token): (&str, &str),
+        op: &'static str,
+    ) -> Result<Write> {
+        let now = self.now();
+        let mut doc = self.first_state(claim);
+        doc.lock(owner, now, self.config.lock_duration, token);
+        doc.attempts = attempts;
+        doc.refresh_ttl(now, self.retention_secs());
+        Ok(match self.create(&doc, op).await {
+            Ok(Write::Lost) => match self.read_doc(&doc.message_pk, &doc.id).await? {
+                Some(current) if current.lock_token.as_deref() == Some(token) => {
+                    Write::Done(Box::new(current))
+                }
+                _ => Write::Lost,
+            },
+            Ok(written) => written,
+            Err(e) => Write::Done(Box::new(self.landed(&doc, e).await?)),
+        })
     }
 
     /// A claim of a message read from the feed. `fenced`: read by the owner of its range's

@@ -118,25 +118,13 @@ impl Group {
     ) -> Result<bool> {
         let now = self.now();
         let Some(current) = &claim.state else {
-            let mut doc = self.first_state(claim);
-            doc.lock(owner, now, self.config.lock_duration, token);
-            doc.attempts = claim.attempt.saturating_sub(1);
-            doc.refresh_ttl(now, self.retention_secs());
-            let written = match self.create(&doc, "uncount").await {
-                Ok(Write::Lost) => match self.read_doc(&doc.message_pk, &doc.id).await? {
-                    Some(current) if current.lock_token.as_deref() == Some(token) => {
-                        Write::Done(Box::new(current))
-                    }
-                    _ => Write::Lost,
-                },
-                Ok(written) => written,
-                Err(e) => Write::Done(Box::new(self.landed(&doc, e).await?)),
-            };
-            return match written {
+            let attempts = claim.attempt.saturating_sub(1);
+            return match self
+                .create_first_lock(claim, attempts, (owner, token), "uncount")
+                .await?
+            {
                 Write::Done(doc) => {
-                    claim.attempt = doc.attempts;
-                    claim.locked_until = doc.due;
-                    claim.state = Some(doc);
+                    claim.adopt(*doc);
                     Ok(true)
                 }
                 Write::Lost | Write::Missing => Ok(false),
@@ -146,12 +134,24 @@ impl Group {
         next.attempts = claim.attempt.saturating_sub(1);
         next.due = Some(now + duration_ms(self.config.lock_duration));
         next.refresh_ttl(now, self.retention_secs());
-        let etag = current.etag.clone().unwrap_or_default();
-        match self.replace_own(&next, &etag, "uncount").await? {
+        self.replace_claim(claim, next, "uncount").await
+    }
+
+    /// Writes `next` over the claim's own state document and takes it as the claim's.
+    async fn replace_claim(
+        &self,
+        claim: &mut Claim,
+        next: StateDoc,
+        op: &'static str,
+    ) -> Result<bool> {
+        let etag = claim
+            .state
+            .as_ref()
+            .and_then(|s| s.etag.clone())
+            .unwrap_or_default();
+        match self.replace_own(&next, &etag, op).await? {
             Write::Done(doc) => {
-                claim.attempt = doc.attempts;
-                claim.locked_until = doc.due;
-                claim.state = Some(doc);
+                claim.adopt(*doc);
                 Ok(true)
             }
             Write::Lost | Write::Missing => Err(self.lock_lost(claim)),
@@ -171,16 +171,9 @@ impl Group {
         next.last_attempt_at = Some(now);
         next.due = Some(now + duration_ms(self.config.lock_duration));
         next.refresh_ttl(now, self.retention_secs());
-        let etag = current.etag.clone().unwrap_or_default();
-        match self.replace_own(&next, &etag, "count attempt").await? {
-            Write::Done(doc) => {
-                claim.attempt = doc.attempts;
-                claim.locked_until = doc.due;
-                claim.state = Some(doc);
-                Ok(())
-            }
-            Write::Lost | Write::Missing => Err(self.lock_lost(claim)),
-        }
+        self.replace_claim(claim, next, "count attempt")
+            .await
+            .map(|_| ())
     }
 
     /// Moves the message to the group's dead letters with a reason and the last error.
