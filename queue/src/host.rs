@@ -173,31 +173,41 @@ struct Running {
     range: (String, String),
 }
 
-/// When this host first saw each lease as it is now (its ETag). A lease held by another host
-/// is expired once this host has seen it unchanged for its expiry, on this host's monotonic
-/// clock: another host's wall clock says nothing here (one 45 s ahead would see every live
-/// lease as expired), as in Kubernetes' leader election.
+/// When this host first saw each lease's last write by its owner (its owner and the time
+/// the owner wrote). A lease held by another host is expired once this host has seen that
+/// write as the last for its expiry, on this host's monotonic clock: another host's wall
+/// clock says nothing here (one 45 s ahead would see every live lease as expired), as in
+/// Kubernetes' leader election. Writes by others (a hand-over request) are no sign of the
+/// owner's life and do not restart the count.
 #[derive(Debug, Default)]
-struct Observed(BTreeMap<String, (Option<String>, Instant)>);
+struct Observed(BTreeMap<String, (OwnerWrite, Instant)>);
+
+/// A lease's last write by its owner.
+type OwnerWrite = (Option<String>, i64);
+
+fn owner_write(lease: &Lease) -> OwnerWrite {
+    (lease.owner.clone(), lease.timestamp)
+}
 
 impl Observed {
     /// Notes the leases as read now; forgets those that are gone.
     fn see(&mut self, leases: &[Lease], now: Instant) {
         self.0.retain(|id, _| leases.iter().any(|l| &l.id == id));
         for lease in leases {
+            let write = owner_write(lease);
             match self.0.get(&lease.id) {
-                Some((etag, _)) if *etag == lease.etag => {}
+                Some((seen, _)) if *seen == write => {}
                 _ => {
-                    self.0.insert(lease.id.clone(), (lease.etag.clone(), now));
+                    self.0.insert(lease.id.clone(), (write, now));
                 }
             }
         }
     }
 
-    /// How long this host has seen `lease` as it is.
+    /// How long this host has seen `lease`'s owner's last write as the last.
     fn unchanged_for(&self, lease: &Lease, now: Instant) -> Duration {
         match self.0.get(&lease.id) {
-            Some((etag, since)) if *etag == lease.etag => now - *since,
+            Some((seen, since)) if *seen == owner_write(lease) => now - *since,
             _ => Duration::ZERO,
         }
     }
@@ -436,8 +446,12 @@ impl<H: Handler> Host<H> {
             let Some(lease) = reconciled.leases.iter().find(|l| l.id == take.lease_id) else {
                 continue;
             };
-            if lease.reserved_for_other(&me, now, expire) {
-                continue; // being handed over to the host that asked for it
+            // Being handed over to the host that asked for it — unless its owner is gone
+            // (expired by what this host has seen): whoever saw that first recovers it.
+            if lease.reserved_for_other(&me, now, expire)
+                && (lease.owner.is_none() || !self.takeable(lease, observed, seen_at))
+            {
+                continue;
             }
             // Where the lease fences first deliveries (stream groups, and exclusive ones on the
             // lease write path), a live owner is asked to hand the lease over rather than have

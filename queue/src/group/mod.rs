@@ -43,6 +43,9 @@ pub(crate) enum Write {
     Missing,
 }
 
+/// How long after its expiry a lock is swept by any host, not only its range's owner.
+pub(crate) const STALE_LOCK: std::time::Duration = std::time::Duration::from_millis(500);
+
 impl Group {
     pub(crate) fn new(queue: Queue, config: GroupConfig) -> Self {
         Self {
@@ -103,8 +106,9 @@ impl Group {
     /// State documents whose lock expired or whose retry/schedule time has come, longest due
     /// first (a message parked behind its key's predecessors is looked at again and again: it
     /// must not keep the others out of the `limit`). With `ranges` (the lease ranges a host owns),
-    /// only messages in them, plus documents that carry no EPK yet: hosts sweep disjoint sets
-    /// instead of racing on the same documents. Documents this version cannot read are
+    /// only messages in them, plus documents that carry no EPK yet, plus locks that ran out
+    /// [`STALE_LOCK`] ago anywhere: hosts sweep disjoint sets instead of racing on the same
+    /// documents, except for what a dead host left. Documents this version cannot read are
     /// reported and left out: they are another version's to handle, and must not stop the
     /// sweep of every other message.
     pub async fn due(
@@ -124,7 +128,16 @@ impl Group {
              AND c.due <= @now",
         );
         if let Some(ranges) = ranges {
-            let mut any = vec!["NOT IS_DEFINED(c.epk)".to_owned()];
+            // A lock that ran out a while ago is any host's to recover: its range's owner may
+            // be dead, and waiting for its lease to expire would make the lock mean nothing.
+            let mut any = vec![
+                "NOT IS_DEFINED(c.epk)".to_owned(),
+                "(c.state = 'locked' AND c.due <= @stale)".to_owned(),
+            ];
+            params.push((
+                "@stale".to_owned(),
+                json!(self.now() - crate::clock::duration_ms(STALE_LOCK)),
+            ));
             for (i, (min, max)) in coalesce_ranges(ranges).into_iter().enumerate() {
                 any.push(format!("(c.epk >= @min{i} AND c.epk < @max{i})"));
                 params.push((format!("@min{i}"), json!(min)));

@@ -282,13 +282,15 @@ fn the_simulation_finds_each_reintroduced_defect() {
                     found.seed,
                     clean.unwrap_err()
                 );
-                table.push(format!(
+                let row = format!(
                     "{:<30} history {:>4} ({:>3} cases, {wall:>5.1} s): {}",
                     format!("{bug:?}"),
                     found.seed,
                     found.seed - first + 1,
                     kind(&found.error)
-                ));
+                );
+                eprintln!("{row}");
+                table.push(row);
             }
         }
     }
