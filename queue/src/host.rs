@@ -1507,13 +1507,11 @@ impl<H: Handler> RangeProcessor<H> {
             let limit = (self.options.page_size as usize)
                 .min(room)
                 .min(self.options.max_concurrency);
-            let want = limit;
             let until = Instant::now() + self.options.min_poll;
             while reserved.len() < limit {
                 let permits = Arc::clone(&self.permits);
                 let permit = match permits.clone().try_acquire_owned() {
                     Ok(permit) => permit,
-                    Err(_) if reserved.len() >= want => break,
                     Err(_) => match tokio::time::timeout_at(until, permits.acquire_owned()).await {
                         Ok(permit) => permit.expect("never closed"),
                         Err(_) => break,
@@ -1605,7 +1603,6 @@ impl<H: Handler> RangeProcessor<H> {
         }
         let count = docs.len() as u32;
         let (handed, known) = self.handling(r, docs);
-
         let turns: Vec<(Turn, Option<watch::Sender<KeyState>>)> = handed
             .iter()
             .map(|h| self.turn(r, &h.message, &mut reserved))
