@@ -1026,10 +1026,13 @@ impl<H: Handler> Deliverer<H> {
                         .dead_letter_unrecorded(claim, REASON_PERMANENT_ERROR, &error)
                         .await
                     {
-                        Ok(()) => {
+                        Ok(true) => {
                             ConsumerStats::bump(&self.stats.dead_lettered);
                             Err(Fate::Settled)
                         }
+                        // Another state of it stands (a lock, a schedule): that one brings it
+                        // back.
+                        Ok(false) => Err(Fate::Pending),
                         Err(dead) => {
                             error!(group = self.group.name(), message_id = %claim.message_id, cause = %e, error = %dead, "the message can be neither locked nor dead-lettered; it stays ahead of the checkpoint");
                             Err(Fate::Unrecorded)

@@ -1236,6 +1236,13 @@ impl Reading {
         }
     }
 
+    /// The range's record landed as `lease` (sent at `sent`).
+    fn recorded(&mut self, lease: Lease, sent: Instant, options: &HostOptions) {
+        self.lease = lease;
+        self.unwritten = false;
+        self.written(sent, options);
+    }
+
     /// A lease write that landed was sent at `sent`: the lease is surely this range's until
     /// the expiry others judge this version by (minus a margin), and is renewed well before.
     fn written(&mut self, sent: Instant, options: &HostOptions) {
@@ -1987,15 +1994,15 @@ impl<H: Handler> RangeProcessor<H> {
     }
 
     /// Writes the lease with the checkpoint and the window (exclusive groups), and counts the
-    /// completions it records. `Ok(false)` when the lease is being handed over (the range
-    /// drains); a write that keeps failing is retried until the lease would no longer surely
+    /// completions it records (a hand-over request the written lease shows starts the
+    /// drain); a write that keeps failing is retried until the lease would no longer surely
     /// be this range's, then the range stops (the lease, still in this host's name, is taken
     /// back at the next acquire round, and what the write would have recorded is delivered
     /// again).
     ///
     /// Completions are counted (and announced on the ledger) once the write landed; a write
     /// whose answer is lost (a timeout after the service applied it) is read back.
-    async fn write_record(&self, r: &mut Reading) -> Result<bool, RangeExit> {
+    async fn write_record(&self, r: &mut Reading) -> Result<(), RangeExit> {
         let completions = r.checkpoint.take_unwritten();
         let (written, result) = self.try_record(r).await;
         if written {
@@ -2048,13 +2055,14 @@ impl<H: Handler> RangeProcessor<H> {
     }
 
     /// [`Self::write_record`]'s write: whether it landed, and what the range does next.
-    async fn try_record(&self, r: &mut Reading) -> (bool, Result<bool, RangeExit>) {
+    async fn try_record(&self, r: &mut Reading) -> (bool, Result<(), RangeExit>) {
         let writes = self.group.config().exclusive_writes;
         let position = r.checkpoint.position().clone();
         let window = r.checkpoint.record();
         let mut attempt = 0u32;
         // A write found landed may be any attempt's: the lease is held from the first's send.
         let first_sent = Instant::now();
+        let holds = |lease: &Lease| lease.window == window && lease.continuation == position;
         // Tried while the lease is surely this range's: giving up sooner would throw
         // completions away (the next owner delivers them again) while the lease may be good.
         while Instant::now() < *r.held.borrow() {
@@ -2073,34 +2081,18 @@ impl<H: Handler> RangeProcessor<H> {
                 .await;
             match written {
                 Ok(written) => {
-                    r.lease = written;
-                    r.unwritten = false;
-                    r.written(sent, &self.options);
-                    if r.reading && r.lease.handover_to.is_some() {
-                        let current = r.lease.clone();
-                        r.hand_over(current);
-                        return (true, Ok(false));
-                    }
-                    return (true, Ok(true));
+                    r.recorded(written, sent, &self.options);
+                    return (true, Ok(()));
                 }
                 Err(LeaseError::Lost) => match self.current(&r.lease).await {
                     // Still ours (asked for, or an earlier write landed unanswered): done if it
                     // holds this record, else written again on what is there now (and handed
                     // over after, if asked).
-                    Ok(Some(current)) => {
-                        let landed = current.window == window && current.continuation == position;
-                        r.lease = current;
-                        if landed {
-                            r.unwritten = false;
-                            r.written(first_sent, &self.options);
-                            if r.reading && r.lease.handover_to.is_some() {
-                                let current = r.lease.clone();
-                                r.hand_over(current);
-                                return (true, Ok(false));
-                            }
-                            return (true, Ok(true));
-                        }
+                    Ok(Some(current)) if holds(&current) => {
+                        r.recorded(current, first_sent, &self.options);
+                        return (true, Ok(()));
                     }
+                    Ok(Some(current)) => r.lease = current,
                     Ok(None) => {}
                     Err(()) => {
                         warn!(owner = %self.options.holder(), in_flight = r.in_flight, "lease taken by another host; stopped reading the range");
@@ -2111,14 +2103,13 @@ impl<H: Handler> RangeProcessor<H> {
                     ConsumerStats::bump(&self.stats.errors);
                     debug!(error = %e, attempt, "lease write failed; retrying");
                     // It may have landed with its answer lost: then it is done.
-                    if let Ok(Some(current)) = self.current(&r.lease).await {
-                        let landed = current.window == window && current.continuation == position;
-                        r.lease = current;
-                        if landed {
-                            r.unwritten = false;
-                            r.written(first_sent, &self.options);
-                            return (true, Ok(true));
+                    match self.current(&r.lease).await {
+                        Ok(Some(current)) if holds(&current) => {
+                            r.recorded(current, first_sent, &self.options);
+                            return (true, Ok(()));
                         }
+                        Ok(Some(current)) => r.lease = current,
+                        _ => {}
                     }
                 }
             }

@@ -335,25 +335,32 @@ impl Group {
             MessageState::DeadLettered,
         );
         doc.attempts = attempts;
+        self.create_dead_letter(doc, now, reason, error).await
+    }
+
+    /// Writes `doc` as the message's first state, dead-lettered with `reason` and `error`:
+    /// `false` when another state of it was there first (someone's lock or schedule), which
+    /// stands. A create whose answer was lost and that the SDK tried again finds its own dead
+    /// letter: that counts as written.
+    pub(super) async fn create_dead_letter(
+        &self,
+        mut doc: StateDoc,
+        now: i64,
+        reason: &str,
+        error: &str,
+    ) -> Result<bool> {
         doc.settle(MessageState::DeadLettered, now);
         doc.reason = Some(truncate(reason));
         doc.last_error = Some(truncate(error));
         doc.refresh_ttl(now, self.retention_secs());
         match self.create(&doc, "dead-letter").await? {
             Write::Done(_) => {
-                warn!(group = self.name(), message_id = %message.id, reason, error, "message dead-lettered");
-                crate::ledger::dead_lettered(
-                    self.name(),
-                    &message.id,
-                    &message.partition_key,
-                    reason,
-                );
+                warn!(group = self.name(), message_id = %doc.id, attempts = doc.attempts, reason, error, "message dead-lettered");
+                crate::ledger::dead_lettered(self.name(), &doc.id, &doc.message_pk, reason);
                 Ok(true)
             }
-            // Already there (ours, when an answer was lost and the SDK tried again): dead
-            // letters only if that is what it says.
             Write::Lost | Write::Missing => Ok(self
-                .read_doc(&message.partition_key, &message.id)
+                .read_doc(&doc.message_pk, &doc.id)
                 .await?
                 .is_some_and(|doc| doc.state == MessageState::DeadLettered)),
         }

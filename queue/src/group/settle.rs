@@ -191,32 +191,16 @@ impl Group {
 
     /// Records a delivery that has no state document yet (its lock was the range's lease) in
     /// the dead letters: its lock could never be written, so nothing else would bring it back.
+    /// `false` when another state of it stands (see [`Self::create_dead_letter`]).
     pub(crate) async fn dead_letter_unrecorded(
         &self,
         claim: &Claim,
         reason: &str,
         error: &str,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let now = self.now();
-        let mut doc = self.next_state(claim, now);
-        doc.settle(MessageState::DeadLettered, now);
-        doc.reason = Some(truncate(reason));
-        doc.last_error = Some(truncate(error));
-        doc.refresh_ttl(now, self.retention_secs());
-        match self.create(&doc, "dead-letter").await? {
-            Write::Done(_) => {
-                warn!(group = self.name(), message_id = %claim.message_id, attempts = claim.attempt, reason, error, "message dead-lettered");
-                crate::ledger::dead_lettered(
-                    self.name(),
-                    &claim.message_id,
-                    &claim.message_pk,
-                    reason,
-                );
-                Ok(())
-            }
-            // Already recorded by someone: that record stands.
-            Write::Lost | Write::Missing => Ok(()),
-        }
+        let doc = self.next_state(claim, now);
+        self.create_dead_letter(doc, now, reason, error).await
     }
 
     /// Records the completion of a first delivery that has no state document (its range's
