@@ -19,9 +19,9 @@ pub enum Bug {
     /// Scenario 3: a host takes back at once a lease in its own name that it does not run
     /// (the pod name is the owner, not the process incarnation).
     RestartRetakesLease,
-    /// Scenario 4: a range reads a page before it has permits for it, and what waits for a
-    /// permit starts later without checking that the lease is still live; the range notices
-    /// a lapsed lease only at its next renewal.
+    /// Scenario 4: what waits for a permit starts later without checking that the lease is
+    /// still live; the range never stops at its lease's deadline (it notices a lapsed lease
+    /// only when a write of it is refused), nor does its write retry stop there.
     StartUnderExpiredLease,
     /// Scenario 5: a range's window counts positions, so a split child treats documents of its
     /// parent's window as redeliveries.

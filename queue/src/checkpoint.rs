@@ -142,31 +142,29 @@ impl Checkpoint {
     /// Returns the page's number, for [`Self::settle`].
     #[cfg(test)]
     pub(crate) fn read(&mut self, token: Option<String>, messages: usize) -> u64 {
-        let handed: Vec<(String, bool)> = (0..messages).map(|i| (format!("#{i}"), true)).collect();
-        self.read_docs(token, messages as u32, &handed, None)
+        let handed: Vec<String> = (0..messages).map(|i| format!("#{i}")).collect();
+        let seq = self.read_docs(token, messages as u32, &handed, None);
+        for identity in &handed {
+            self.start(seq, identity);
+        }
+        seq
     }
 
     /// [`Self::read`] of a page of `docs` feed documents; `handed` are the identities handed
-    /// out for delivery, each started at once or not (an ordered message that waits for its
-    /// key's turn).
+    /// out for delivery, unstarted until [`Self::start`].
     pub(crate) fn read_docs(
         &mut self,
         token: Option<String>,
         docs: u32,
-        handed: &[(String, bool)],
+        handed: &[String],
         last: Option<PageEnd>,
     ) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
-        let (mut started, mut unstarted) = (Vec::new(), Vec::new());
-        if self.track_ids {
-            for (identity, now) in handed {
-                match now {
-                    true => started.push(identity.clone()),
-                    false => unstarted.push(identity.clone()),
-                }
-            }
-        }
+        let unstarted = match self.track_ids {
+            true => handed.to_vec(),
+            false => Vec::new(),
+        };
         self.window.push_back(PageSlot {
             seq,
             token,
@@ -176,7 +174,7 @@ impl Checkpoint {
             done: Vec::new(),
             pending: Vec::new(),
             unstarted,
-            started,
+            started: Vec::new(),
             last: last.into_iter().collect(),
         });
         self.advance();
@@ -218,7 +216,7 @@ impl Checkpoint {
         self.advance();
     }
 
-    /// A message of page `seq` handed out unstarted (waiting for its key's turn) starts now.
+    /// A message of page `seq` handed out unstarted starts now (listed with the next write).
     pub(crate) fn start(&mut self, seq: u64, identity: &str) {
         if let Some(slot) = self.window.iter_mut().find(|s| s.seq == seq) {
             if let Some(i) = slot.unstarted.iter().position(|x| x == identity) {
@@ -298,7 +296,6 @@ impl Checkpoint {
     }
 
     /// Completions no lease write has recorded yet.
-    #[cfg(test)]
     pub(crate) fn unwritten_completions(&self) -> usize {
         self.unwritten.len()
     }
@@ -434,8 +431,8 @@ mod tests {
         assert_eq!(c.position(), &token("t0"));
     }
 
-    fn handed(ids: &[&str]) -> Vec<(String, bool)> {
-        ids.iter().map(|id| ((*id).to_owned(), true)).collect()
+    fn handed(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|id| (*id).to_owned()).collect()
     }
 
     fn completion(id: &str) -> Option<Completion> {
@@ -451,12 +448,10 @@ mod tests {
     fn the_record_lists_what_was_handed_out_past_the_position_by_fate() {
         let mut c = Checkpoint::new(token("start")).tracking_ids();
         let p0 = c.read_docs(token("t0"), 3, &handed(&["a", "b"]), None);
-        let p1 = c.read_docs(
-            token("t1"),
-            3,
-            &[("c".into(), true), ("d".into(), true), ("e".into(), false)],
-            None,
-        );
+        let p1 = c.read_docs(token("t1"), 3, &handed(&["c", "d", "e"]), None);
+        for (page, identity) in [(p0, "a"), (p0, "b"), (p1, "c"), (p1, "d")] {
+            c.start(page, identity);
+        }
         c.known(p0, "skipped", Settle::Done);
         c.settle(p0, "a", Settle::Completed, completion("a"));
         c.settle(p1, "c", Settle::Pending, None);
@@ -498,6 +493,7 @@ mod tests {
         c.settle(p0, "a", Settle::Completed, None);
         assert_eq!(c.record().done, ["a"], "kept: nothing after it yet");
         let p1 = c.read_docs(token("t1"), 1, &handed(&["b"]), None);
+        c.start(p1, "b");
         assert_eq!(c.record().done, ["a"]);
         assert_eq!(c.record().started, ["b"]);
         c.settle(p1, "b", Settle::Completed, None);

@@ -365,9 +365,9 @@ impl<H: Handler> Host<H> {
                 return true; // the defect: the pod name was the owner
             }
             // This process restarted: its previous life is gone (a container runs once at a
-            // time), so only what it had started, which the app may still hold, waits for the
-            // lock to run out.
-            if lease.window.started.is_empty() {
+            // time), so only what it may have started, which the app may still hold, waits
+            // for the lock to run out.
+            if !lease.window.may_be_in_app() {
                 return true;
             }
         }
@@ -609,19 +609,12 @@ enum Turn {
     Key {
         previous: Option<watch::Receiver<KeyState>>,
         waits_for: Vec<String>,
-        /// The first of its key with nothing to wait for starts at once (the lease write path:
-        /// with the permit taken before the read).
-        permit: Option<OwnedSemaphorePermit>,
     },
-    /// Unordered groups, where each delivery's claim records its start: permits are taken in
-    /// feed order.
+    /// Unordered groups: permits are taken in feed order.
     Feed {
         previous: Option<oneshot::Receiver<()>>,
         next: Option<oneshot::Sender<()>>,
     },
-    /// The lease write path, unordered: the permit was taken before the page was read, so the
-    /// delivery starts as the page's record says it did.
-    Now(OwnedSemaphorePermit),
 }
 
 /// A range's stop signals, as its deliveries see them.
@@ -630,9 +623,10 @@ struct Stops {
     /// The range is lost: deliveries waiting for a permit step aside (unrecorded, so the
     /// checkpoint stays before them and the next owner reads them).
     step_aside: CancellationToken,
-    /// The range drains or is handed over: the same, except within a page that has started
-    /// (the checkpoint moves by whole pages, so a page half done would be delivered again by
-    /// the next owner). The drain then takes at most about a page.
+    /// The range drains or is handed over: the same, except in stream groups within a page
+    /// that has started (the checkpoint moves by whole pages and no window lists what
+    /// settled, so a page half done would be delivered again by the next owner). The drain
+    /// then takes at most about a page.
     draining: CancellationToken,
     /// The range is lost or drains: deliveries stop retrying failed writes, and what they
     /// could not record holds the checkpoint.
@@ -657,13 +651,29 @@ struct Report {
     reached: bool,
 }
 
-/// A delivery that waited for its turn asks to start (the lease write path): its start is
-/// recorded on the lease first, with the completions before it, so that a next owner counts
-/// it as delivered only if it was, and never delivers it before what preceded it.
+/// A delivery asks its range to start (the lease write path). Its start is listed on the
+/// lease with the range's next write (see [`crate::lease::Window::starts_lag`]); it is
+/// written first where a next owner must know of it: a message the previous owner may have
+/// started unlisted (else its count could repeat forever), and an ordered key's next message
+/// after one whose completion is not written yet (else a next owner would deliver that one
+/// again after this one started).
 struct StartRequest {
     seq: u64,
     identity: String,
+    /// Its start is written before it starts.
+    write_first: bool,
+    /// It follows a message of its key that this range delivered.
+    follows: bool,
     reply: oneshot::Sender<bool>,
+}
+
+/// Where a delivery of the lease write path asks to start.
+struct StartAsk {
+    seq: u64,
+    identity: String,
+    /// The previous owner may have started it without listing it.
+    unsure: bool,
+    requests: mpsc::UnboundedSender<StartRequest>,
 }
 
 /// How a waiting ordered message goes on.
@@ -684,7 +694,10 @@ struct RangeDelivery<H> {
     deliverer: Arc<Deliverer<H>>,
     permits: Arc<Semaphore>,
     stop: Stops,
-    page_started: Arc<AtomicBool>,
+    /// Set once a delivery of its page started. `None` where a window lists each message's
+    /// fate (exclusive groups): a drained range lists what never started, and its next owner
+    /// delivers just those, so nothing waits for a permit once the range drains.
+    page_started: Option<Arc<AtomicBool>>,
     /// How the message is claimed. [`Path::Checked`] in an ordered stream group's first window
     /// read after taking a range: its previous owner may have left messages there that it was
     /// retrying in place (it died), that wait for their schedule, or that it settled in a page
@@ -697,8 +710,8 @@ struct RangeDelivery<H> {
     promotion: Option<Promotion>,
     /// The lease write path: the lease as the lock of a first delivery.
     lease: Option<LeaseLock>,
-    /// The lease write path: where a waiting delivery asks to start.
-    start: Option<(u64, String, mpsc::UnboundedSender<StartRequest>)>,
+    /// The lease write path: where the delivery asks to start.
+    start: Option<StartAsk>,
     locked_until: LockedUntil,
     /// Set once the app may have had the message (see [`Watch::reached`]).
     reached: Arc<AtomicBool>,
@@ -708,34 +721,31 @@ impl<H: Handler> RangeDelivery<H> {
     async fn run(mut self, message: Message, turn: Turn) -> Fate {
         match turn {
             Turn::Key {
-                permit: Some(permit),
-                ..
-            } => self.deliver(message, None, Some(permit)).await,
-            Turn::Key {
                 previous,
                 waits_for,
-                permit: None,
-            } => match self
-                .after_previous_of_key(&message, previous, waits_for)
-                .await
-            {
-                Wait::Go => self.start_when_granted(message).await,
-                Wait::GoChecked => {
-                    // It waited on its predecessors' state: a state of its own may exist too
-                    // (its schedule, or a park whose answer was lost).
-                    self.path = Path::Checked;
-                    self.start_when_granted(message).await
+            } => {
+                let follows = previous.is_some();
+                match self
+                    .after_previous_of_key(&message, previous, waits_for)
+                    .await
+                {
+                    Wait::Go => self.start_when_granted(message, follows).await,
+                    Wait::GoChecked => {
+                        // It waited on its predecessors' state: a state of its own may exist
+                        // too (its schedule, or a park whose answer was lost).
+                        self.path = Path::Checked;
+                        self.start_when_granted(message, follows).await
+                    }
+                    Wait::Park(ids) => self.park(message, ids).await,
+                    Wait::Stop => Fate::Unstarted,
                 }
-                Wait::Park(ids) => self.park(message, ids).await,
-                Wait::Stop => Fate::Unstarted,
-            },
+            }
             Turn::Feed { previous, next } => {
                 if let Some(previous) = previous {
                     let _ = previous.await;
                 }
                 self.deliver(message, next, None).await
             }
-            Turn::Now(permit) => self.deliver(message, None, Some(permit)).await,
         }
     }
 
@@ -823,38 +833,41 @@ impl<H: Handler> RangeDelivery<H> {
                     _ = self.deliverer.all_settled(&message.partition_key, &ids) => {}
                 }
                 self.path = Path::Checked;
-                self.start_when_granted(message).await
+                self.start_when_granted(message, false).await
             }
         }
     }
 
-    /// Takes a permit and, on the lease write path, has the start recorded; then delivers.
-    async fn start_when_granted(self, message: Message) -> Fate {
+    /// Takes a permit and, on the lease write path, asks to start; then delivers.
+    async fn start_when_granted(self, message: Message, follows: bool) -> Fate {
         let permit = tokio::select! {
             biased;
             _ = self.stop.step_aside.cancelled() => return Fate::Unstarted,
             _ = self.stop.draining.cancelled() => return Fate::Unstarted,
             permit = Arc::clone(&self.permits).acquire_owned() => permit.expect("never closed"),
         };
-        if !self.granted().await {
+        if !self.granted(follows).await {
             return Fate::Unstarted;
         }
         self.deliver(message, None, Some(permit)).await
     }
 
-    /// On the lease write path, asks the range to record this delivery's start and waits for
-    /// the write: `false` when it did not land (the range is not this host's to start in).
-    async fn granted(&self) -> bool {
-        let Some((seq, identity, requests)) = &self.start else {
+    /// On the lease write path, asks the range to start this delivery (see [`StartRequest`]):
+    /// `false` when it may not (the lease is not surely the range's, or a write it needed
+    /// first did not land).
+    async fn granted(&self, follows: bool) -> bool {
+        let Some(ask) = &self.start else {
             return true;
         };
         let (reply, granted) = oneshot::channel();
         let request = StartRequest {
-            seq: *seq,
-            identity: identity.clone(),
+            seq: ask.seq,
+            identity: ask.identity.clone(),
+            write_first: ask.unsure,
+            follows,
             reply,
         };
-        requests.send(request).is_ok() && granted.await == Ok(true)
+        ask.requests.send(request).is_ok() && granted.await == Ok(true)
     }
 
     async fn deliver(
@@ -872,7 +885,10 @@ impl<H: Handler> RangeDelivery<H> {
                         biased;
                         _ = self.stop.step_aside.cancelled() => return Fate::Unstarted,
                         _ = self.stop.draining.cancelled(), if !stay => {
-                            stay = self.page_started.load(Ordering::SeqCst);
+                            stay = self
+                                .page_started
+                                .as_ref()
+                                .is_some_and(|started| started.load(Ordering::SeqCst));
                             if !stay {
                                 return Fate::Unstarted;
                             }
@@ -880,8 +896,8 @@ impl<H: Handler> RangeDelivery<H> {
                         permit = Arc::clone(&self.permits).acquire_owned() => break permit.expect("never closed"),
                     }
                 };
-                // Recorded unstarted with its page: its start is recorded before it starts.
-                if !buggify::on(Bug::StartUnderExpiredLease) && !self.granted().await {
+                // Listed unstarted with its page: it asks to start.
+                if !self.granted(false).await {
                     return Fate::Unstarted;
                 }
                 permit
@@ -896,7 +912,9 @@ impl<H: Handler> RangeDelivery<H> {
                 return Fate::Unstarted;
             }
         }
-        self.page_started.store(true, Ordering::SeqCst);
+        if let Some(started) = &self.page_started {
+            started.store(true, Ordering::SeqCst);
+        }
         drop(turn_done);
         let mut permit = Permit::held(Arc::clone(&self.permits), permit);
         let reached = Arc::clone(&self.reached);
@@ -1281,6 +1299,8 @@ struct Handed {
     message: Message,
     identity: String,
     path: Path,
+    /// The previous owner may have started it without listing it ([`Handling::Unsure`]).
+    unsure: bool,
 }
 
 impl<H: Handler> RangeProcessor<H> {
@@ -1288,8 +1308,8 @@ impl<H: Handler> RangeProcessor<H> {
         self.group.queue().clock().now_ms()
     }
 
-    /// Whether starts are recorded on the lease (the lease write path): permits are taken
-    /// before a page is read, and a delivery that waits for its turn asks to start.
+    /// Whether starts are listed on the lease (the lease write path): each delivery asks its
+    /// range to start (see [`StartRequest`]).
     fn records_starts(&self) -> bool {
         self.group.config().lease_recorded()
     }
@@ -1322,9 +1342,9 @@ impl<H: Handler> RangeProcessor<H> {
                 }
                 _ = tokio::time::sleep_until(r.renew_at) => self.renew(&mut r).await,
                 _ = flush.tick(), if r.checkpoint_due() => self.flush(&mut r).await,
-                permit = self.read_when(read_at), if r.reading && self.room(&r) => {
+                _ = tokio::time::sleep_until(read_at), if r.reading && self.room(&r) => {
                     r.read_at = None;
-                    self.read_page(&mut r, permit).await
+                    self.read_page(&mut r).await
                 }
             };
             if let Some(exit) = step {
@@ -1333,21 +1353,6 @@ impl<H: Handler> RangeProcessor<H> {
             }
         }
         self.finish(r).await
-    }
-
-    /// When the next read may go: at `at`, and on the lease write path once a delivery permit
-    /// is free (taken now, so that what the page hands out starts as its record says).
-    async fn read_when(&self, at: Instant) -> Option<OwnedSemaphorePermit> {
-        tokio::time::sleep_until(at).await;
-        if !self.records_starts() || buggify::on(Bug::StartUnderExpiredLease) {
-            return None;
-        }
-        Some(
-            Arc::clone(&self.permits)
-                .acquire_owned()
-                .await
-                .expect("never closed"),
-        )
     }
 
     /// Whether the range may read another page: fewer messages in flight than its limit,
@@ -1481,56 +1486,41 @@ impl<H: Handler> RangeProcessor<H> {
         None
     }
 
-    /// Records the starts waiting deliveries ask for (with the completions before them) and
-    /// lets them start once the record landed.
+    /// Lets the deliveries that ask start, their starts listed with the range's next write,
+    /// or written first where a next owner must know of them (see [`StartRequest`]).
     async fn grant(&self, r: &mut Reading, first: StartRequest) -> Step {
         let mut requests = vec![first];
         while let Ok(more) = r.start_rx.try_recv() {
             requests.push(more);
         }
+        let write_first = requests.iter().any(|request| {
+            request.write_first || (request.follows && r.checkpoint.unwritten_completions() > 0)
+        });
         for request in &requests {
             r.checkpoint.start(request.seq, &request.identity);
         }
         r.unwritten = true;
-        let (landed, step) = match self.write_record(r).await {
-            Ok(_) => (true, None),
-            Err(exit) => (false, Some(exit)),
+        let (granted, step) = match write_first {
+            true => match self.write_record(r).await {
+                Ok(_) => (true, None),
+                Err(exit) => (false, Some(exit)),
+            },
+            // The lease is a lock only while it is live: nothing starts under one whose last
+            // write is older than the expiry others judge it by (minus a margin).
+            false => (
+                Instant::now() < *r.held.borrow() || buggify::on(Bug::StartUnderExpiredLease),
+                None,
+            ),
         };
         for request in requests {
-            let _ = request.reply.send(landed);
+            let _ = request.reply.send(granted);
         }
         step
     }
 
-    /// Reads the next page and hands its messages out. `permit`: the first delivery permit
-    /// of the page (the lease write path), others are taken as free.
-    async fn read_page(&self, r: &mut Reading, permit: Option<OwnedSemaphorePermit>) -> Step {
-        let mut reserved: Vec<OwnedSemaphorePermit> = permit.into_iter().collect();
-        if !reserved.is_empty() {
-            // A page's record is one lease write whatever its size: wait a moment (`minPoll`)
-            // for the permits a full page could use rather than read and record a page of
-            // one or two messages each time a delivery ends.
-            let room = self.options.max_in_flight_per_range - r.in_flight;
-            let limit = (self.options.page_size as usize)
-                .min(room)
-                .min(self.options.max_concurrency);
-            let until = Instant::now() + self.options.min_poll;
-            while reserved.len() < limit {
-                let permits = Arc::clone(&self.permits);
-                let permit = match permits.clone().try_acquire_owned() {
-                    Ok(permit) => permit,
-                    Err(_) => match tokio::time::timeout_at(until, permits.acquire_owned()).await {
-                        Ok(permit) => permit.expect("never closed"),
-                        Err(_) => break,
-                    },
-                };
-                reserved.push(permit);
-            }
-        }
-        let max = match reserved.is_empty() {
-            true => self.options.page_size,
-            false => reserved.len() as u32,
-        };
+    /// Reads the next page and hands its messages out; permits are taken as they free.
+    async fn read_page(&self, r: &mut Reading) -> Step {
+        let max = self.options.page_size;
         let crate::cosmos::feed::Page {
             docs,
             token,
@@ -1610,37 +1600,18 @@ impl<H: Handler> RangeProcessor<H> {
         }
         let count = docs.len() as u32;
         let (handed, known) = self.handling(r, docs);
-        let turns: Vec<(Turn, Option<watch::Sender<KeyState>>)> = handed
-            .iter()
-            .map(|h| self.turn(r, &h.message, &mut reserved))
-            .collect();
-        drop(reserved); // not needed: fewer messages than documents, or none
-                        // What starts at once (with its permit) is recorded started; what waits for its turn
-                        // (or, where each delivery's claim records its start, everything) unstarted.
-        let listed: Vec<(String, bool)> = handed
-            .iter()
-            .zip(&turns)
-            .map(|(h, (turn, _))| {
-                let now = matches!(
-                    turn,
-                    Turn::Now(_)
-                        | Turn::Key {
-                            permit: Some(_),
-                            ..
-                        }
-                );
-                (h.identity.clone(), now)
-            })
-            .collect();
+        let turns: Vec<(Turn, Option<watch::Sender<KeyState>>)> =
+            handed.iter().map(|h| self.turn(r, &h.message)).collect();
+        let listed: Vec<String> = handed.iter().map(|h| h.identity.clone()).collect();
         let seq = r.checkpoint.read_docs(token, count, &listed, last);
         for (identity, fate) in known {
             r.checkpoint.known(seq, &identity, fate);
             r.unwritten = true;
         }
         if self.records_starts() && !handed.is_empty() {
-            // The page's delivery is recorded before it starts: a next owner after a crash
-            // then knows these are redeliveries. Also the fence: it fails once the lease is
-            // another host's.
+            // The page is listed before any of it starts (unstarted; each start is listed with
+            // a later write): a next owner after a crash waits for the lock of what the app
+            // may have. Also the fence: it fails once the lease is another host's.
             if let Err(exit) = self.write_record(r).await {
                 return Some(exit);
             }
@@ -1653,15 +1624,9 @@ impl<H: Handler> RangeProcessor<H> {
     }
 
     /// When a message read now may start: ordered groups after its key's previous messages
-    /// (in this range, or left unsettled by a previous owner); on the lease write path with a
-    /// permit taken before the read (the first of a key takes one too); elsewhere, permits in
+    /// (in this range, or left unsettled by a previous owner); unordered ones take permits in
     /// feed order. With it, the sender of its state for the key's next message.
-    fn turn(
-        &self,
-        r: &mut Reading,
-        message: &Message,
-        reserved: &mut Vec<OwnedSemaphorePermit>,
-    ) -> (Turn, Option<watch::Sender<KeyState>>) {
+    fn turn(&self, r: &mut Reading, message: &Message) -> (Turn, Option<watch::Sender<KeyState>>) {
         if self.group.config().ordered {
             let key = message.partition_key.canonical();
             let (tx, rx) = watch::channel(None);
@@ -1675,19 +1640,11 @@ impl<H: Handler> RangeProcessor<H> {
             });
             let mut waits_for = r.held_back.remove(&key).unwrap_or_default();
             waits_for.retain(|id| *id != message.id);
-            let permit = match previous.is_none() && waits_for.is_empty() {
-                true => reserved.pop(),
-                false => None,
-            };
             let turn = Turn::Key {
                 previous,
                 waits_for,
-                permit,
             };
             return (turn, Some(tx));
-        }
-        if let Some(permit) = reserved.pop() {
-            return (Turn::Now(permit), None);
         }
         let (tx, rx) = oneshot::channel();
         let turn = Turn::Feed {
@@ -1853,6 +1810,13 @@ impl<H: Handler> RangeProcessor<H> {
                     message,
                     identity,
                     path,
+                    unsure: false,
+                }),
+                Handling::Unsure(path) => handed.push(Handed {
+                    message,
+                    identity,
+                    path,
+                    unsure: true,
                 }),
                 Handling::Known(fate) => known.push((identity, fate)),
             }
@@ -1877,6 +1841,7 @@ impl<H: Handler> RangeProcessor<H> {
                 message,
                 identity,
                 path,
+                unsure,
             },
             (turn, key_state),
         ) in handed.into_iter().zip(turns)
@@ -1893,14 +1858,17 @@ impl<H: Handler> RangeProcessor<H> {
                 lost: r.stops.step_aside.clone(),
                 held: r.held.subscribe(),
             });
-            let start = self
-                .records_starts()
-                .then(|| (seq, identity.clone(), r.start_tx.clone()));
+            let start = self.records_starts().then(|| StartAsk {
+                seq,
+                identity: identity.clone(),
+                unsure,
+                requests: r.start_tx.clone(),
+            });
             let delivery = RangeDelivery {
                 deliverer: Arc::clone(&self.deliverer),
                 permits: Arc::clone(&self.permits),
                 stop: r.stops.clone(),
-                page_started: Arc::clone(&page_started),
+                page_started: (!r.windowed).then(|| Arc::clone(&page_started)),
                 path,
                 promotion,
                 lease,
@@ -2058,14 +2026,17 @@ impl<H: Handler> RangeProcessor<H> {
     async fn try_record(&self, r: &mut Reading) -> (bool, Result<(), RangeExit>) {
         let writes = self.group.config().exclusive_writes;
         let position = r.checkpoint.position().clone();
-        let window = r.checkpoint.record();
+        let mut window = r.checkpoint.record();
+        // Until the range has drained, what the window lists unstarted may start before the
+        // next write lists it (a page's record is written before its messages are handed out).
+        window.starts_lag |= self.records_starts() && !r.drained() && !window.unstarted.is_empty();
         let mut attempt = 0u32;
         // A write found landed may be any attempt's: the lease is held from the first's send.
         let first_sent = Instant::now();
         let holds = |lease: &Lease| lease.window == window && lease.continuation == position;
         // Tried while the lease is surely this range's: giving up sooner would throw
         // completions away (the next owner delivers them again) while the lease may be good.
-        while Instant::now() < *r.held.borrow() {
+        while Instant::now() < *r.held.borrow() || buggify::on(Bug::StartUnderExpiredLease) {
             attempt += 1;
             let sent = Instant::now();
             let written = self

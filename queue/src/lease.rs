@@ -71,10 +71,11 @@ pub struct Lease {
     /// documents through its first window, since its deliveries wrote claims.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writes: Option<crate::config::ExclusiveWrites>,
-    /// Set while the window lists started deliveries whose only lock is this lease and the
-    /// group's lock duration (ms) is shorter than the lease expiry: the lease is then expired
-    /// once unchanged for this long, so a dead owner's deliveries come back within the lock
-    /// duration, as claims' do. Its owner renews it at least three times per this.
+    /// Set while the app may have deliveries of the window ([`Window::may_be_in_app`]) whose
+    /// only lock is this lease and the group's lock duration (ms) is shorter than the lease
+    /// expiry: the lease is then expired once unchanged for this long, so a dead owner's
+    /// deliveries come back within the lock duration, as claims' do. Its owner renews it at
+    /// least three times per this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lock_ms: Option<u64>,
     /// The document's ETag as last read: every change is `If-Match` on it.
@@ -130,6 +131,14 @@ pub struct Window {
     /// range never reads (estimates do not count them as this range's).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub split: bool,
+    /// Deliveries may have started since this write: a start is listed with the range's next
+    /// write, not before it happens (one write a page, not one per batch of starts), so
+    /// `unstarted` may name messages the app has. A next owner that takes the lease from its
+    /// holder waits for their lock, and lists each one's start before it starts it: a count
+    /// may then repeat, never skip. A holder's last write (it drained, or handed the lease
+    /// over) lists every start.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub starts_lag: bool,
 }
 
 /// [`Window::v`] of windows whose lists hold identities.
@@ -166,6 +175,12 @@ impl Window {
             && self.pending.is_empty()
             && self.unstarted.is_empty()
             && self.started.is_empty()
+    }
+
+    /// Whether the app may have messages of this window: started ones, or unstarted ones
+    /// whose starts lag (see [`Self::starts_lag`]).
+    pub fn may_be_in_app(&self) -> bool {
+        !self.started.is_empty() || (self.starts_lag && !self.unstarted.is_empty())
     }
 
     /// Whether the lists hold identities (this version's windows) rather than ids.
@@ -246,7 +261,7 @@ impl Lease {
             return expire_ms;
         }
         match self.lock_ms {
-            Some(lock) if !self.window.started.is_empty() => expire_ms.min(lock as i64),
+            Some(lock) if self.window.may_be_in_app() => expire_ms.min(lock as i64),
             _ => expire_ms,
         }
     }
@@ -659,7 +674,7 @@ impl LeaseStore {
     ) -> Result<Lease, LeaseError> {
         let mut next = lease.clone();
         next.writes = Some(writes);
-        next.lock_ms = lock_ms.filter(|_| !window.started.is_empty());
+        next.lock_ms = lock_ms.filter(|_| window.may_be_in_app());
         if continuation != next.continuation {
             next.checkpointed_at = Some(now);
         }

@@ -20,6 +20,9 @@ use crate::lease::Window;
 pub(crate) enum Handling {
     /// Deliver it this way.
     Deliver(Path),
+    /// Deliver it this way, its start listed on the lease before it starts: the previous
+    /// owner may have started it without listing it (see [`Window::starts_lag`]).
+    Unsure(Path),
     /// Hand nothing out: the window says it is already this.
     Known(Settle),
 }
@@ -33,6 +36,8 @@ pub(crate) struct Inherited {
     started: BTreeSet<String>,
     /// The lists may name the other half of a split.
     split: bool,
+    /// `unstarted` may name messages the previous owner started (see [`Window::starts_lag`]).
+    starts_lag: bool,
     /// Windows of older versions: their lists hold ids, and `left` documents from the
     /// position on are the ones they handed out.
     by_id: bool,
@@ -58,6 +63,7 @@ impl Inherited {
             unstarted: set(&window.unstarted),
             started: set(&window.started),
             split: window.split,
+            starts_lag: window.starts_lag,
             by_id,
             left: match (by_id, positional) {
                 (true, _) => window.read,
@@ -82,12 +88,15 @@ impl Inherited {
                 false => Handling::Known(Settle::Pending),
             })
         } else if self.unstarted.remove(name) {
-            // Not started by that reader; an ordered message may have a state of its own from
-            // before (parked, then delivered by a sweep): looked up first.
-            Some(Handling::Deliver(match ordered {
-                true => Path::Checked,
-                false => Path::Feed,
-            }))
+            // Not started by that reader, as far as it listed. Looked up first where a state
+            // of its own may exist: an ordered message's from before (parked, then delivered
+            // by a sweep); any message its reader may have started unlisted (it failed, and
+            // its retry is due, or it ran long).
+            Some(match (self.starts_lag, ordered) {
+                (true, _) => Handling::Unsure(Path::Checked),
+                (false, true) => Handling::Deliver(Path::Checked),
+                (false, false) => Handling::Deliver(Path::Feed),
+            })
         } else if self.started.remove(name) {
             Some(Handling::Deliver(Path::Recovered))
         } else {
@@ -139,6 +148,7 @@ impl Inherited {
         window.unstarted.extend(self.unstarted.iter().cloned());
         window.started.extend(self.started.iter().cloned());
         window.split |= self.split && !self.is_empty();
+        window.starts_lag |= self.starts_lag && !self.unstarted.is_empty();
     }
 
     fn is_empty(&self) -> bool {
@@ -196,6 +206,34 @@ mod tests {
             let mut inherited = Inherited::new(&w, 0);
             assert_eq!(inherited.next(identity, "id", ordered), expected, "{name}");
         }
+    }
+
+    #[test]
+    fn what_a_lagging_window_lists_unstarted_has_its_start_listed_first_and_stays_unsure() {
+        let mut w = window(&[], &[], &["u", "v"], &["s"]);
+        w.starts_lag = true;
+        let mut inherited = Inherited::new(&w, 0);
+        assert_eq!(
+            inherited.next("u", "id", false),
+            Handling::Unsure(Path::Checked),
+            "the previous owner may have started it: its state may exist"
+        );
+        assert_eq!(
+            inherited.next("s", "id", false),
+            Handling::Deliver(Path::Recovered),
+            "a listed start is a redelivery"
+        );
+        let mut record = Window::default();
+        inherited.carry_into(&mut record);
+        assert_eq!(record.unstarted, ["v"]);
+        assert!(
+            record.starts_lag,
+            "carried on as unsure, not as never started"
+        );
+        // A holder's last write lists every start: its unstarted never started.
+        w.starts_lag = false;
+        let mut exact = Inherited::new(&w, 0);
+        assert_eq!(exact.next("u", "id", false), Handling::Deliver(Path::Feed));
     }
 
     #[test]

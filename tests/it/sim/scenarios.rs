@@ -177,25 +177,28 @@ fn nothing_starts_under_a_lease_past_its_expiry() {
     let plan = plan(
         9004,
         GroupPlan {
-            concurrency: 2,
+            concurrency: 1,
             lock_ms: 8_000,
-            promote_after_ms: 3_500,
+            promote_after_ms: 12_000,
             ..group()
         },
-        1,
-        (0..6)
-            .map(|n| message(&format!("m{n}"), json!(n), 0, 3_000))
+        2,
+        // The first outlasts the lease (its start is listed before the partition); the
+        // others wait for the host's one permit meanwhile, some in the other range, which has
+        // nothing to write when the permit comes free.
+        (0..4)
+            .map(|n| message(&format!("m{n}"), json!(n), 0, 9_500))
             .collect(),
-        vec![pod(0), pod(500)],
+        vec![pod(0), pod(2_600)],
         vec![at(
-            1_000,
+            2_500,
             Event::Partition {
                 pod: 0,
                 for_ms: 20_000,
             },
         )],
     );
-    pins(&plan, Bug::StartUnderExpiredLease, "counts not exact");
+    pins(&plan, Bug::StartUnderExpiredLease, "started without a lock");
 }
 
 /// Scenario 5: a range splits while its dead owner's window lists what it started; each
@@ -212,8 +215,13 @@ fn a_split_keeps_every_position_exact() {
             ..group()
         },
         1,
-        (0..10)
-            .map(|n| message(&format!("m{n}"), json!(format!("k{n}")), 0, 1_500))
+        // Ten read (and listed) before the kill, ten more after the split: read by each child
+        // past the parent's window.
+        (0..20)
+            .map(|n| {
+                let at = if n < 10 { 0 } else { 2_000 };
+                message(&format!("m{n}"), json!(format!("k{n}")), at, 1_500)
+            })
             .collect(),
         vec![pod(0)],
         vec![
