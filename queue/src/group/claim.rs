@@ -39,10 +39,10 @@ impl Claim {
     }
 
     /// Takes `doc`, as just written, as this claim's state: its count and its lock.
-    pub(crate) fn adopt(&mut self, doc: StateDoc) {
+    pub(crate) fn adopt(&mut self, doc: Box<StateDoc>) {
         self.attempt = doc.attempts;
         self.locked_until = doc.due;
-        self.state = Some(Box::new(doc));
+        self.state = Some(doc);
     }
 }
 
@@ -198,8 +198,7 @@ impl Group {
             .await?;
         match written {
             Write::Done(doc) => {
-                claim.locked_until = doc.due;
-                claim.state = Some(doc);
+                claim.adopt(doc);
                 Ok(true)
             }
             Write::Lost | Write::Missing => Ok(false),

@@ -124,7 +124,7 @@ impl Group {
                 .await?
             {
                 Write::Done(doc) => {
-                    claim.adopt(*doc);
+                    claim.adopt(doc);
                     Ok(true)
                 }
                 Write::Lost | Write::Missing => Ok(false),
@@ -151,7 +151,7 @@ impl Group {
             .unwrap_or_default();
         match self.replace_own(&next, &etag, op).await? {
             Write::Done(doc) => {
-                claim.adopt(*doc);
+                claim.adopt(doc);
                 Ok(true)
             }
             Write::Lost | Write::Missing => Err(self.lock_lost(claim)),

@@ -129,6 +129,25 @@ pub enum Op {
     Batch,
 }
 
+/// Every fault, in the order a seed draws them.
+pub const FAULTS: [Fault; 5] = [
+    Fault::Throttled,
+    Fault::Unavailable,
+    Fault::Timeout,
+    Fault::LostAnswer,
+    Fault::Refused,
+];
+
+/// Every kind of request, in the order a seed draws them.
+pub const OPS: [Op; 6] = [
+    Op::Create,
+    Op::Replace,
+    Op::Read,
+    Op::Query,
+    Op::Feed,
+    Op::Batch,
+];
+
 /// Keys of every JSON type, a long one included (a hashed state partition key).
 pub fn key_pool() -> Vec<Value> {
     vec![
@@ -381,25 +400,12 @@ impl Plan {
                     for_ms: erng.random_range(500..30_000),
                 },
                 3 => {
-                    let fault = [
-                        Fault::Throttled,
-                        Fault::Unavailable,
-                        Fault::Timeout,
-                        Fault::LostAnswer,
-                        Fault::Refused,
-                    ][erng.random_range(0..5)];
+                    let fault = FAULTS[erng.random_range(0..FAULTS.len())];
                     // Refusals are mostly of creates: the claims, promotions, parks and dead
                     // letters whose refusal must end in a dead letter with its cause.
                     let op = match fault == Fault::Refused && erng.random_bool(0.5) {
                         true => Op::Create,
-                        false => [
-                            Op::Create,
-                            Op::Replace,
-                            Op::Read,
-                            Op::Query,
-                            Op::Feed,
-                            Op::Batch,
-                        ][erng.random_range(0..6)],
+                        false => OPS[erng.random_range(0..OPS.len())],
                     };
                     Event::Fault {
                         fault,

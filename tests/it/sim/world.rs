@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::check;
-use super::plan::{AnswerKind, Event, Fault, Op, Plan};
+use super::plan::{AnswerKind, Event, Fault, Op, Plan, FAULTS, OPS};
 
 /// The wall-clock time every history starts at (the SDK's signing uses the machine's clock;
 /// nothing the engine decides does).
@@ -305,22 +305,6 @@ fn fault_code(f: Fault) -> u8 {
 fn op_code(o: Op) -> u8 {
     o as u8
 }
-
-const FAULTS: [Fault; 5] = [
-    Fault::Throttled,
-    Fault::Unavailable,
-    Fault::Timeout,
-    Fault::LostAnswer,
-    Fault::Refused,
-];
-const OPS: [Op; 6] = [
-    Op::Create,
-    Op::Replace,
-    Op::Read,
-    Op::Query,
-    Op::Feed,
-    Op::Batch,
-];
 
 impl Faults {
     fn new(pods: usize) -> Self {
