@@ -33,11 +33,14 @@ pub enum Bug {
     /// Scenario 9: a dead owner's first deliveries come back only at the lease's expiry,
     /// whatever the lock duration.
     RecoveryWaitsForLeaseExpiry,
+    /// Counts: a range's next owner delivers what the window lists started as first
+    /// deliveries, so the app sees a count again that a lease write had recorded.
+    ListedStartForgotten,
 }
 
 impl Bug {
-    /// Every defect, in the order of the scenarios.
-    pub const ALL: [Bug; 8] = [
+    /// Every defect, in the order of the scenarios, then the checks' own.
+    pub const ALL: [Bug; 9] = [
         Bug::IdentityById,
         Bug::OrderedMoveForgetsPredecessor,
         Bug::RestartRetakesLease,
@@ -46,6 +49,7 @@ impl Bug {
         Bug::PromoteRefusalForgotten,
         Bug::RecordedClaimHoldsRange,
         Bug::RecoveryWaitsForLeaseExpiry,
+        Bug::ListedStartForgotten,
     ];
 
     #[cfg(feature = "simulation")]

@@ -655,14 +655,16 @@ struct Report {
 /// lease with the range's next write (see [`crate::lease::Window::starts_lag`]); it is
 /// written first where a next owner must know of it: a message the previous owner may have
 /// started unlisted (else its count could repeat forever), and an ordered key's next message
-/// after one whose completion is not written yet (else a next owner would deliver that one
-/// again after this one started).
+/// while completions wait for a write (else a next owner would deliver its predecessor again
+/// after it started).
 struct StartRequest {
     seq: u64,
     identity: String,
-    /// Its start is written before it starts.
-    write_first: bool,
-    /// It follows a message of its key that this range delivered.
+    /// The previous owner may have started it without listing it: its start is written
+    /// before it starts.
+    unsure: bool,
+    /// It follows a message of its key that this range delivered: its start is written first
+    /// while completions wait for a write.
     follows: bool,
     reply: oneshot::Sender<bool>,
 }
@@ -863,7 +865,7 @@ impl<H: Handler> RangeDelivery<H> {
         let request = StartRequest {
             seq: ask.seq,
             identity: ask.identity.clone(),
-            write_first: ask.unsure,
+            unsure: ask.unsure,
             follows,
             reply,
         };
@@ -1494,7 +1496,7 @@ impl<H: Handler> RangeProcessor<H> {
             requests.push(more);
         }
         let write_first = requests.iter().any(|request| {
-            request.write_first || (request.follows && r.checkpoint.unwritten_completions() > 0)
+            request.unsure || (request.follows && r.checkpoint.unwritten_completions() > 0)
         });
         for request in &requests {
             r.checkpoint.start(request.seq, &request.identity);
@@ -1974,6 +1976,9 @@ impl<H: Handler> RangeProcessor<H> {
         let completions = r.checkpoint.take_unwritten();
         let (written, result) = self.try_record(r).await;
         if written {
+            if !r.lease.window.started.is_empty() {
+                crate::ledger::starts_listed(self.group.name(), &r.lease.window.started);
+            }
             self.stats
                 .completed
                 .fetch_add(completions.len() as u64, Ordering::Relaxed);

@@ -17,6 +17,12 @@ pub(crate) fn dead_lettered(group: &str, id: &str, key: &MessageKey, reason: &st
     tracing::debug!(target: TARGET, event = "dead-lettered", group, id, key = %key.canonical(), reason, "dead letter recorded");
 }
 
+/// A lease write landed that lists these deliveries (identities) as started: the group's next
+/// owner of the range counts each as delivered.
+pub(crate) fn starts_listed(group: &str, identities: &[String]) {
+    tracing::debug!(target: TARGET, event = "started", group, id = %identities.join(","), "starts listed");
+}
+
 /// A host asked another for a lease (a hand-over, for balance).
 pub(crate) fn lease_asked(group: &str, lease: &str, owner: &str, by: &str) {
     tracing::debug!(target: TARGET, event = "asked", group, lease, owner, by, "lease asked for");

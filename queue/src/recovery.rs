@@ -98,7 +98,12 @@ impl Inherited {
                 (false, false) => Handling::Deliver(Path::Feed),
             })
         } else if self.started.remove(name) {
-            Some(Handling::Deliver(Path::Recovered))
+            Some(Handling::Deliver(
+                match buggify::on(Bug::ListedStartForgotten) {
+                    true => Path::Feed, // the defect: a listed start is not counted
+                    false => Path::Recovered,
+                },
+            ))
         } else {
             None
         };

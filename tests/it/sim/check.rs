@@ -261,7 +261,8 @@ pub async fn all(shared: &Shared, producer: &Queue) -> Result<(), String> {
         }
         let recorded = settles.get(&(g, m)).map(Vec::as_slice).unwrap_or_default();
         if !shared.plan.groups[g].pull {
-            counts_exact(shared, seen).map_err(|e| format!("counts not exact: g{g} m{m}: {e}"))?;
+            counts_exact(shared, g, m, seen)
+                .map_err(|e| format!("counts not exact: g{g} m{m}: {e}"))?;
         }
         not_before_visible(shared, m, seen)
             .map_err(|e| format!("delivered before its time: g{g} m{m}: {e}"))?;
@@ -514,12 +515,16 @@ fn not_before_visible(shared: &Shared, m: usize, seen: &[AppDelivery]) -> Result
 
 /// The delivery counts the app saw are 1, 2, 3, …: none skipped, none repeated — except that
 /// a count may come again when its holder was disrupted (killed, cut off, its call cut)
-/// before the lease could list that start (starts are listed with the range's next write:
-/// `Window::starts_lag`).
-fn counts_exact(shared: &Shared, seen: &[AppDelivery]) -> Result<(), String> {
+/// before any lease write listed that start (starts are listed with the range's next write:
+/// `Window::starts_lag`). A start a landed write listed counts, whatever happened after.
+fn counts_exact(shared: &Shared, g: usize, m: usize, seen: &[AppDelivery]) -> Result<(), String> {
     let mut expected = 1;
     for (i, d) in seen.iter().enumerate() {
-        let again = i > 0 && d.count + 1 == expected && disrupted(shared, &seen[i - 1]).is_some();
+        let again = i > 0 && d.count + 1 == expected && {
+            let before = &seen[i - 1];
+            disrupted(shared, before).is_some()
+                && !start_listed(shared, g, m, before.begin, d.begin)
+        };
         if d.count != expected && !again {
             return Err(format!(
                 "delivery counts {:?}: delivery {} said {}",
@@ -531,6 +536,24 @@ fn counts_exact(shared: &Shared, seen: &[AppDelivery]) -> Result<(), String> {
         expected = d.count + 1;
     }
     Ok(())
+}
+
+/// Whether a lease write of group `g` that landed within `[from, to)` listed message `m` as
+/// started.
+fn start_listed(shared: &Shared, g: usize, m: usize, from: u64, to: u64) -> bool {
+    let spec = &shared.plan.messages[m];
+    let Ok(key) = MessageKey::from_json(spec.key.clone()) else {
+        return false;
+    };
+    let identity = cosmosq_queue::identity::fingerprint(&spec.id, &key);
+    let group = format!("g{g}");
+    shared
+        .recorded
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|r| r.event == "started" && r.group == group && (from..to).contains(&r.at))
+        .any(|r| r.id.split(',').any(|listed| listed == identity))
 }
 
 /// When the holder of `d` stopped holding it: the call was cut, or its pod was killed or cut

@@ -1,7 +1,7 @@
 //! The engine's logs of one history, kept in memory with simulated timestamps and written out
 //! only when the history fails (`COSMOSQ_SIM_LOG` sets the filter; `warn` by default), and its
-//! ledger events (`cosmosq::ledger`: when a completion or a dead letter became durable), which
-//! the checks read.
+//! ledger events (`cosmosq::ledger`: when a completion, a dead letter or a start became
+//! durable), which the checks read.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -44,7 +44,8 @@ impl FormatTime for Simulated {
 #[derive(Clone, Debug, Default)]
 pub struct Recorded {
     pub at: u64,
-    /// `completed` or `dead-lettered`.
+    /// `completed`, `dead-lettered`, `started` (its `id`: the identities listed), or a lease
+    /// event.
     pub event: String,
     pub group: String,
     pub id: String,
