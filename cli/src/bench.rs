@@ -12,7 +12,7 @@ use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::host::{Host, HostOptions};
 use cosmosq_queue::{
     provision, ClaimOutcome, Delivery, DeliveryMode, ExclusiveWrites, GroupConfig, Message,
-    NewMessage, Outcome, Queue, QueueConfig, RetryPolicy, StartFrom,
+    NewMessage, OperationCharge, Outcome, Queue, QueueConfig, RetryPolicy, StartFrom,
 };
 use futures::{stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -38,6 +38,9 @@ pub struct BenchArgs {
     /// Seconds an idle group is watched for its request units (production timings).
     #[arg(long, default_value_t = 40)]
     pub idle_seconds: u64,
+    /// Also print each consumer row's request units by operation (where a message's cost goes).
+    #[arg(long)]
+    pub by_operation: bool,
 }
 
 struct Row {
@@ -46,6 +49,8 @@ struct Row {
     seconds: f64,
     request_units: f64,
     groups: usize,
+    /// Request units by operation, for `--by-operation` (consumer rows only).
+    spent: Vec<(&'static str, OperationCharge)>,
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -99,6 +104,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         seconds: started.elapsed().as_secs_f64(),
         request_units: queue.charges().snapshot().total_request_units(),
         groups: 1,
+        spent: Vec::new(),
     });
 
     // Enqueue in transactional batches per partition key.
@@ -119,6 +125,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         seconds: started.elapsed().as_secs_f64(),
         request_units: queue.charges().snapshot().total_request_units(),
         groups: 1,
+        spent: Vec::new(),
     });
 
     // Claim + complete, the exclusive-mode state machine alone.
@@ -155,6 +162,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .since(&before)
             .total_request_units(),
         groups: 1,
+        spent: Vec::new(),
     });
 
     // Consumers end to end: change feed + state machine, per mode and group count.
@@ -259,6 +267,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .iter()
             .map(|q| q.charges().snapshot().total_request_units())
             .sum();
+        let mut spent = std::collections::BTreeMap::<&'static str, OperationCharge>::new();
+        for q in &queues {
+            for (op, c) in q.charges().snapshot().by_operation {
+                let e = spent.entry(op).or_default();
+                e.calls += c.calls;
+                e.request_units += c.request_units;
+            }
+        }
+        let spent = spent.into_iter().collect();
         let path = match (mode, writes) {
             (DeliveryMode::Stream, _) => "stream".to_owned(),
             (_, Lease) => "exclusive (lease writes)".to_owned(),
@@ -278,6 +295,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             seconds,
             request_units,
             groups,
+            spent,
         });
     }
 
@@ -296,6 +314,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             seconds: run.seconds,
             request_units: run.request_units,
             groups,
+            spent: Vec::new(),
         });
     }
 
@@ -331,6 +350,23 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             &rendered
         )
     );
+    if args.by_operation {
+        for r in rows.iter().filter(|r| !r.spent.is_empty()) {
+            println!(
+                "\n{}: request units per message per group, by operation",
+                r.what
+            );
+            let per = (r.messages * r.groups) as f64;
+            for (operation, charge) in &r.spent {
+                println!(
+                    "  {operation}: {:.3} ({} calls, {:.1} RU each)",
+                    charge.request_units / per,
+                    charge.calls,
+                    charge.request_units / charge.calls.max(1) as f64
+                );
+            }
+        }
+    }
     println!(
         "\nenqueue -> delivery at 100 msg/s for {} s after a 1 s warm-up, exclusive (lease writes), production timings: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} messages, {:.3} RU/msg)",
         args.latency_seconds, latency.p50, latency.p99, latency.max, latency.messages, latency.request_units_per_message

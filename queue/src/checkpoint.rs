@@ -9,6 +9,7 @@
 
 use std::collections::VecDeque;
 
+use crate::identity::IdentityFilter;
 use crate::lease::{Marker, Window, WINDOW_IDENTITIES};
 use crate::message::MessageKey;
 use crate::recovery::Inherited;
@@ -264,13 +265,24 @@ impl Checkpoint {
         for slot in &self.window {
             window.done.extend(slot.done.iter().cloned());
             window.pending.extend(slot.pending.iter().cloned());
-            window.unstarted.extend(slot.unstarted.iter().cloned());
             window.started.extend(slot.started.iter().cloned());
+        }
+        let unstarted = self.window.iter().flat_map(|slot| &slot.unstarted);
+        if unstarted.clone().next().is_some() {
+            let unstarted: Vec<&String> = unstarted.collect();
+            window
+                .maybe_unstarted
+                .push(IdentityFilter::of(unstarted.into_iter()));
         }
         if let Some(inherited) = &self.inherited {
             inherited.carry_into(&mut window);
         }
         window
+    }
+
+    /// Whether a message handed out has not started yet.
+    pub(crate) fn has_unstarted(&self) -> bool {
+        self.window.iter().any(|slot| !slot.unstarted.is_empty())
     }
 
     /// Feed documents read past the position.
@@ -462,13 +474,12 @@ mod tests {
         assert_eq!(record.done, ["skipped", "a"]);
         assert_eq!(record.pending, ["c"]);
         assert_eq!(record.started, ["b"], "handed out, no outcome yet");
-        let mut unstarted = record.unstarted.clone();
-        unstarted.sort();
-        assert_eq!(
-            unstarted,
-            ["d", "e"],
-            "drained first, and waiting for its turn"
-        );
+        let [unstarted] = &record.maybe_unstarted[..] else {
+            panic!("one filter: {:?}", record.maybe_unstarted);
+        };
+        assert_eq!(unstarted.n, 2, "drained first, and waiting for its turn");
+        assert!(unstarted.may_hold("d") && unstarted.may_hold("e"));
+        assert!(record.unstarted.is_empty(), "lists are older versions'");
         c.start(p1, "e");
         assert_eq!(c.record().started, ["b", "e"], "its turn came");
         let written = c.take_unwritten();
@@ -480,10 +491,10 @@ mod tests {
         let record = c.record();
         assert!(record.done.is_empty(), "page 0 left the window");
         assert_eq!(
-            record.unstarted,
-            ["d"],
+            record.maybe_unstarted[0].n, 1,
             "an unstarted message holds its page"
         );
+        assert!(record.maybe_unstarted[0].may_hold("d"));
     }
 
     #[test]

@@ -2032,9 +2032,9 @@ impl<H: Handler> RangeProcessor<H> {
         let writes = self.group.config().exclusive_writes;
         let position = r.checkpoint.position().clone();
         let mut window = r.checkpoint.record();
-        // Until the range has drained, what the window lists unstarted may start before the
+        // Until the range has drained, what it handed out unstarted may start before the
         // next write lists it (a page's record is written before its messages are handed out).
-        window.starts_lag |= self.records_starts() && !r.drained() && !window.unstarted.is_empty();
+        window.starts_lag |= self.records_starts() && !r.drained() && r.checkpoint.has_unstarted();
         let mut attempt = 0u32;
         // A write found landed may be any attempt's: the lease is held from the first's send.
         let first_sent = Instant::now();

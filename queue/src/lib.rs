@@ -52,7 +52,7 @@ pub use backoff::RetryPolicy;
 pub use clock::Clock;
 pub use config::{DeliveryMode, ExclusiveWrites, GroupConfig, QueueConfig, StartFrom, Throughput};
 pub use consumer::{ConsumerStats, Delivery, Handler, Outcome};
-pub use cosmos::charge::{ChargeSnapshot, RequestCharges};
+pub use cosmos::charge::{ChargeSnapshot, OperationCharge, RequestCharges};
 pub use cosmos::connection::{Auth, ConnectionArgs};
 pub use cosmos::provision::provision;
 pub use deadletter::DeadLetter;

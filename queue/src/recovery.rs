@@ -13,6 +13,7 @@ use std::collections::BTreeSet;
 use crate::buggify::{self, Bug};
 use crate::checkpoint::Settle;
 use crate::delivery::Path;
+use crate::identity::IdentityFilter;
 use crate::lease::Window;
 
 /// What the range does with a document it read.
@@ -32,11 +33,16 @@ pub(crate) enum Handling {
 pub(crate) struct Inherited {
     done: BTreeSet<String>,
     pending: BTreeSet<String>,
+    /// Older windows' lists of what they handed out unstarted.
     unstarted: BTreeSet<String>,
+    /// This version's filters of it: kept whole until the range has read everything (a
+    /// filter's members cannot be taken out one by one).
+    maybe_unstarted: Vec<IdentityFilter>,
     started: BTreeSet<String>,
     /// The lists may name the other half of a split.
     split: bool,
-    /// `unstarted` may name messages the previous owner started (see [`Window::starts_lag`]).
+    /// What it handed out unstarted may hold messages the previous owner started (see
+    /// [`Window::starts_lag`]).
     starts_lag: bool,
     /// Windows of older versions: their lists hold ids, and `left` documents from the
     /// position on are the ones they handed out.
@@ -53,14 +59,17 @@ impl Inherited {
         let set = |list: &[String]| list.iter().cloned().collect::<BTreeSet<_>>();
         let by_id = !window.by_identity();
         let positional = buggify::on(Bug::PositionalWindow) && window.split;
+        let maybe_unstarted: u32 = window.maybe_unstarted.iter().map(|f| f.n).sum();
         let handed_out = (window.done.len()
             + window.pending.len()
             + window.unstarted.len()
-            + window.started.len()) as u32;
+            + window.started.len()) as u32
+            + maybe_unstarted;
         Self {
             done: set(&window.done),
             pending: set(&window.pending),
             unstarted: set(&window.unstarted),
+            maybe_unstarted: window.maybe_unstarted.clone(),
             started: set(&window.started),
             split: window.split,
             starts_lag: window.starts_lag,
@@ -80,22 +89,13 @@ impl Inherited {
     /// document rather than skip it: the key's later messages must wait behind it.
     pub(crate) fn next(&mut self, identity: &str, id: &str, ordered: bool) -> Handling {
         let name = if self.by_id { id } else { identity };
+        // The exact lists first: a filter may say "maybe" to what a list names.
         let listed = if self.done.remove(name) {
             Some(Handling::Known(Settle::Done))
         } else if self.pending.remove(name) {
             Some(match ordered {
                 true => Handling::Deliver(Path::Checked),
                 false => Handling::Known(Settle::Pending),
-            })
-        } else if self.unstarted.remove(name) {
-            // Not started by that reader, as far as it listed. Looked up first where a state
-            // of its own may exist: an ordered message's from before (parked, then delivered
-            // by a sweep); any message its reader may have started unlisted (it failed, and
-            // its retry is due, or it ran long).
-            Some(match (self.starts_lag, ordered) {
-                (true, _) => Handling::Unsure(Path::Checked),
-                (false, true) => Handling::Deliver(Path::Checked),
-                (false, false) => Handling::Deliver(Path::Feed),
             })
         } else if self.started.remove(name) {
             Some(Handling::Deliver(
@@ -104,6 +104,19 @@ impl Inherited {
                     false => Path::Recovered,
                 },
             ))
+        } else if self.unstarted.remove(name)
+            || self.maybe_unstarted.iter().any(|f| f.may_hold(name))
+        {
+            // Not started by that reader, as far as it listed (or one a filter imagines:
+            // looked up for nothing). Looked up first where a state of its own may exist: an
+            // ordered message's from before (parked, then delivered by a sweep); any message
+            // its reader may have started unlisted (it failed, and its retry is due, or it
+            // ran long).
+            Some(match (self.starts_lag, ordered) {
+                (true, _) => Handling::Unsure(Path::Checked),
+                (false, true) => Handling::Deliver(Path::Checked),
+                (false, false) => Handling::Deliver(Path::Feed),
+            })
         } else {
             None
         };
@@ -150,16 +163,28 @@ impl Inherited {
         }
         window.done.extend(self.done.iter().cloned());
         window.pending.extend(self.pending.iter().cloned());
-        window.unstarted.extend(self.unstarted.iter().cloned());
         window.started.extend(self.started.iter().cloned());
+        if !self.unstarted.is_empty() {
+            // An older window's list, written on as a filter.
+            window
+                .maybe_unstarted
+                .push(IdentityFilter::of(self.unstarted.iter()));
+        }
+        window
+            .maybe_unstarted
+            .extend(self.maybe_unstarted.iter().cloned());
         window.split |= self.split && !self.is_empty();
-        window.starts_lag |= self.starts_lag && !self.unstarted.is_empty();
+        window.starts_lag |= self.starts_lag && self.holds_unstarted();
+    }
+
+    fn holds_unstarted(&self) -> bool {
+        !self.unstarted.is_empty() || !self.maybe_unstarted.is_empty()
     }
 
     fn is_empty(&self) -> bool {
         self.done.is_empty()
             && self.pending.is_empty()
-            && self.unstarted.is_empty()
+            && !self.holds_unstarted()
             && self.started.is_empty()
     }
 }
@@ -170,12 +195,16 @@ mod tests {
     use crate::lease::WINDOW_IDENTITIES;
 
     fn window(done: &[&str], pending: &[&str], unstarted: &[&str], started: &[&str]) -> Window {
-        let list = |l: &[&str]| l.iter().map(|s| (*s).to_owned()).collect();
+        let list = |l: &[&str]| l.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let unstarted = list(unstarted);
         Window {
             v: WINDOW_IDENTITIES,
             done: list(done),
             pending: list(pending),
-            unstarted: list(unstarted),
+            maybe_unstarted: match unstarted.is_empty() {
+                true => Vec::new(),
+                false => vec![IdentityFilter::of(unstarted.iter())],
+            },
             started: list(started),
             ..Window::default()
         }
@@ -230,7 +259,7 @@ mod tests {
         );
         let mut record = Window::default();
         inherited.carry_into(&mut record);
-        assert_eq!(record.unstarted, ["v"]);
+        assert_eq!(record.maybe_unstarted, w.maybe_unstarted, "kept whole");
         assert!(
             record.starts_lag,
             "carried on as unsure, not as never started"
@@ -239,6 +268,44 @@ mod tests {
         w.starts_lag = false;
         let mut exact = Inherited::new(&w, 0);
         assert_eq!(exact.next("u", "id", false), Handling::Deliver(Path::Feed));
+    }
+
+    #[test]
+    fn a_start_a_landed_write_listed_is_a_redelivery_whatever_a_filter_imagines() {
+        // A filter says "maybe" to what it never held, now and then; the exact lists speak
+        // first, so a listed start keeps its count and a done message stays done.
+        let mut w = window(&["d"], &[], &["d", "s", "u"], &["s"]);
+        w.starts_lag = true;
+        let mut inherited = Inherited::new(&w, 0);
+        assert_eq!(
+            inherited.next("d", "id", false),
+            Handling::Known(Settle::Done)
+        );
+        assert_eq!(
+            inherited.next("s", "id", false),
+            Handling::Deliver(Path::Recovered)
+        );
+        assert_eq!(
+            inherited.next("u", "id", false),
+            Handling::Unsure(Path::Checked)
+        );
+    }
+
+    #[test]
+    fn an_older_window_lists_unstarted_and_is_carried_on_as_a_filter() {
+        let mut w = window(&[], &[], &[], &[]);
+        w.unstarted = vec!["u".into(), "v".into()];
+        w.starts_lag = true;
+        let mut inherited = Inherited::new(&w, 0);
+        assert_eq!(
+            inherited.next("u", "id", false),
+            Handling::Unsure(Path::Checked)
+        );
+        let mut record = Window::default();
+        inherited.carry_into(&mut record);
+        assert!(record.unstarted.is_empty(), "this version writes filters");
+        assert!(record.maybe_unstarted[0].may_hold("v"));
+        assert!(record.starts_lag && record.may_be_in_app());
     }
 
     #[test]

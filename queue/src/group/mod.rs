@@ -258,6 +258,8 @@ impl Group {
         };
         let w = &lease.window;
         let listed = |list: &[String]| w.lists(list, message_id, message_pk);
+        // What the window handed out unstarted (`maybe_unstarted`) is past the checkpoint,
+        // and found unread below.
         if listed(&w.pending) || listed(&w.unstarted) || listed(&w.started) {
             return Ok(None);
         }
