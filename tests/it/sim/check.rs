@@ -287,7 +287,7 @@ const RECOVERED_WITHIN: u64 = 2_600;
 
 /// "A pod that dies loses its locks, and its work is picked up again within lock duration
 /// plus one sweep": checked where nothing else could hold the recovery up — an exclusive,
-/// unordered push group with enough permits, nothing else happening around the kill, and
+/// unordered push group with permits for all its work around the kill, nothing else happening around it, and
 /// another host of the group up (or the sidecar back at once).
 fn recovered_within_the_lock(
     shared: &Shared,
@@ -322,17 +322,32 @@ fn recovered_within_the_lock(
         if !calm || !(restarted_at_once || another_up) {
             continue;
         }
+        let in_app_at_kill = |d: &AppDelivery| {
+            d.begin <= at && d.answered.is_none_or(|(t, _)| t > at) && d.cut.is_none_or(|c| c >= at)
+        };
+        // Enough permits: the messages in the app at the kill or started before the bound
+        // (first deliveries waiting behind it too) fit in one host's permits; more wait for
+        // one in feed order, and the bound says nothing of them.
+        let competing = by
+            .iter()
+            .filter(|((dg, _), seen)| {
+                *dg == g
+                    && seen
+                        .iter()
+                        .any(|d| in_app_at_kill(d) || (d.begin > at && d.begin <= bound))
+            })
+            .count();
+        if competing > spec.concurrency {
+            continue;
+        }
         for ((dg, m), seen) in by {
             if *dg != g {
                 continue;
             }
-            let Some(cut) = seen.iter().find(|d| {
-                d.pod == pod
-                    && d.incarnation == incarnation
-                    && d.begin <= at
-                    && d.answered.is_none_or(|(t, _)| t > at)
-                    && d.cut.is_none_or(|c| c >= at)
-            }) else {
+            let Some(cut) = seen
+                .iter()
+                .find(|d| d.pod == pod && d.incarnation == incarnation && in_app_at_kill(d))
+            else {
                 continue;
             };
             if cut.count >= spec.max_attempts {

@@ -255,14 +255,6 @@ fn a_seed_replays_the_same_history() {
     }
 }
 
-/// Defects the drawn histories do not find within the suite's budget; each is pinned by its
-/// scenario (`scenarios.rs`) instead, and listed as such. `StartUnderExpiredLease`: starts are
-/// listed with a range's next write, and a range whose lease's deadline passed ends at that
-/// write, which follows every permit its own deliveries free; a start past the deadline needs
-/// a permit freed by another range between two flushes, while the range has nothing to write
-/// — a line-up 200 drawn histories have not made (nor a generator aimed at it, tried).
-const SCENARIO_ONLY: &[Bug] = &[Bug::StartUnderExpiredLease];
-
 /// The simulation's power, measured: each defect of [`Bug::ALL`] put back must break a
 /// promise within the histories the suite runs (`COSMOSQ_SIM_CASES`), and the history that
 /// finds it must keep every promise without it — so what was found is the defect.
@@ -281,12 +273,6 @@ fn the_simulation_finds_each_reintroduced_defect() {
         let (result, _) = search(first, cases, &[bug]);
         let wall = started.elapsed().as_secs_f64();
         match result {
-            Ok(()) if SCENARIO_ONLY.contains(&bug) => {
-                table.push(format!(
-                    "{:<30} not found in {cases} cases: pinned by its scenario only",
-                    format!("{bug:?}")
-                ));
-            }
             Ok(()) => missed.push(format!("{bug:?}")),
             Err(found) => {
                 let clean = world::run(&found.plan, &[]).verdict;

@@ -176,7 +176,7 @@ impl Plan {
     /// workloads next to its random ones), their numbers still drawn by the seed: a dead
     /// holder's work, with nothing else going on, that must come back within its lock; long
     /// redeliveries while another host asks for the range; promotions while creates are
-    /// refused.
+    /// refused; a host cut off while its deliveries wait for permits.
     fn focused(seed: u64) -> Plan {
         let mut rng = StdRng::seed_from_u64(seed ^ 0xF0C0_5ED0);
         let keys = key_pool();
@@ -209,7 +209,8 @@ impl Plan {
             promote_after_ms: 1_500,
             concurrency: [8, 64][rng.random_range(0..2)],
         };
-        let (messages, pods, events) = match rng.random_range(0..3) {
+        let mut partitions = None;
+        let (messages, pods, events) = match rng.random_range(0..4) {
             0 => {
                 group.claims = rng.random_bool(0.3);
                 group.lock_ms = [2_000, 4_000][rng.random_range(0..2)];
@@ -255,7 +256,7 @@ impl Plan {
                 };
                 (messages, pods, vec![kill])
             }
-            _ => {
+            2 => {
                 group.lock_ms = 8_000;
                 group.promote_after_ms = rng.random_range(500..1_500);
                 let messages = (0..rng.random_range(4..12))
@@ -276,10 +277,37 @@ impl Plan {
                 };
                 (messages, pods, vec![refused])
             }
+            _ => {
+                // A host cut off from Cosmos DB while what it read waits for its permits,
+                // held by long work in another range: nothing may start once its lease may
+                // have expired. promoteAfter beyond the lease expiry keeps long first
+                // deliveries under the lease (a setting a user may choose).
+                group.concurrency = rng.random_range(1..=2);
+                group.lock_ms = [4_000, 8_000][rng.random_range(0..2)];
+                group.promote_after_ms = rng.random_range(12_000..20_000);
+                partitions = Some(rng.random_range(2..=3));
+                let messages = (0..rng.random_range(3..8))
+                    .map(|n| {
+                        let work = rng.random_range(7_000..11_000);
+                        let at = rng.random_range(0..300);
+                        message(n, json!(n), at, vec![complete(work)])
+                    })
+                    .collect();
+                let cut_at = rng.random_range(1_500..3_000);
+                let pods = vec![pod(0), pod(cut_at + rng.random_range(0..1_000))];
+                let cut = Timed {
+                    at_ms: cut_at,
+                    event: Event::Partition {
+                        pod: 0,
+                        for_ms: rng.random_range(15_000..25_000),
+                    },
+                };
+                (messages, pods, vec![cut])
+            }
         };
         Plan {
             seed,
-            partitions: rng.random_range(1..=3),
+            partitions: partitions.unwrap_or_else(|| rng.random_range(1..=3)),
             retention_secs: 3_600,
             groups: vec![group],
             messages,
