@@ -112,7 +112,9 @@ impl Inherited {
             // ordered message's from before (parked, then delivered by a sweep); any message
             // its reader may have started unlisted (it failed, and its retry is due, or it
             // ran long).
-            Some(match (self.starts_lag, ordered) {
+            // A window a `claims` host wrote last is looked up as well (`check`): its
+            // claims are not in the window.
+            Some(match (self.starts_lag, ordered || self.check > 0) {
                 (true, _) => Handling::Unsure(Path::Checked),
                 (false, true) => Handling::Deliver(Path::Checked),
                 (false, false) => Handling::Deliver(Path::Feed),
@@ -288,6 +290,26 @@ mod tests {
         assert_eq!(
             inherited.next("u", "id", false),
             Handling::Unsure(Path::Checked)
+        );
+    }
+
+    #[test]
+    fn what_may_be_unstarted_is_looked_up_where_the_window_says_to_look_up_first() {
+        // A window a `claims` host wrote last: its claims are not listed, so the first
+        // documents are looked up, those its filter may hold too.
+        let w = window(&[], &[], &["u"], &[]);
+        let mut inherited = Inherited::new(&w, 2);
+        assert_eq!(
+            inherited.next("u", "id", false),
+            Handling::Deliver(Path::Checked)
+        );
+        assert_eq!(
+            inherited.next("n", "id", false),
+            Handling::Deliver(Path::Checked)
+        );
+        assert_eq!(
+            inherited.next("m", "id", false),
+            Handling::Deliver(Path::Feed)
         );
     }
 
