@@ -267,12 +267,10 @@ impl Checkpoint {
             window.pending.extend(slot.pending.iter().cloned());
             window.started.extend(slot.started.iter().cloned());
         }
-        let unstarted = self.window.iter().flat_map(|slot| &slot.unstarted);
-        if unstarted.clone().next().is_some() {
-            let unstarted: Vec<&String> = unstarted.collect();
-            window
-                .maybe_unstarted
-                .push(IdentityFilter::of(unstarted.into_iter()));
+        let unstarted: Vec<&String> = self.window.iter().flat_map(|s| &s.unstarted).collect();
+        if !unstarted.is_empty() {
+            let filter = IdentityFilter::of(unstarted.into_iter());
+            window.maybe_unstarted.push(filter);
         }
         if let Some(inherited) = &self.inherited {
             inherited.carry_into(&mut window);

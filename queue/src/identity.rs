@@ -51,7 +51,7 @@ pub fn is(doc: &Value, key_field: &str, id: &str, key: &Value) -> bool {
     doc.get("id").and_then(Value::as_str) == Some(id) && doc.get(key_field) == Some(key)
 }
 
-/// A set of identities that answers "maybe" for about 1 in 100 it does not hold and never "no"
+/// A set of identities that answers "maybe" for about 1 in 120 it does not hold and never "no"
 /// for one it holds (a Bloom filter: 10 bits and 7 probes an identity). Where a reader only
 /// needs to be careful with what a set may hold (the messages a lease's window handed out
 /// unstarted), it costs 1.25 bytes an identity instead of a fingerprint's 19, so a page's lease
