@@ -84,9 +84,14 @@ fn conditions_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Sch
 )]
 #[serde(rename_all = "camelCase")]
 pub struct CosmosQueueSpec {
-    /// Account endpoint, e.g. `https://myaccount.documents.azure.com:443/`.
-    #[schemars(regex(pattern = r"^https?://"))]
-    #[x_kube(validation = Rule::new("self == oldSelf").message("endpoint is immutable: the queue's messages live in that account (create a new queue to move)"))]
+    /// Account endpoint, e.g. `https://myaccount.documents.azure.com:443/`: a scheme, a host and
+    /// a port only. The operator dials `https://*.documents.azure.{com,us,cn}:443` and what its
+    /// admin allows (`allowedEndpoints`), nothing else.
+    #[schemars(regex(pattern = r"^https?://"), length(max = 300))]
+    #[x_kube(
+        validation = Rule::new("self.matches('^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$')").message("endpoint must be an account endpoint: scheme://host[:port]/, with no user, path, query or fragment"),
+        validation = Rule::new("self == oldSelf").message("endpoint is immutable: the queue's messages live in that account (create a new queue to move)")
+    )]
     pub endpoint: String,
     /// How the operator and the sidecars reach the account.
     pub credentials: Credentials,

@@ -83,6 +83,16 @@ pub struct Config {
         value_delimiter = ';'
     )]
     pub identity_grants: Vec<crate::grants::IdentityGrant>,
+    /// Endpoints queues may name besides Azure's account endpoints
+    /// (`https://<account>.documents.azure.{com,us,cn}:443`): `[scheme://]host[:port]`, with
+    /// `*.` for one label, e.g. an emulator `http://cosmos-emulator.dev.svc:8081` (repeat the
+    /// flag, or separate with `,` in the environment). The operator dials no other endpoint.
+    #[arg(
+        long = "allowed-endpoint",
+        env = "COSMOSQ_ALLOWED_ENDPOINTS",
+        value_delimiter = ','
+    )]
+    pub allowed_endpoints: Vec<crate::endpoint::EndpointPattern>,
     /// The Azure region the Cosmos DB SDK should prefer.
     #[arg(long, env = "COSMOSQ_REGION", default_value = "eastus")]
     pub region: String,

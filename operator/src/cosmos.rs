@@ -19,6 +19,9 @@ pub enum CosmosError {
     /// The spec cannot be used.
     #[error(transparent)]
     Spec(#[from] SpecError),
+    /// The operator does not dial that endpoint.
+    #[error(transparent)]
+    Endpoint(#[from] crate::endpoint::EndpointError),
     /// The key's Secret does not exist.
     #[error("spec.credentials.secretKeyRef: Secret {0} not found")]
     SecretNotFound(String),
@@ -54,8 +57,9 @@ pub enum CosmosError {
         /// The API server's error.
         source: kube::Error,
     },
-    /// The engine failed.
-    #[error(transparent)]
+    /// The engine failed. Said without what the endpoint answered: this text reaches the
+    /// resource's status and Events.
+    #[error("{}", .0.without_answer())]
     Queue(#[from] QueueError),
 }
 
@@ -65,6 +69,7 @@ impl CosmosError {
         matches!(
             self,
             CosmosError::Spec(_)
+                | CosmosError::Endpoint(_)
                 | CosmosError::SecretNotFound(_)
                 | CosmosError::SecretKeyMissing { .. }
                 | CosmosError::IdentityNotGranted { .. }
@@ -82,6 +87,8 @@ pub enum Backend {
         region: String,
         /// Who may use the operator's own identity.
         identity_grants: Vec<crate::grants::IdentityGrant>,
+        /// The endpoints it dials.
+        endpoints: crate::endpoint::EndpointPolicy,
     },
     /// Every queue on this one client: the embedded emulator (tests, the local run).
     Fixed(CosmosClient),
@@ -120,7 +127,12 @@ impl Cosmos {
             Backend::Azure {
                 region,
                 identity_grants,
-            } => (region.clone(), identity_grants),
+                endpoints,
+            } => {
+                // Before anything is read or signed for it.
+                endpoints.check(&cq.spec.endpoint)?;
+                (region.clone(), identity_grants)
+            }
         };
         let namespace = cq.namespace().unwrap_or_default();
         if cq.spec.credentials.secret_key_ref.is_none()

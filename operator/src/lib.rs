@@ -19,6 +19,7 @@ pub mod build;
 pub mod config;
 pub mod context;
 pub mod cosmos;
+pub mod endpoint;
 pub mod grants;
 pub mod group;
 pub mod http;

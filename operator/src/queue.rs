@@ -578,6 +578,94 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_endpoint_that_is_not_an_account_is_refused_before_its_secret_is_read() {
+        // No Secret read, no request: the verifier fails on any request but these two.
+        let (ctx, mut server) = azure_context();
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Warning"), &json!("InvalidSpec"))
+            );
+            let body = server.status(STATUS, queue(json!({}), true)).await;
+            server.done().await;
+            body
+        });
+        let input = queue(
+            json!({"endpoint": "http://kube-dns.kube-system.svc:53/", "deletionPolicy": "Delete"}),
+            true,
+        );
+        let action = reconcile_queue(arc(&input), ctx).await.unwrap();
+        assert_eq!(action, Action::await_change());
+        let body = verifier.await.unwrap();
+        let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("spec.endpoint: http://kube-dns.kube-system.svc:53")
+                && message.contains("--allowed-endpoint"),
+            "{message}"
+        );
+    }
+
+    #[tokio::test]
+    async fn what_an_endpoint_answers_never_reaches_status_or_events() {
+        // An allowed endpoint (an admin's emulator entry) that answers 500 with a body: the
+        // status and the Event say the status and the request id, not the body.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let answers = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let body = "internal-service-secret";
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = socket.read(&mut buf).await.unwrap();
+                assert!(n > 0, "the request ended early");
+                request.extend_from_slice(&buf[..n]);
+            }
+            let answer = format!(
+                "HTTP/1.1 500 Internal Server Error\r\ncontent-length: {}\r\n\
+                 x-ms-activity-id: 7f3c-request\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            socket.write_all(answer.as_bytes()).await.unwrap();
+            String::from_utf8_lossy(&request).into_owned()
+        });
+        let allowed = format!("http://127.0.0.1:{port}").parse().unwrap();
+        let (ctx, mut server) =
+            crate::testing::azure_context_dialling(crate::endpoint::EndpointPolicy::new([allowed]));
+        let ctx = Arc::new(ctx);
+        let verifier = tokio::spawn(async move {
+            server
+                .key_read(cosmosq_queue::cosmos::connection::EMULATOR_KEY)
+                .await;
+            let event = server.event().await;
+            assert_eq!(event["reason"], "ProvisioningFailed");
+            let status = server.status(STATUS, queue(json!({}), true)).await;
+            (event, status)
+        });
+        let input = queue(
+            json!({"endpoint": format!("http://127.0.0.1:{port}/"), "deletionPolicy": "Delete"}),
+            true,
+        );
+        let action = reconcile_queue(arc(&input), ctx).await.unwrap();
+        assert_eq!(action, Action::requeue(crate::context::RECHECK));
+        let request = answers.await.unwrap();
+        assert!(request.starts_with("GET / "), "{request}");
+        let (event, status) = verifier.await.unwrap();
+        let message = status["status"]["conditions"][0]["message"]
+            .as_str()
+            .unwrap();
+        assert!(
+            message.contains("status 500") && message.contains("request id 7f3c-request"),
+            "{message}"
+        );
+        for said in [event.to_string(), status.to_string()] {
+            assert!(!said.contains("internal-service-secret"), "{said}");
+        }
+    }
+
+    #[tokio::test]
     async fn a_missing_secret_or_key_is_named_and_nothing_is_tried() {
         for (secret, expected) in [
             (None, "Secret shop/cosmos-key not found"),

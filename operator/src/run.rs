@@ -68,6 +68,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunE
     let backend = Backend::Azure {
         region: config.region.clone(),
         identity_grants: config.identity_grants.clone(),
+        endpoints: crate::endpoint::EndpointPolicy::new(config.allowed_endpoints.clone()),
     };
     run_with(client, backend, config, shutdown).await
 }

@@ -171,11 +171,19 @@ pub fn group_json(spec_extra: Value) -> Value {
 /// A context whose Cosmos connections are Azure's (credentials read from Secrets through the
 /// mock API server); not yet shared, so a test can set its channels first.
 pub fn azure_context() -> (crate::context::Context, ApiServerVerifier) {
+    azure_context_dialling(crate::endpoint::EndpointPolicy::default())
+}
+
+/// An Azure context that dials `endpoints`.
+pub fn azure_context_dialling(
+    endpoints: crate::endpoint::EndpointPolicy,
+) -> (crate::context::Context, ApiServerVerifier) {
     let (client, server) = client();
     let cosmos = crate::cosmos::Cosmos::new(
         crate::cosmos::Backend::Azure {
             region: "eastus".into(),
             identity_grants: Vec::new(),
+            endpoints,
         },
         client.clone(),
     );

@@ -20,8 +20,15 @@ pub enum QueueError {
         status: u16,
         /// Cosmos DB's sub-status, when it gave one.
         sub_status: Option<u16>,
-        /// The service's message.
+        /// The service's message (or, when `answered` is false, the client's).
         message: String,
+        /// Whether `message` is what the endpoint answered. Callers that must not echo an
+        /// endpoint's answers (the operator's status, Events and logs) use
+        /// [`QueueError::without_answer`].
+        answered: bool,
+        /// The request's id (`x-ms-activity-id`), which Azure support and the account's
+        /// diagnostic logs find it by.
+        request_id: Option<String>,
     },
     /// A message that cannot be enqueued as it is.
     #[error("invalid message: {0}")]
@@ -72,6 +79,51 @@ impl QueueError {
             status: status_of(&e),
             sub_status: e.status().sub_status().map(|s| s.value()),
             message: e.to_string(),
+            answered: e.is_from_wire(),
+            request_id: e
+                .response()
+                .and_then(|r| r.headers().activity_id.as_ref())
+                .map(ToString::to_string),
+        }
+    }
+
+    /// The error as someone who may not read what the endpoint answered sees it: what was
+    /// being done, the status, the sub-status and the request id, with a meaning of the
+    /// status in place of the answer's text. The operator dials endpoints a namespace user
+    /// writes; copying an answer into a resource's status would let that user read, through
+    /// the operator, whatever the endpoint returns.
+    pub fn without_answer(&self) -> String {
+        match self {
+            QueueError::Cosmos {
+                operation,
+                status,
+                sub_status,
+                message,
+                answered,
+                request_id,
+            } => {
+                let code = match sub_status {
+                    Some(sub) => format!("{status}/{sub}"),
+                    None => status.to_string(),
+                };
+                let id = request_id
+                    .as_ref()
+                    .map(|id| format!(", request id {id}"))
+                    .unwrap_or_default();
+                let what = if *answered {
+                    meaning(*status)
+                } else {
+                    message.as_str()
+                };
+                format!("Cosmos DB {operation} failed with status {code}{id}: {what}")
+            }
+            QueueError::Json(e) => format!(
+                "a Cosmos DB answer is not the JSON expected ({:?} error at line {}, column {})",
+                e.classify(),
+                e.line(),
+                e.column()
+            ),
+            other => other.to_string(),
         }
     }
 
@@ -104,6 +156,25 @@ impl QueueError {
     }
 }
 
+/// What a status means to whoever configured the queue (pure).
+fn meaning(status: u16) -> &'static str {
+    match status {
+        400 => "the request was refused as malformed",
+        401 => "the credentials were refused (a wrong or rotated key, or a token of another tenant)",
+        403 => "forbidden (the account's firewall or private-endpoint-only access, or an identity without the data-plane role)",
+        404 => "not found",
+        408 => "the request timed out",
+        409 => "conflict",
+        412 => "the document changed since it was read",
+        413 => "the request is too large",
+        429 => "throttled: the container's request units are spent",
+        449 => "a concurrent write; retry",
+        500 => "the service failed",
+        503 => "the service is unavailable",
+        _ => "the answer is not one a Cosmos DB account gives (is the endpoint an account endpoint?)",
+    }
+}
+
 /// The HTTP status of an SDK error (the codes below are the ones the engine acts on).
 pub fn status_of(e: &CosmosError) -> u16 {
     u16::from(e.status().status_code())
@@ -114,3 +185,49 @@ pub(crate) const CONFLICT: u16 = 409;
 pub const NOT_FOUND: u16 = 404;
 pub(crate) const PRECONDITION_FAILED: u16 = 412;
 pub(crate) const TOO_LARGE: u16 = 413;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_the_answer_an_error_keeps_its_status_and_request_id_and_drops_what_was_said() {
+        let answered = QueueError::Cosmos {
+            operation: "read account",
+            status: 500,
+            sub_status: Some(1002),
+            message: "internal-service-secret".into(),
+            answered: true,
+            request_id: Some("7f3c".into()),
+        };
+        let text = answered.without_answer();
+        assert!(!text.contains("internal-service-secret"), "{text}");
+        assert!(
+            text.starts_with(
+                "Cosmos DB read account failed with status 500/1002, request id 7f3c: "
+            ),
+            "{text}"
+        );
+        // The engine's own logs (the sidecar's, in the user's pod) keep the answer.
+        assert!(answered.to_string().contains("internal-service-secret"));
+        // What the client said (no answer came) is kept: it says why nothing answered.
+        let unreachable = QueueError::Cosmos {
+            operation: "read account",
+            status: 0,
+            sub_status: None,
+            message: "dns error: no such host".into(),
+            answered: false,
+            request_id: None,
+        };
+        assert!(unreachable
+            .without_answer()
+            .ends_with("dns error: no such host"));
+        // A parser's message would quote the document; only its position is kept.
+        let json = QueueError::Json(serde_json::from_str::<bool>("\"quoted-secret\"").unwrap_err());
+        assert!(
+            !json.without_answer().contains("quoted-secret"),
+            "{}",
+            json.without_answer()
+        );
+    }
+}

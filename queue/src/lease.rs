@@ -575,6 +575,8 @@ impl LeaseStore {
                 status,
                 sub_status: None,
                 message: format!("splitting lease {}", parent.id),
+                answered: false,
+                request_id: None,
             }),
         }
     }

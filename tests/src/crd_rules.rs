@@ -106,6 +106,29 @@ pub fn cases() -> Vec<RuleCase> {
             exactly_one,
             true,
         ),
+        // An account endpoint: nothing past the port (the operator also refuses hosts its
+        // admin did not allow; that is not the API server's to know).
+        case(
+            "endpoint-with-port",
+            Kind::Queue,
+            queue_spec(json!({"endpoint": "https://a.documents.azure.com:443/"})),
+            None,
+            true,
+        ),
+        case(
+            "endpoint-with-path",
+            Kind::Queue,
+            queue_spec(json!({"endpoint": "https://a.documents.azure.com/dbs/x?y=1"})),
+            Some("endpoint must be an account endpoint"),
+            true,
+        ),
+        case(
+            "endpoint-with-user",
+            Kind::Queue,
+            queue_spec(json!({"endpoint": "https://u:p@a.documents.azure.com/"})),
+            Some("endpoint must be an account endpoint"),
+            true,
+        ),
         RuleCase {
             name: Some(long_name.clone()),
             ..case(

@@ -53,15 +53,15 @@ impl AccountProperties {
     /// Refuses an account whose writes would not serialize through one region.
     pub fn check(&self) -> Result<()> {
         if self.multiple_write_locations {
-            return Err(QueueError::Config(format!(
-                "account {:?} has multi-region writes on (enableMultipleWriteLocations): \
+            return Err(QueueError::Config(
+                "the account has multi-region writes on (enableMultipleWriteLocations): \
                  conflicting writes resolve last-writer-wins, so the ETag compare-and-swap that \
                  cosmosq's claims, leases and checkpoints rely on does not hold and a message \
                  could be delivered to two consumers at once. Use an account with a single \
                  write region (turn \"Multi-region writes\" off, or keep the queues in a \
-                 separate single-write account)",
-                self.id
-            )));
+                 separate single-write account)"
+                    .into(),
+            ));
         }
         Ok(())
     }
@@ -78,6 +78,8 @@ pub async fn read(
         status: 0,
         sub_status: None,
         message: reason,
+        answered: false,
+        request_id: None,
     };
     let date = azure_core::time::to_rfc7231(&azure_core::time::OffsetDateTime::now_utc());
     let mut request = Request::new(endpoint.clone(), Method::Get);
@@ -102,9 +104,18 @@ pub async fn read(
                 .chars()
                 .take(500)
                 .collect(),
+            answered: true,
+            request_id: raw
+                .headers()
+                .get_optional_str(&azure_core::http::headers::HeaderName::from_static(
+                    "x-ms-activity-id",
+                ))
+                .map(str::to_owned),
         });
     }
-    serde_json::from_slice(raw.body()).map_err(|e| failed(format!("account properties: {e}")))
+    // The parser's message would quote the answer: say only that it is not an account.
+    serde_json::from_slice(raw.body())
+        .map_err(|_| failed("the answer is not an account resource".into()))
 }
 
 /// The `authorization` header of an account read, as the SDK signs it.
