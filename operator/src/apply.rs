@@ -7,6 +7,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
 use kube::{Api, Client, ResourceExt};
 use serde::de::DeserializeOwned;
@@ -30,6 +31,18 @@ pub enum ApplyError {
     /// The group has no namespace.
     #[error("{0} has no namespace")]
     NoNamespace(String),
+    /// An object of the name the group needs exists and is not the group's: the operator does
+    /// not take over (or, by owning it, garbage-collect) what it did not make.
+    #[error(
+        "{object} exists and is not this group's ({holder}): the operator does not take over \
+         objects it did not make; delete or rename it, or give the group another name"
+    )]
+    NotOwned {
+        /// `Kind namespace/name`.
+        object: String,
+        /// Who controls it, as far as its owner references say.
+        holder: String,
+    },
 }
 
 /// What was applied.
@@ -61,6 +74,88 @@ where
         .await?)
 }
 
+/// Whether `meta` names the group as its controller (pure): the owner reference the operator
+/// writes, matched by UID (a group deleted and made again under the same name is another
+/// group).
+pub fn controlled_by(meta: &ObjectMeta, qcg: &QueueConsumerGroup) -> bool {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true) && Some(&o.uid) == qcg.metadata.uid.as_ref())
+}
+
+/// Who an object's owner references say controls it (pure), for a refusal's message.
+fn holder(meta: &ObjectMeta) -> String {
+    match meta
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))
+    {
+        Some(o) => format!("controlled by {} {}", o.kind, o.name),
+        None => "no controller".into(),
+    }
+}
+
+/// Reads the object of `name` (metadata only) and refuses one the group does not control.
+/// `None`: there is none; an apply creates it.
+async fn ours<K>(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    qcg: &QueueConsumerGroup,
+) -> Result<Option<ObjectMeta>, ApplyError>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), namespace);
+    let Some(found) = api.get_metadata_opt(name).await? else {
+        return Ok(None);
+    };
+    if controlled_by(&found.metadata, qcg) {
+        return Ok(Some(found.metadata));
+    }
+    Err(ApplyError::NotOwned {
+        object: format!("{} {namespace}/{name}", K::kind(&())),
+        holder: holder(&found.metadata),
+    })
+}
+
+/// Deletes `name` if, and only if, the group controls it; conditional on the UID read, so an
+/// object made again in between is left alone.
+async fn delete_if_ours<K>(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    qcg: &QueueConsumerGroup,
+) -> Result<(), ApplyError>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug,
+{
+    let Some(meta) = ours::<K>(client, namespace, name, qcg).await? else {
+        return Ok(());
+    };
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: meta.uid,
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    let api: Api<K> = Api::namespaced(client.clone(), namespace);
+    match api.delete(name, &params).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Applies the workers' RoleBinding. One made before the worker ClusterRole existed names the
 /// group's own Role, and a binding's roleRef cannot change: that binding and its Role are
 /// deleted and the binding made anew (the workers lack the grant for a moment; their deletion
@@ -69,24 +164,17 @@ async fn apply_binding(
     client: &Client,
     namespace: &str,
     binding: &RoleBinding,
+    qcg: &QueueConsumerGroup,
 ) -> Result<(), ApplyError> {
     match apply::<RoleBinding>(client, namespace, binding).await {
         Err(ApplyError::Kube(kube::Error::Api(e)))
             if e.code == 422 && e.message.contains("roleRef") =>
         {
+            // Only the group's own binding and Role: the caller checked the binding before
+            // this apply, and a Role of the name is looked at before it goes.
             let name = binding.name_any();
-            gone(
-                Api::<RoleBinding>::namespaced(client.clone(), namespace)
-                    .delete(&name, &DeleteParams::default())
-                    .await
-                    .map(|_| ()),
-            )?;
-            gone(
-                Api::<Role>::namespaced(client.clone(), namespace)
-                    .delete(&name, &DeleteParams::default())
-                    .await
-                    .map(|_| ()),
-            )?;
+            delete_if_ours::<RoleBinding>(client, namespace, &name, qcg).await?;
+            delete_if_ours::<Role>(client, namespace, &name, qcg).await?;
             tracing::info!(%namespace, binding = %name, "replaced a RoleBinding to the group's own Role by one to the worker ClusterRole");
             apply::<RoleBinding>(client, namespace, binding).await?;
             Ok(())
@@ -127,14 +215,6 @@ async fn key_digest(
         .and_then(|mut a| a.remove(build::KEY_DIGEST_ANNOTATION)))
 }
 
-/// A delete that found nothing to delete succeeded.
-fn gone(result: Result<(), kube::Error>) -> Result<(), kube::Error> {
-    match result {
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-        other => other,
-    }
-}
-
 /// Validates, builds and applies the group's ServiceAccount, RoleBinding, Deployment and (HPA
 /// mode) HorizontalPodAutoscaler. Validating and building are pure and happen first: an invalid
 /// spec writes nothing.
@@ -162,8 +242,22 @@ pub async fn apply_group(
     let binding = build::role_binding(qcg, &pod_account, defaults)?;
     let hpa = build::hpa(qcg, &settings)?;
 
+    // Nothing is written until every object of the group's names is known to be its own (or
+    // absent): a team's Deployment, ServiceAccount or binding of that name stays theirs.
+    let name = build::workers_name(qcg);
+    tokio::try_join!(
+        ours::<ServiceAccount>(client, &namespace, &name, qcg),
+        ours::<RoleBinding>(client, &namespace, &name, qcg),
+        ours::<Deployment>(client, &namespace, &name, qcg),
+        async {
+            match &hpa {
+                Some(_) => ours::<HorizontalPodAutoscaler>(client, &namespace, &name, qcg).await,
+                None => Ok(None),
+            }
+        },
+    )?;
     apply::<ServiceAccount>(client, &namespace, &service_account).await?;
-    apply_binding(client, &namespace, &binding).await?;
+    apply_binding(client, &namespace, &binding, qcg).await?;
     let applied = apply::<Deployment>(client, &namespace, &deployment).await?;
     if let Some(hpa) = &hpa {
         apply::<HorizontalPodAutoscaler>(client, &namespace, hpa).await?;
@@ -251,9 +345,28 @@ mod tests {
             seen.body
         }
 
+        /// The reads of the group's ServiceAccount, RoleBinding, Deployment (and HPA) before
+        /// anything is written, answered with `found` (`None`: not found).
+        async fn expect_reads(&mut self, found: [Option<Value>; 4], hpa: bool) {
+            let paths = [
+                "/api/v1/namespaces/shop/serviceaccounts/billing-workers",
+                "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers",
+                "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                "/apis/autoscaling/v2/namespaces/shop/horizontalpodautoscalers/billing-workers",
+            ];
+            for (path, found) in paths.into_iter().zip(found).take(if hpa { 4 } else { 3 }) {
+                let response = match found {
+                    Some(object) => json_response(StatusCode::OK, &object),
+                    None => crate::testing::not_found(),
+                };
+                self.answer(Method::GET, path, response).await;
+            }
+        }
+
         /// The group's ServiceAccount, RoleBinding and Deployment, applied in order.
-        async fn expect_workers_applied(&mut self) {
+        async fn expect_workers_applied(&mut self, hpa: bool) {
             self.key_read("k1").await;
+            self.expect_reads([None, None, None, None], hpa).await;
             for (path, kind) in [
                 ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
                 ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
@@ -290,11 +403,26 @@ mod tests {
         Defaults::new("cosmosq/sidecar:test")
     }
 
+    /// An object of the group's name, controlled by `controller` (a UID), or by nothing.
+    fn existing(api_version: &str, kind: &str, controller: Option<&str>) -> Value {
+        let owners: Vec<Value> = controller
+            .map(|uid| {
+                json!({"apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
+                       "name": "billing", "uid": uid, "controller": true})
+            })
+            .into_iter()
+            .collect();
+        json!({"apiVersion": api_version, "kind": kind,
+               "metadata": {"name": "billing-workers", "namespace": "shop",
+                            "uid": format!("{kind}-uid"), "ownerReferences": owners}})
+    }
+
     #[tokio::test]
     async fn direct_mode_applies_rbac_then_the_deployment() {
         let (client, mut server) = client();
         let verifier = tokio::spawn(async move {
             let digest = server.key_read("k1").await;
+            server.expect_reads([None, None, None, None], false).await;
             server
                 .expect_apply(
                     "/api/v1/namespaces/shop/serviceaccounts/billing-workers",
@@ -355,16 +483,18 @@ mod tests {
                 )
                 .await;
             // The live Deployment's digest is kept.
-            let live = json!({"apiVersion": "apps/v1", "kind": "Deployment",
-                "metadata": {"name": "billing-workers", "namespace": "shop"},
-                "spec": {"selector": {}, "template": {"metadata": {"annotations":
-                    {build::KEY_DIGEST_ANNOTATION: "0123456789abcdef"}}}}});
+            let mut live = existing("apps/v1", "Deployment", Some("g1"));
+            live["spec"] = json!({"selector": {}, "template": {"metadata": {"annotations":
+                    {build::KEY_DIGEST_ANNOTATION: "0123456789abcdef"}}}});
             server
                 .answer(
                     Method::GET,
                     "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
                     json_response(StatusCode::OK, &live),
                 )
+                .await;
+            server
+                .expect_reads([None, None, Some(live), None], false)
                 .await;
             server
                 .expect_apply(
@@ -398,64 +528,127 @@ mod tests {
 
     #[tokio::test]
     async fn a_binding_to_the_old_per_group_role_is_replaced() {
-        let (client, mut server) = client();
-        let binding =
-            "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers";
-        let verifier = tokio::spawn(async move {
-            server.key_read("k1").await;
-            server
-                .expect_apply(
-                    "/api/v1/namespaces/shop/serviceaccounts/billing-workers",
-                    "ServiceAccount",
-                )
-                .await;
-            // The API server refuses to change the roleRef of the existing binding.
-            let seen = server.expect(Method::PATCH, binding).await;
-            seen.send.send_response(json_response(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                        "reason": "Invalid", "code": 422,
-                        "message": "RoleBinding.rbac.authorization.k8s.io \"billing-workers\" is invalid: roleRef: Invalid value: ...: cannot change roleRef"}),
-            ));
-            let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Success"});
-            server
-                .answer(
-                    Method::DELETE,
-                    binding,
-                    json_response(StatusCode::OK, &gone),
-                )
-                .await;
-            // The old Role may already be gone.
-            server
-                .answer(
-                    Method::DELETE,
-                    "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers",
-                    crate::testing::not_found(),
-                )
-                .await;
-            let applied = server.expect_apply(binding, "RoleBinding").await;
-            assert_eq!(applied["roleRef"]["kind"], "ClusterRole");
-            server
-                .expect_apply(
-                    "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
-                    "Deployment",
-                )
-                .await;
-            server
-        });
-        apply_group(&client, &group(json!({})), &queue(), &defaults())
+        // The group's own binding and Role go; a Role of the name someone else made stays
+        // (and the binding is not made again until it is gone: the apply fails).
+        for role_owner in [Some("g1"), None] {
+            let (client, mut server) = client();
+            let binding =
+                "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers";
+            let role = "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/roles/billing-workers";
+            let verifier = tokio::spawn(async move {
+                server.key_read("k1").await;
+                let old = existing("rbac.authorization.k8s.io/v1", "RoleBinding", Some("g1"));
+                server
+                    .expect_reads([None, Some(old.clone()), None, None], false)
+                    .await;
+                server
+                    .expect_apply(
+                        "/api/v1/namespaces/shop/serviceaccounts/billing-workers",
+                        "ServiceAccount",
+                    )
+                    .await;
+                // The API server refuses to change the roleRef of the existing binding.
+                let seen = server.expect(Method::PATCH, binding).await;
+                seen.send.send_response(json_response(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                            "reason": "Invalid", "code": 422,
+                            "message": "RoleBinding.rbac.authorization.k8s.io \"billing-workers\" is invalid: roleRef: Invalid value: ...: cannot change roleRef"}),
+                ));
+                server
+                    .answer(Method::GET, binding, json_response(StatusCode::OK, &old))
+                    .await;
+                let seen = server.expect(Method::DELETE, binding).await;
+                assert_eq!(seen.body["preconditions"]["uid"], "RoleBinding-uid");
+                seen.send.send_response(json_response(StatusCode::OK, &old));
+                let old_role = existing("rbac.authorization.k8s.io/v1", "Role", role_owner);
+                server
+                    .answer(Method::GET, role, json_response(StatusCode::OK, &old_role))
+                    .await;
+                if role_owner.is_none() {
+                    return server;
+                }
+                let seen = server.expect(Method::DELETE, role).await;
+                assert_eq!(seen.body["preconditions"]["uid"], "Role-uid");
+                seen.send
+                    .send_response(json_response(StatusCode::OK, &old_role));
+                let applied = server.expect_apply(binding, "RoleBinding").await;
+                assert_eq!(applied["roleRef"]["kind"], "ClusterRole");
+                server
+                    .expect_apply(
+                        "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                        "Deployment",
+                    )
+                    .await;
+                server
+            });
+            let result = apply_group(&client, &group(json!({})), &queue(), &defaults()).await;
+            if role_owner.is_some() {
+                result.unwrap();
+            } else {
+                let err = result.unwrap_err().to_string();
+                assert!(
+                    err.starts_with("Role shop/billing-workers exists and is not this group's"),
+                    "{err}"
+                );
+            }
+            let server = verifier.await.unwrap();
+            drop(client);
+            server.done().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn objects_of_the_groups_names_that_are_not_its_own_are_never_written() {
+        // A team's Deployment (or ServiceAccount, binding, HPA) of the name the group needs:
+        // refused, naming it, before anything is written. Another group's of the same name
+        // (deleted and made again: another UID) is not this group's either.
+        for (index, controller) in [(0, None), (1, Some("old-group")), (2, None), (3, None)] {
+            let (client, mut server) = client();
+            let kinds = [
+                ("v1", "ServiceAccount"),
+                ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+                ("apps/v1", "Deployment"),
+                ("autoscaling/v2", "HorizontalPodAutoscaler"),
+            ];
+            let (api_version, kind) = kinds[index];
+            let verifier = tokio::spawn(async move {
+                server.key_read("k1").await;
+                let mut found = [None, None, None, None];
+                found[index] = Some(existing(api_version, kind, controller));
+                server.expect_reads(found, true).await;
+                server
+            });
+            let err = apply_group(
+                &client,
+                &group(json!({"mode": "HPA", "maxReplicas": 5})),
+                &queue(),
+                &defaults(),
+            )
             .await
-            .unwrap();
-        let server = verifier.await.unwrap();
-        drop(client);
-        server.done().await;
+            .unwrap_err();
+            let text = err.to_string();
+            let holder = match controller {
+                Some(_) => "(controlled by QueueConsumerGroup billing)",
+                None => "(no controller)",
+            };
+            assert!(
+                text.starts_with(&format!(
+                    "{kind} shop/billing-workers exists and is not this group's {holder}"
+                )),
+                "{text}"
+            );
+            let server = verifier.await.unwrap();
+            drop(client);
+            server.done().await; // nothing was written
+        }
     }
 
     #[tokio::test]
     async fn hpa_mode_also_applies_the_autoscaler() {
         let (client, mut server) = client();
         let verifier = tokio::spawn(async move {
-            server.expect_workers_applied().await;
+            server.expect_workers_applied(true).await;
             let hpa = server
                 .expect_apply(
                     "/apis/autoscaling/v2/namespaces/shop/horizontalpodautoscalers/billing-workers",
@@ -486,7 +679,7 @@ mod tests {
         for (owner, deleted) in [("g1", true), ("someone-else", false)] {
             let (client, mut server) = client();
             let verifier = tokio::spawn(async move {
-                server.expect_workers_applied().await;
+                server.expect_workers_applied(false).await;
                 let existing = json!({
                     "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
                     "metadata": {"name": "billing-workers", "namespace": "shop", "uid": "h1",

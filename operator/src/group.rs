@@ -149,6 +149,14 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
                     action: Action::requeue(RETRY_REFUSED),
                 }
             }
+            // An object of the group's name that someone else made: theirs until they remove
+            // or rename it (a change the group does not see: look again now and then).
+            Err(e @ ApplyError::NotOwned { .. }) => Outcome {
+                ok: false,
+                reason: reasons::NOT_OWNED,
+                message: e.to_string(),
+                action: Action::requeue(RETRY_REFUSED),
+            },
             // Nothing is written for an invalid spec; it waits for its owner to fix it.
             Err(ApplyError::Spec(e)) => Outcome {
                 ok: false,
@@ -286,11 +294,19 @@ mod tests {
             )
             .await;
         server.key_read("k1").await;
-        for _ in 0..applies {
+        // The group's objects are read first (none exists yet), then applied.
+        let mut applied = 0;
+        while applied < applies {
             let seen = server.next().await;
+            if seen.method == Method::GET {
+                assert!(seen.path.ends_with("/billing-workers"), "{}", seen.path);
+                seen.send.send_response(not_found());
+                continue;
+            }
             assert_eq!(seen.method, Method::PATCH);
             seen.send
                 .send_response(json_response(StatusCode::OK, &seen.body));
+            applied += 1;
         }
     }
 

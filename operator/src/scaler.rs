@@ -482,7 +482,7 @@ impl Scaler {
             return Ok(Round::Skipped("invalid spec"));
         };
         let Some(workers) = self.workers(qcg).await? else {
-            return Ok(Round::Skipped("no Deployment yet"));
+            return Ok(Round::Skipped("no Deployment of its own yet"));
         };
 
         let estimate = self.estimate(&cq, settings.config, now).await;
@@ -637,10 +637,13 @@ impl Scaler {
     }
 
     /// The group's workers as its Deployment says (Kubernetes); `None` before the reconciler
-    /// made it.
+    /// made it, or while a Deployment of that name is someone else's (never scaled).
     async fn workers(&self, qcg: &QueueConsumerGroup) -> Result<Option<Workers>, ScalerError> {
         let deployment = self.deployments(qcg).get_opt(&workers_name(qcg)).await?;
-        Ok(deployment.as_ref().map(Workers::of))
+        Ok(deployment
+            .filter(|d| crate::apply::controlled_by(&d.metadata, qcg))
+            .as_ref()
+            .map(Workers::of))
     }
 
     /// The scaling loop's part of the group's status (Kubernetes).
@@ -1026,7 +1029,10 @@ mod tests {
 
     fn deployment(replicas: i32) -> Value {
         json!({"apiVersion": "apps/v1", "kind": "Deployment",
-               "metadata": {"name": "billing-workers", "namespace": "shop"},
+               "metadata": {"name": "billing-workers", "namespace": "shop",
+                            "ownerReferences": [{"apiVersion": "cosmosq.io/v1alpha1",
+                                "kind": "QueueConsumerGroup", "name": "billing", "uid": "g1",
+                                "controller": true}]},
                "spec": {"replicas": replicas, "selector": {}, "template": {}},
                "status": {"replicas": replicas}})
     }

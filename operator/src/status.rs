@@ -32,6 +32,8 @@ pub mod reasons {
     pub const INVALID_SPEC: &str = "InvalidSpec";
     /// The API server (its validation or an admission webhook/policy) refused an object.
     pub const APPLY_REJECTED: &str = "ApplyRejected";
+    /// An object of a name the group needs exists and is not the group's: it is left alone.
+    pub const NOT_OWNED: &str = "NotOwned";
     /// The Deployment cannot create the worker pods (quota, admission).
     pub const REPLICA_FAILURE: &str = "ReplicaFailure";
     /// A queue's database and containers exist (or were just created).

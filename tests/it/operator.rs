@@ -840,8 +840,6 @@ async fn the_operator_provisions_runs_scales_and_cleans_up() {
         ("", "secrets", "get"),                                     // key Secrets
         ("events.k8s.io", "events", "patch"),                       // repeated Events
         ("coordination.k8s.io", "leases", "update"),                // renewals (2 s)
-        ("rbac.authorization.k8s.io", "rolebindings", "delete"),    // pre-ClusterRole binding
-        ("rbac.authorization.k8s.io", "roles", "delete"),           // pre-ClusterRole Role
         ("rbac.authorization.k8s.io", "clusterroles", "bind"),      // checked by real RBAC only
     ]
     .into_iter()

@@ -176,6 +176,52 @@ pub async fn operator_scenario(mut s: Scenario) {
     // Its reconciles are traced to a local collector (OTLP/JSON here; the sidecar's test
     // covers protobuf).
     let collector = crate::otlp::OtlpReceiver::start().await;
+
+    // The group exists before the operator starts, with what a version before the worker
+    // ClusterRole left for it: a Role and a binding to it, both owned by the group.
+    let groups: Api<QueueConsumerGroup> = Api::namespaced(s.client.clone(), ns);
+    let group = json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
+        "metadata": {"name": "billing"},
+        "spec": {"queueRef": {"name": "orders"}, "startFrom": "beginning",
+                 "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
+                 "app": {"port": 8080},
+                 "scaling": {"targetBacklogPerReplica": 10, "maxReplicas": 3}}
+    });
+    let billing = groups
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(group).unwrap(),
+        )
+        .await
+        .expect("create the QueueConsumerGroup");
+    let owned_by_billing = json!([{"apiVersion": "cosmosq.io/v1alpha1",
+        "kind": "QueueConsumerGroup", "name": "billing", "uid": billing.uid(),
+        "controller": true}]);
+    let roles: Api<Role> = Api::namespaced(s.client.clone(), ns);
+    let bindings: Api<RoleBinding> = Api::namespaced(s.client.clone(), ns);
+    let legacy_role = json!({"metadata": {"name": "billing-workers",
+            "ownerReferences": owned_by_billing},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]});
+    roles
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(legacy_role).unwrap(),
+        )
+        .await
+        .expect("create the old per-group Role");
+    let legacy_binding = json!({"metadata": {"name": "billing-workers",
+            "ownerReferences": owned_by_billing},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "billing-workers"},
+        "subjects": [{"kind": "ServiceAccount", "name": "billing-workers", "namespace": ns}]});
+    bindings
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(legacy_binding).unwrap(),
+        )
+        .await
+        .expect("create the old binding");
+
     let (shutdown, operator) = start_operator(
         &s,
         &[
@@ -220,46 +266,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         "Retain keeps the containers"
     );
 
-    // A version before the worker ClusterRole left a Role and a binding to it for the group.
-    let roles: Api<Role> = Api::namespaced(s.client.clone(), ns);
-    let bindings: Api<RoleBinding> = Api::namespaced(s.client.clone(), ns);
-    let legacy_role = json!({"metadata": {"name": "billing-workers"},
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]});
-    roles
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(legacy_role).unwrap(),
-        )
-        .await
-        .expect("create the old per-group Role");
-    let legacy_binding = json!({"metadata": {"name": "billing-workers"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "billing-workers"},
-        "subjects": [{"kind": "ServiceAccount", "name": "billing-workers", "namespace": ns}]});
-    bindings
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(legacy_binding).unwrap(),
-        )
-        .await
-        .expect("create the old binding");
-
-    // A group gets its Deployment with the sidecar injected.
-    let groups: Api<QueueConsumerGroup> = Api::namespaced(s.client.clone(), ns);
-    let group = json!({
-        "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
-        "metadata": {"name": "billing"},
-        "spec": {"queueRef": {"name": "orders"}, "startFrom": "beginning",
-                 "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
-                 "app": {"port": 8080},
-                 "scaling": {"targetBacklogPerReplica": 10, "maxReplicas": 3}}
-    });
-    groups
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(group).unwrap(),
-        )
-        .await
-        .expect("create the QueueConsumerGroup");
+    // The group gets its Deployment with the sidecar injected once its queue exists.
     let deployments: Api<Deployment> = Api::namespaced(s.client.clone(), ns);
     until(&deployments, "billing-workers", "the Deployment", |d| {
         d.and_then(|d| d.spec.as_ref())
@@ -307,6 +314,49 @@ pub async fn operator_scenario(mut s: Scenario) {
     }
     until(&deployments, "billing-workers", "3 replicas", |d| {
         replicas(d, 3)
+    })
+    .await;
+
+    // A team's own Deployment has the name a new group needs: the group is refused, naming
+    // it, and the Deployment is neither taken over nor scaled (the backlog would scale it),
+    // nor deleted with the group.
+    let team = json!({"apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "payments-workers"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "payments"}},
+                 "template": {"metadata": {"labels": {"app": "payments"}},
+                              "spec": {"containers": [{"name": "team-app", "image": "team/app"}]}}}});
+    let team: Deployment = deployments
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(team).unwrap(),
+        )
+        .await
+        .expect("create the team's Deployment");
+    let payments = json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
+        "metadata": {"name": "payments"},
+        "spec": {"queueRef": {"name": "orders"}, "startFrom": "beginning",
+                 "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
+                 "app": {"port": 8080},
+                 "scaling": {"targetBacklogPerReplica": 10, "maxReplicas": 3}}
+    });
+    groups
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(payments).unwrap(),
+        )
+        .await
+        .expect("create the group named like the team's Deployment");
+    until(&groups, "payments", "the group refused as NotOwned", |g| {
+        g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
+            s.conditions.iter().any(|c| {
+                c.type_ == "Ready"
+                    && c.status == "False"
+                    && c.reason == "NotOwned"
+                    && c.message.contains("Deployment")
+                    && c.message.contains("payments-workers")
+            })
+        })
     })
     .await;
     if s.controllers {
@@ -545,6 +595,41 @@ pub async fn operator_scenario(mut s: Scenario) {
         |d| replicas(d, 2),
     )
     .await;
+
+    // Through every scaling round since, the team's Deployment stayed as the team made it;
+    // deleting the group that was refused leaves it.
+    let untouched = |d: &Deployment| {
+        d.metadata.owner_references.is_none()
+            && d.spec.as_ref().and_then(|s| s.replicas) == Some(1)
+            && d.spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref())
+                .map(|p| p.containers.len())
+                == Some(1)
+            && d.metadata.uid == team.metadata.uid
+    };
+    let theirs = deployments.get("payments-workers").await.unwrap();
+    assert!(
+        untouched(&theirs),
+        "the team's Deployment changed: {theirs:?}"
+    );
+    groups
+        .delete("payments", &DeleteParams::background())
+        .await
+        .expect("delete the refused group");
+    until(&groups, "payments", "the refused group to go", |g| {
+        g.is_none()
+    })
+    .await;
+    let theirs = deployments.get("payments-workers").await.unwrap();
+    assert!(
+        untouched(&theirs),
+        "the team's Deployment changed: {theirs:?}"
+    );
+    deployments
+        .delete("payments-workers", &DeleteParams::background())
+        .await
+        .expect("delete the team's Deployment");
 
     // Deleting the group removes what it owned; deleting the queue honours `Delete`.
     groups
