@@ -233,18 +233,13 @@ pub async fn apply_group(
         build::with_key_digest(&mut deployment, digest);
     }
     let service_account = build::service_account(qcg, queue)?;
-    let pod_account = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .and_then(|p| p.service_account_name.clone())
-        .unwrap_or_else(|| build::workers_name(qcg));
-    let binding = build::role_binding(qcg, &pod_account, defaults)?;
+    // The pods run as that account (`build::deployment` refuses any other).
+    let name = build::workers_name(qcg);
+    let binding = build::role_binding(qcg, &name, defaults)?;
     let hpa = build::hpa(qcg, &settings)?;
 
     // Nothing is written until every object of the group's names is known to be its own (or
     // absent): a team's Deployment, ServiceAccount or binding of that name stays theirs.
-    let name = build::workers_name(qcg);
     tokio::try_join!(
         ours::<ServiceAccount>(client, &namespace, &name, qcg),
         ours::<RoleBinding>(client, &namespace, &name, qcg),

@@ -418,9 +418,19 @@ pub fn deployment(
     }
     pod.containers
         .push(sidecar_container(qcg, queue, defaults)?);
-    if pod.service_account_name.is_none() {
-        pod.service_account_name = Some(workers_name(qcg));
+    // The workers run as the group's own ServiceAccount: the operator binds the worker role
+    // to no account it did not make (`default`, another team's).
+    let account = workers_name(qcg);
+    if let Some(named) = pod.service_account_name.as_ref().filter(|n| **n != account) {
+        return Err(invalid(
+            "spec.template.spec.serviceAccountName",
+            format!(
+                "{named:?}: the workers run as the group's own ServiceAccount {account} (the \
+                 operator makes it, and binds the worker role to no other); leave it unset"
+            ),
+        ));
     }
+    pod.service_account_name = Some(account);
     // The app gets no API token (unless the template asks for one): only the sidecar talks
     // to the API server, with a projected token bound to its pod.
     if pod.automount_service_account_token != Some(true) {
@@ -942,6 +952,12 @@ mod tests {
                 "spec.sidecar.resources",
             ),
             (json!({"group": "lease"}), "spec.group"),
+            // Any account but the group's own: the worker role would be bound to it.
+            (
+                json!({"template": {"spec": {"serviceAccountName": "default",
+                    "containers": [{"name": "app", "image": "a"}]}}}),
+                "spec.template.spec.serviceAccountName",
+            ),
         ];
         for (extra, field) in cases {
             match build(&group(extra.clone()), &key_queue(), &defaults()) {

@@ -561,14 +561,61 @@ async fn a_worker_changes_only_its_own_deletion_cost(config: &kube::Config, name
         worker.patch(&own.name_any(), &params, &annotate).await,
         cost_only,
     );
+    // Nor its owner references or finalizers (which would hand the pod to another owner, or
+    // hold its deletion).
+    let adopt = Patch::Merge(json!({"metadata": {"finalizers": ["example.com/hold"]}}));
+    refused(
+        worker.patch(&own.name_any(), &params, &adopt).await,
+        cost_only,
+    );
     // A token of the worker account that is bound to no pod changes none.
     let unbound = as_worker(token(None).await);
     refused(
         unbound
-            .patch(&own.name_any(), &params, &patch(cost, json!({})))
+            .patch(&own.name_any(), &params, &patch(cost.clone(), json!({})))
             .await,
         own_only,
     );
+    // A worker account whose group is gone (deleted with --cascade=orphan: its binding stays)
+    // is held to the same, though no group of its name exists to judge it by.
+    let orphan = token_of(&client, namespace, "orphaned-workers").await;
+    let bindings: Api<RoleBinding> = Api::namespaced(client.clone(), namespace);
+    let worker_role = own_worker_role(&client, namespace).await;
+    let binding = serde_json::from_value(json!({"metadata": {"name": "orphaned-workers"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": worker_role},
+        "subjects": [{"kind": "ServiceAccount", "name": "orphaned-workers", "namespace": namespace}]}))
+        .unwrap();
+    bindings
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("bind the worker role as an orphaned group left it");
+    let orphan = as_worker(orphan);
+    let image =
+        Patch::Strategic(json!({"spec": {"containers": [{"name": "app", "image": "evil/app"}]}}));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match orphan.patch(&other.name_any(), &params, &image).await {
+            Err(kube::Error::Api(e)) if e.code == 403 && !e.message.contains("cosmosq") => {
+                // The binding has not reached the authorizer yet.
+                assert!(tokio::time::Instant::now() < deadline, "{e:?}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            result => {
+                refused(result, own_only);
+                break;
+            }
+        }
+    }
+}
+
+/// The worker ClusterRole the group's RoleBinding names.
+async fn own_worker_role(client: &Client, namespace: &str) -> String {
+    Api::<RoleBinding>::namespaced(client.clone(), namespace)
+        .get("billing-workers")
+        .await
+        .expect("the group's binding")
+        .role_ref
+        .name
 }
 
 async fn get(request: reqwest::RequestBuilder) -> (u16, Value) {
