@@ -425,9 +425,12 @@ pub struct AppSpec {
     #[serde(default = "default_app_path")]
     #[schemars(regex(pattern = r"^/"))]
     pub path: String,
-    /// How long the app may take for one message before the delivery counts as failed.
+    /// How long the app may take for one message before the delivery counts as failed; at
+    /// most 1h (it bounds the pods' termination grace, which node drains wait for: longer
+    /// work is kept by lock promotion, `promoteAfter`).
     #[serde(default = "default_app_timeout")]
     #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h|d))+$"))]
+    #[x_kube(validation = Rule::new("!self.contains('d') && duration(self) <= duration('1h')").message("app.timeout must be at most 1h: it bounds the pods' termination grace, which node drains and upgrades wait for; longer work is kept by lock promotion (promoteAfter)"))]
     pub timeout: String,
     /// `Push` (default): the sidecar posts each message to the app; `Pull`: the app's workers
     /// receive and settle messages in batches through the sidecar's localhost API

@@ -33,6 +33,13 @@ pub fn invalid(field: &'static str, reason: impl std::fmt::Display) -> SpecError
     }
 }
 
+/// The longest `spec.app.timeout`: it bounds the workers' termination grace, which node drains
+/// and cluster upgrades wait for (AKS gives a node 30 minutes by default). The CRD refuses
+/// more too; work longer than this keeps its message through lock promotion (`promoteAfter`).
+pub const MAX_APP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3600);
+/// Why a longer timeout is refused.
+pub const APP_TIMEOUT_LIMIT: &str = "at most 1h: it bounds the pods' termination grace, which node drains and upgrades wait for; longer work is kept by lock promotion (promoteAfter)";
+
 /// The one parser of the CRDs' durations (`30s`, `5m`, `1h30m`).
 fn duration(field: &'static str, text: &str) -> Result<Duration, SpecError> {
     humantime::parse_duration(text).map_err(|e| invalid(field, format!("{text:?}: {e}")))
@@ -204,8 +211,8 @@ pub fn group(qcg: &QueueConsumerGroup) -> Result<GroupSettings, SpecError> {
         }
     }
     let app_timeout = duration("spec.app.timeout", &s.app.timeout)?;
-    if i32::try_from(app_timeout.as_secs()).is_err() {
-        return Err(invalid("spec.app.timeout", "too long"));
+    if app_timeout > MAX_APP_TIMEOUT {
+        return Err(invalid("spec.app.timeout", APP_TIMEOUT_LIMIT));
     }
     Ok(GroupSettings {
         config,
@@ -377,6 +384,10 @@ mod tests {
             ),
             (
                 json!({"app": {"port": 8080, "timeout": "9000000000000s"}}),
+                "spec.app.timeout",
+            ),
+            (
+                json!({"app": {"port": 8080, "timeout": "61m"}}),
                 "spec.app.timeout",
             ),
             (

@@ -129,6 +129,28 @@ pub fn cases() -> Vec<RuleCase> {
             Some("endpoint must be an account endpoint"),
             true,
         ),
+        // The app's timeout bounds the pods' termination grace.
+        case(
+            "app-timeout-hour",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 8080, "timeout": "1h"}})),
+            None,
+            true,
+        ),
+        case(
+            "app-timeout-day",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 8080, "timeout": "1d"}})),
+            Some("app.timeout must be at most 1h"),
+            true,
+        ),
+        case(
+            "app-timeout-long",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 8080, "timeout": "90m"}})),
+            Some("app.timeout must be at most 1h"),
+            true,
+        ),
         RuleCase {
             name: Some(long_name.clone()),
             ..case(
