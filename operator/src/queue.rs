@@ -550,36 +550,10 @@ mod tests {
         assert!(!container_exists(&cosmos, "shop", "orders").await);
     }
 
-    #[tokio::test]
-    async fn a_namespace_not_granted_the_operators_identity_cannot_use_it() {
-        // No grant: the operator does not act as itself for this namespace, and says why.
-        let (ctx, mut server) = azure_context();
-        let verifier = tokio::spawn(async move {
-            let event = server.event().await;
-            assert_eq!(
-                (&event["type"], &event["reason"]),
-                (&json!("Warning"), &json!("InvalidSpec"))
-            );
-            server.status(STATUS, queue(json!({}), true)).await
-        });
-        let input = queue(
-            json!({"credentials": {"workloadIdentity": {}}, "deletionPolicy": "Delete"}),
-            true,
-        );
-        let action = reconcile_queue(arc(&input), ctx).await.unwrap();
-        assert_eq!(action, Action::await_change());
-        let body = verifier.await.unwrap();
-        let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
-        assert!(
-            message.contains("namespace shop is not granted the operator's identity")
-                && message.contains("--identity-grant"),
-            "{message}"
-        );
-    }
-
-    #[tokio::test]
-    async fn an_endpoint_that_is_not_an_account_is_refused_before_its_secret_is_read() {
-        // No Secret read, no request: the verifier fails on any request but these two.
+    /// Reconciles `input` on an Azure context and expects it refused as `InvalidSpec` (a
+    /// Warning, then the status) with no other request: no Secret read, nothing dialled.
+    /// Returns the condition's message.
+    async fn refused_as_invalid(input: Value) -> String {
         let (ctx, mut server) = azure_context();
         let verifier = tokio::spawn(async move {
             let event = server.event().await;
@@ -591,14 +565,37 @@ mod tests {
             server.done().await;
             body
         });
-        let input = queue(
-            json!({"endpoint": "http://kube-dns.kube-system.svc:53/", "deletionPolicy": "Delete"}),
-            true,
-        );
         let action = reconcile_queue(arc(&input), ctx).await.unwrap();
         assert_eq!(action, Action::await_change());
         let body = verifier.await.unwrap();
-        let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
+        body["status"]["conditions"][0]["message"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+
+    #[tokio::test]
+    async fn a_namespace_not_granted_the_operators_identity_cannot_use_it() {
+        // No grant: the operator does not act as itself for this namespace, and says why.
+        let message = refused_as_invalid(queue(
+            json!({"credentials": {"workloadIdentity": {}}, "deletionPolicy": "Delete"}),
+            true,
+        ))
+        .await;
+        assert!(
+            message.contains("namespace shop is not granted the operator's identity")
+                && message.contains("--identity-grant"),
+            "{message}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_endpoint_that_is_not_an_account_is_refused_before_its_secret_is_read() {
+        let message = refused_as_invalid(queue(
+            json!({"endpoint": "http://kube-dns.kube-system.svc:53/", "deletionPolicy": "Delete"}),
+            true,
+        ))
+        .await;
         assert!(
             message.starts_with("spec.endpoint: http://kube-dns.kube-system.svc:53")
                 && message.contains("--allowed-endpoint"),
