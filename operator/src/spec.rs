@@ -405,3 +405,33 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod hostile_rules {
+    /// The CRD admits rules of up to 4,096 characters. The deepest of them compile (or are
+    /// refused) and run on a 2 MiB stack, a tokio worker's, without overflowing it: an
+    /// overflow aborts the process, so a hostile spec would crash-loop the operator.
+    #[test]
+    fn the_deepest_rules_the_crd_admits_neither_overflow_the_compiler_nor_the_evaluator() {
+        let limit = 4096;
+        for rule in [
+            format!("{}1{}", "(".repeat(2047), ")".repeat(2047)),
+            format!("{}true", "!".repeat(limit - 4)),
+            format!("{}1 > 0", "1 + ".repeat((limit - 5) / 4)),
+            format!("{}1{}", "[".repeat(2047), "]".repeat(2047)),
+            format!("{}0", "-".repeat(limit - 1)),
+        ] {
+            assert!(rule.len() <= limit, "{}", rule.len());
+            std::thread::Builder::new()
+                .stack_size(2 << 20)
+                .spawn(move || {
+                    if let Ok(program) = cel::Program::compile(&rule) {
+                        let _ = program.execute(&cel::Context::default());
+                    }
+                })
+                .unwrap()
+                .join()
+                .expect("no panic");
+        }
+    }
+}
