@@ -125,13 +125,13 @@ where
 }
 
 /// Deletes `name` if, and only if, the group controls it; conditional on the UID read, so an
-/// object made again in between is left alone.
+/// object made again in between is left alone. True when this call deleted it.
 async fn delete_if_ours<K>(
     client: &Client,
     namespace: &str,
     name: &str,
     qcg: &QueueConsumerGroup,
-) -> Result<(), ApplyError>
+) -> Result<bool, ApplyError>
 where
     K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
         + Clone
@@ -139,7 +139,7 @@ where
         + std::fmt::Debug,
 {
     let Some(meta) = ours::<K>(client, namespace, name, qcg).await? else {
-        return Ok(());
+        return Ok(false);
     };
     let params = DeleteParams {
         preconditions: Some(Preconditions {
@@ -150,8 +150,8 @@ where
     };
     let api: Api<K> = Api::namespaced(client.clone(), namespace);
     match api.delete(name, &params).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(false),
         Err(e) => Err(e.into()),
     }
 }
@@ -275,39 +275,21 @@ fn spec_changed(qcg: &QueueConsumerGroup) -> bool {
     qcg.metadata.generation != qcg.status.as_ref().and_then(|s| s.observed_generation)
 }
 
-/// Deletes the group's HorizontalPodAutoscaler if there is one and the group owns it (an HPA
-/// of that name that someone else made is theirs). The delete is conditional on the UID read.
+/// Deletes the group's HorizontalPodAutoscaler if there is one and the group controls it (an
+/// HPA of that name that someone else made is theirs, and stays).
 async fn remove_owned_hpa(
     client: &Client,
     namespace: &str,
     qcg: &QueueConsumerGroup,
 ) -> Result<(), ApplyError> {
-    let api: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), namespace);
     let name = build::workers_name(qcg);
-    let Some(hpa) = api.get_opt(&name).await? else {
-        return Ok(());
-    };
-    let ours = hpa
-        .owner_references()
-        .iter()
-        .any(|o| Some(&o.uid) == qcg.metadata.uid.as_ref());
-    if !ours {
-        return Ok(());
-    }
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: hpa.metadata.uid.clone(),
-            resource_version: None,
-        }),
-        ..DeleteParams::default()
-    };
-    match api.delete(&name, &params).await {
-        Ok(_) => {
+    match delete_if_ours::<HorizontalPodAutoscaler>(client, namespace, &name, qcg).await {
+        Ok(true) => {
             tracing::info!(group = %qcg.name_any(), hpa = %name, "removed the HorizontalPodAutoscaler: the group no longer scales through one");
             Ok(())
         }
-        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
-        Err(e) => Err(e.into()),
+        Ok(false) | Err(ApplyError::NotOwned { .. }) => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
@@ -679,7 +661,8 @@ mod tests {
                     "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
                     "metadata": {"name": "billing-workers", "namespace": "shop", "uid": "h1",
                                  "ownerReferences": [{"apiVersion": "cosmosq.io/v1alpha1",
-                                     "kind": "QueueConsumerGroup", "name": "billing", "uid": owner}]},
+                                     "kind": "QueueConsumerGroup", "name": "billing", "uid": owner,
+                                     "controller": true}]},
                     "spec": {"scaleTargetRef": {"kind": "Deployment", "name": "billing-workers"},
                              "maxReplicas": 5}
                 });
