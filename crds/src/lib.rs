@@ -215,7 +215,8 @@ pub enum DeletionPolicy {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct CosmosQueueStatus {
-    /// `Ready`, `Provisioned`, `Degraded`.
+    /// `Ready`, `Provisioned`, `Degraded`, and kstatus' `Reconciling` (retrying by itself) and
+    /// `Stalled` (waiting for its owner), each with the generation it describes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
@@ -708,7 +709,8 @@ pub enum ScalingMode {
 #[serde(rename_all = "camelCase")]
 pub struct QueueConsumerGroupStatus {
     /// `Ready` (applied, pods can be created), `Available` (the Deployment's), `Degraded` (the
-    /// estimate failed).
+    /// estimate failed), `Paused`, and kstatus' `Reconciling` (retrying by itself or rolling
+    /// out) and `Stalled` (waiting for its owner), each with the generation it describes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,

@@ -75,6 +75,21 @@ impl CosmosError {
                 | CosmosError::IdentityNotGranted { .. }
         )
     }
+
+    /// Errors retrying does not get past: the spec's, a Secret the operator may not read, and
+    /// an account refusing the credentials (401/403) until a key or a role assignment changes.
+    /// The operator still retries the latter now and then; kstatus readers see `Stalled`.
+    pub fn is_stalled(&self) -> bool {
+        self.is_spec_error()
+            || matches!(
+                self,
+                CosmosError::SecretForbidden(_)
+                    | CosmosError::Queue(QueueError::Cosmos {
+                        status: 401 | 403,
+                        ..
+                    })
+            )
+    }
 }
 
 /// Where queues live.

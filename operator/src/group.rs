@@ -16,7 +16,7 @@ use tracing::{info, instrument, warn};
 
 use crate::apply::{apply_group, ApplyError, FIELD_MANAGER};
 use crate::context::{Context, ReconcileFailure};
-use crate::status::{self, reasons};
+use crate::status::{self, reasons, Progress};
 
 /// The resource kind, as metrics and logs name it.
 pub const KIND: &str = "QueueConsumerGroup";
@@ -86,6 +86,8 @@ impl ReconcileFailure for ReconcileError {
 /// The outcome of a pass, before it is written to status.
 struct Outcome {
     ok: bool,
+    /// What kstatus readers are told; `Done` only with `ok` and an available Deployment.
+    progress: Progress,
     reason: &'static str,
     message: String,
     action: Action,
@@ -117,23 +119,31 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
         None => Outcome {
             ok: false,
             reason: reasons::QUEUE_NOT_FOUND,
+            progress: Progress::Reconciling,
             message: format!("CosmosQueue {queue_name} does not exist in {namespace}"),
             action: Action::requeue(crate::context::RECHECK),
         },
         Some(queue) => match apply_group(&ctx.client, qcg, &queue, &ctx.defaults).await {
             Ok(applied) => {
                 let state = workers(applied.workers.as_ref());
+                let rolling_out = state.available.as_ref().is_some_and(|(ok, ..)| !ok);
                 available = state.available;
                 match state.failure {
                     Some(message) => Outcome {
                         ok: false,
                         reason: reasons::REPLICA_FAILURE,
+                        progress: Progress::Stalled,
                         message,
                         action: Action::requeue(RETRY_REFUSED),
                     },
                     None => Outcome {
                         ok: true,
                         reason: reasons::APPLIED,
+                        progress: if rolling_out {
+                            Progress::Reconciling
+                        } else {
+                            Progress::Done
+                        },
                         message: format!("Deployment {} is up to date", applied.deployment),
                         action: Action::requeue(crate::context::RESYNC),
                     },
@@ -145,6 +155,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
                 Outcome {
                     ok: false,
                     reason: reasons::APPLY_REJECTED,
+                    progress: Progress::Stalled,
                     message: format!("the API server refused the workers: {}", e.message),
                     action: Action::requeue(RETRY_REFUSED),
                 }
@@ -154,6 +165,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             Err(e @ ApplyError::NotOwned { .. }) => Outcome {
                 ok: false,
                 reason: reasons::NOT_OWNED,
+                progress: Progress::Stalled,
                 message: e.to_string(),
                 action: Action::requeue(RETRY_REFUSED),
             },
@@ -161,6 +173,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             Err(ApplyError::Spec(e)) => Outcome {
                 ok: false,
                 reason: reasons::INVALID_SPEC,
+                progress: Progress::Stalled,
                 message: e.to_string(),
                 action: Action::await_change(),
             },
@@ -201,6 +214,14 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             .await;
         }
     }
+    // A rollout is said in the Deployment's own words.
+    let (progress_reason, progress_message) = match (&available, outcome.progress) {
+        (Some((false, reason, message)), Progress::Reconciling) => (
+            reason.as_str(),
+            format!("waiting for the workers: {message}"),
+        ),
+        _ => (outcome.reason, outcome.message.clone()),
+    };
     // Only the fields this reconciler owns; the scaling loop writes the rest of the status.
     let ready = status::condition(
         &previous.conditions,
@@ -212,6 +233,14 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
         status::now(),
     );
     let mut conditions = vec![ready];
+    conditions.extend(status::progress(
+        &previous.conditions,
+        outcome.progress,
+        progress_reason,
+        &progress_message,
+        generation,
+        &status::now(),
+    ));
     if let Some((ok, reason, message)) = available {
         conditions.push(status::condition(
             &previous.conditions,
@@ -310,12 +339,42 @@ mod tests {
         }
     }
 
+    /// The `(status, reason)` of `Ready`, checking that only this reconciler's conditions
+    /// were written (the scaler owns `Degraded` and `Paused`) and `Ready` comes first.
     fn ready(status: &Value) -> (&str, &str) {
         let conditions = status["conditions"].as_array().unwrap();
-        assert_eq!(conditions.len(), 1, "only Ready is this reconciler's");
-        let c = &conditions[0];
-        assert_eq!(c["type"], "Ready");
+        for c in conditions {
+            assert!(
+                ["Ready", "Available", "Reconciling", "Stalled"]
+                    .contains(&c["type"].as_str().unwrap()),
+                "not this reconciler's: {c}"
+            );
+        }
+        assert_eq!(conditions[0]["type"], "Ready");
+        condition(status, "Ready")
+    }
+
+    fn condition<'a>(status: &'a Value, type_: &str) -> (&'a str, &'a str) {
+        let c = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == type_)
+            .unwrap_or_else(|| panic!("no {type_} in {status}"));
+        assert_eq!(c["observedGeneration"], 3, "{c}");
         (c["status"].as_str().unwrap(), c["reason"].as_str().unwrap())
+    }
+
+    /// Which kstatus condition is true, with its reason: `None` when the group is done.
+    fn progress(status: &Value) -> Option<(&str, &str)> {
+        let reconciling = condition(status, "Reconciling");
+        let stalled = condition(status, "Stalled");
+        match (reconciling.0, stalled.0) {
+            ("False", "False") => None,
+            ("True", "False") => Some(("Reconciling", reconciling.1)),
+            ("False", "True") => Some(("Stalled", stalled.1)),
+            both => panic!("Reconciling and Stalled both true: {both:?}"),
+        }
     }
 
     #[test]
@@ -422,6 +481,41 @@ mod tests {
             (&of("Available")["status"], &of("Available")["reason"]),
             (&json!("False"), &json!("MinimumReplicasUnavailable"))
         );
+        // A quota is not lifted by retrying: kstatus Failed.
+        assert_eq!(
+            progress(&body["status"]),
+            Some(("Stalled", "ReplicaFailure"))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_rollout_in_progress_is_reconciling_in_the_deployments_words() {
+        let (_, body) = reconcile_with_deployment_answer(
+            |applied| {
+                let mut stored = applied.clone();
+                stored["status"] = json!({"conditions": [
+                {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable",
+                 "message": "Deployment does not have minimum availability."}]});
+                json_response(StatusCode::OK, &stored)
+            },
+            true,
+        )
+        .await;
+        assert_eq!(ready(&body["status"]), ("True", "Applied"));
+        assert_eq!(
+            progress(&body["status"]),
+            Some(("Reconciling", "MinimumReplicasUnavailable"))
+        );
+        let reconciling = body["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Reconciling")
+            .unwrap();
+        assert_eq!(
+            reconciling["message"],
+            "waiting for the workers: Deployment does not have minimum availability."
+        );
     }
 
     #[tokio::test]
@@ -440,6 +534,10 @@ mod tests {
             (&json!("Warning"), &json!("ApplyRejected"))
         );
         assert_eq!(ready(&body["status"]), ("False", "ApplyRejected"));
+        assert_eq!(
+            progress(&body["status"]),
+            Some(("Stalled", "ApplyRejected"))
+        );
         let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
         assert!(message.contains("registry.example.com"), "{message}");
     }
@@ -469,6 +567,7 @@ mod tests {
         assert_eq!(action, Action::requeue(crate::context::RESYNC));
         let (server, body) = verifier.await.unwrap();
         assert_eq!(ready(&body["status"]), ("True", "Applied"));
+        assert_eq!(progress(&body["status"]), None);
         assert_eq!(body["status"]["observedGeneration"], 3);
         assert!(
             body["status"].get("backlog").is_none(),
@@ -496,6 +595,11 @@ mod tests {
         assert_eq!(action, Action::requeue(crate::context::RECHECK));
         let body = verifier.await.unwrap();
         assert_eq!(ready(&body["status"]), ("False", "QueueNotFound"));
+        // The queue may be created next (GitOps applies both at once): kstatus InProgress.
+        assert_eq!(
+            progress(&body["status"]),
+            Some(("Reconciling", "QueueNotFound"))
+        );
         assert!(changed.try_recv().is_err(), "nothing to scale yet");
     }
 
@@ -530,6 +634,7 @@ mod tests {
             assert_eq!(action, Action::await_change());
             let (event, body) = verifier.await.unwrap();
             assert_eq!(ready(&body["status"]), ("False", "InvalidSpec"));
+            assert_eq!(progress(&body["status"]), Some(("Stalled", "InvalidSpec")));
             let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
             assert!(message.contains(field), "{message}");
             assert!(event["note"].as_str().unwrap().contains(field));

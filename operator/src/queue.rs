@@ -17,7 +17,7 @@ use tracing::{info, instrument, warn};
 use crate::apply::FIELD_MANAGER;
 use crate::context::{Context, ReconcileFailure};
 use crate::cosmos::CosmosError;
-use crate::status::{self, reasons};
+use crate::status::{self, reasons, Progress};
 
 /// The resource kind, as metrics and logs name it.
 pub const KIND: &str = "CosmosQueue";
@@ -135,7 +135,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             .map_err(CosmosError::from),
         Err(e) => Err(e),
     };
-    let (ok, reason, message, partitions, action) = match provisioned {
+    let (progress, reason, message, partitions, action) = match provisioned {
         Ok((provisioned, partitions)) => {
             let created: Vec<&str> = [
                 (provisioned.created_database, "database"),
@@ -171,7 +171,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             }
             let action = Action::requeue(crate::context::RESYNC);
             (
-                true,
+                Progress::Done,
                 reasons::PROVISIONED,
                 message,
                 Some(partitions as i32),
@@ -181,6 +181,11 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
         Err(e) => {
             // Spec errors wait for a change; Cosmos errors (throttling, outage, a wrong
             // endpoint) are retried. Neither message can hold the key: it is never formatted.
+            let progress = if e.is_stalled() {
+                Progress::Stalled
+            } else {
+                Progress::Reconciling
+            };
             let (reason, action) = if e.is_spec_error() {
                 (reasons::INVALID_SPEC, Action::await_change())
             } else {
@@ -199,7 +204,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             ctx.event(cq, EventType::Warning, reason, "Provision", message.clone())
                 .await;
             let previous = cq.status.as_ref().and_then(|s| s.partitions);
-            (false, reason, message, previous, action)
+            (progress, reason, message, previous, action)
         }
     };
     let generation = cq.metadata.generation;
@@ -209,6 +214,7 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
         .map(|s| s.conditions.clone())
         .unwrap_or_default();
     let now = status::now();
+    let ok = progress == Progress::Done;
     let condition = |type_, ok| {
         status::condition(
             &previous,
@@ -226,7 +232,12 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             condition(status::READY, ok),
             condition(status::PROVISIONED, ok),
             condition(status::DEGRADED, !ok),
-        ],
+        ]
+        .into_iter()
+        .chain(status::progress(
+            &previous, progress, reason, &message, generation, &now,
+        ))
+        .collect(),
         partitions,
         observed_generation: generation,
         ..CosmosQueueStatus::default()
@@ -396,6 +407,8 @@ mod tests {
             assert_eq!(condition(&body["status"], "Ready"), ("True", "Provisioned"));
             assert_eq!(condition(&body["status"], "Provisioned").0, "True");
             assert_eq!(condition(&body["status"], "Degraded").0, "False");
+            assert_eq!(condition(&body["status"], "Reconciling").0, "False");
+            assert_eq!(condition(&body["status"], "Stalled").0, "False");
             assert_eq!(body["status"]["partitions"], 4);
             assert_eq!(body["status"]["observedGeneration"], 1);
         }
@@ -545,6 +558,12 @@ mod tests {
             ("False", "InvalidSpec")
         );
         assert_eq!(condition(&body["status"], "Degraded").0, "True");
+        // kstatus: Failed until its owner changes the spec, not InProgress.
+        assert_eq!(
+            condition(&body["status"], "Stalled"),
+            ("True", "InvalidSpec")
+        );
+        assert_eq!(condition(&body["status"], "Reconciling").0, "False");
         let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
         assert!(message.starts_with("spec.retention:"), "{message}");
         assert!(!container_exists(&cosmos, "shop", "orders").await);
@@ -657,6 +676,12 @@ mod tests {
             message.contains("status 500") && message.contains("request id 7f3c-request"),
             "{message}"
         );
+        // An outage is retried by the operator: kstatus InProgress, not Failed.
+        assert_eq!(
+            condition(&status["status"], "Reconciling"),
+            ("True", "ProvisioningFailed")
+        );
+        assert_eq!(condition(&status["status"], "Stalled").0, "False");
         for said in [event.to_string(), status.to_string()] {
             assert!(!said.contains("internal-service-secret"), "{said}");
         }

@@ -2,8 +2,8 @@
 //! reasons of both resources, defined here and nowhere else.
 //!
 //! Conditions are a list keyed by type (see the CRDs), and each condition has one writer: the
-//! reconcilers own `Ready`, `Available`, `Provisioned` and the queue's `Degraded`; the scaling
-//! loop owns a group's `Degraded` (the estimate's health). Each writes with its own
+//! reconcilers own `Ready`, `Available`, `Provisioned`, `Reconciling`, `Stalled` and the queue's
+//! `Degraded`; the scaling loop owns a group's `Degraded` (the estimate's health) and `Paused`. Each writes with its own
 //! server-side-apply field manager, so neither erases the other's.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -20,6 +20,52 @@ pub const DEGRADED: &str = "Degraded";
 pub const PAUSED: &str = "Paused";
 /// Condition type of a queue: its database and containers exist.
 pub const PROVISIONED: &str = "Provisioned";
+/// Condition type (kstatus, abnormal-true): the operator is still working toward the spec and
+/// retries by itself (a queue being provisioned, a rollout, a queue not yet created).
+pub const RECONCILING: &str = "Reconciling";
+/// Condition type (kstatus, abnormal-true): the operator cannot make progress until someone
+/// changes something (the spec, a grant, an object of the group's name).
+pub const STALLED: &str = "Stalled";
+
+/// Where a reconcile left the resource, as kstatus readers (Flux, kpt, `kubectl wait`, the
+/// Argo CD health check in docs/gitops.md) need to know it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// The spec is realised.
+    Done,
+    /// Not yet; the operator retries by itself.
+    Reconciling,
+    /// Not until its owner (or an admin) acts.
+    Stalled,
+}
+
+/// The `Reconciling` and `Stalled` conditions of `progress`, both always present (status
+/// `False` when they do not apply) so a reader never mistakes a missing condition for an old
+/// operator, each with the reconcile's reason and message.
+pub fn progress(
+    existing: &[Condition],
+    progress: Progress,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: &Time,
+) -> [Condition; 2] {
+    [
+        (RECONCILING, progress == Progress::Reconciling),
+        (STALLED, progress == Progress::Stalled),
+    ]
+    .map(|(type_, on)| {
+        condition(
+            existing,
+            type_,
+            on,
+            reason,
+            message.to_owned(),
+            generation,
+            now.clone(),
+        )
+    })
+}
 
 /// Reasons of conditions and Events. A condition's reason is also its Event's reason, so a
 /// user who sees one can search for the other.

@@ -5,6 +5,7 @@
 #![recursion_limit = "256"]
 
 pub mod crd_rules;
+pub mod health;
 pub mod otlp;
 pub mod scenario;
 
@@ -230,22 +231,31 @@ pub async fn physical_ranges(queue: &Queue) -> Vec<(String, String)> {
 }
 
 /// A Python interpreter with the official Cosmos DB SDK (`azure-cosmos`, version pinned), for
-/// tests of what other SDKs see: `COSMOSQ_PYTHON` when set, else a virtualenv under `target/`
-/// made on first use from PyPI. `None`, with the reason printed, when PyPI cannot be reached.
+/// tests of what other SDKs see. See [`python_with`].
 pub fn python_cosmos_sdk() -> Option<std::path::PathBuf> {
-    const PACKAGE: &str = "azure-cosmos==4.17.1";
+    python_with("azure-cosmos==4.17.1", "azure.cosmos")
+}
+
+/// A Python interpreter that imports `module` (from `package`, version pinned):
+/// `COSMOSQ_PYTHON` when set, else a virtualenv under `target/tools/python` that `package` is
+/// installed into from PyPI on first use. `None`, with the reason printed, when PyPI cannot be
+/// reached.
+pub fn python_with(package: &str, module: &str) -> Option<std::path::PathBuf> {
     if let Some(python) = std::env::var_os("COSMOSQ_PYTHON") {
         return Some(python.into());
     }
+    // Tests run in parallel: one installs at a time (into one virtualenv).
+    static INSTALLING: Mutex<()> = Mutex::new(());
+    let _installing = INSTALLING.lock().unwrap_or_else(|e| e.into_inner());
     let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/python");
     let python = venv.join("bin/python");
-    let has_sdk = |python: &std::path::Path| {
+    let imports = |python: &std::path::Path| {
         std::process::Command::new(python)
-            .args(["-c", "import azure.cosmos"])
+            .args(["-c", &format!("import {module}")])
             .output()
             .is_ok_and(|o| o.status.success())
     };
-    if has_sdk(&python) {
+    if imports(&python) {
         return Some(python);
     }
     let run = |program: &std::ffi::OsStr, args: &[&std::ffi::OsStr]| {
@@ -260,10 +270,14 @@ pub fn python_cosmos_sdk() -> Option<std::path::PathBuf> {
                     .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
             })
     };
-    let made = run(
-        "python3".as_ref(),
-        &["-m".as_ref(), "venv".as_ref(), venv.as_os_str()],
-    )
+    let made = if python.exists() {
+        Ok(())
+    } else {
+        run(
+            "python3".as_ref(),
+            &["-m".as_ref(), "venv".as_ref(), venv.as_os_str()],
+        )
+    }
     .and_then(|()| {
         run(
             python.as_os_str(),
@@ -272,18 +286,18 @@ pub fn python_cosmos_sdk() -> Option<std::path::PathBuf> {
                 "pip".as_ref(),
                 "install".as_ref(),
                 "--quiet".as_ref(),
-                PACKAGE.as_ref(),
+                package.as_ref(),
             ],
         )
     });
     match made {
-        Ok(()) if has_sdk(&python) => Some(python),
+        Ok(()) if imports(&python) => Some(python),
         Ok(()) => panic!(
-            "{PACKAGE} installed into {} but does not import",
+            "{package} installed into {} but does not import",
             venv.display()
         ),
         Err(e) => {
-            eprintln!("SKIPPED: could not install {PACKAGE} from PyPI (unreachable?): {e}");
+            eprintln!("SKIPPED: could not install {package} from PyPI (unreachable?): {e}");
             None
         }
     }

@@ -20,6 +20,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use crate::health::{argocd, assert_health, kstatus, Kstatus};
 pub use cosmosq_emulator::container_exists;
 use cosmosq_operator::config::Config;
 use cosmosq_operator::cosmos::Backend;
@@ -234,6 +235,26 @@ pub async fn operator_scenario(mut s: Scenario) {
         .concat(),
     );
 
+    // Applied before its queue (as GitOps applies a folder), the group waits for it: GitOps
+    // tools read it as in progress, not failed and not done.
+    let has_condition =
+        |g: Option<&QueueConsumerGroup>, type_: &str, status: &str, reason: &str| {
+            g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
+                s.conditions
+                    .iter()
+                    .any(|c| c.type_ == type_ && c.status == status && c.reason == reason)
+            })
+        };
+    until(&groups, "billing", "the group to wait for its queue", |g| {
+        has_condition(g, "Reconciling", "True", "QueueNotFound")
+    })
+    .await;
+    assert_health(
+        &groups.get("billing").await.unwrap(),
+        Kstatus::InProgress,
+        "Progressing",
+    );
+
     // A queue is provisioned and reported ready.
     let queues: Api<CosmosQueue> = Api::namespaced(s.client.clone(), ns);
     create_ready_queue(&queues, ns, "orders", "Delete").await;
@@ -242,6 +263,11 @@ pub async fn operator_scenario(mut s: Scenario) {
             .is_some_and(|s| s.partitions == Some(4))
     })
     .await;
+    assert_health(
+        &queues.get("orders").await.unwrap(),
+        Kstatus::Current,
+        "Healthy",
+    );
     assert!(container_exists(&s.cosmos, ns, "orders").await);
     assert!(container_exists(&s.cosmos, ns, "orders-leases").await);
     let finalizers = |q: &CosmosQueue| q.metadata.finalizers.clone().unwrap_or_default();
@@ -356,9 +382,15 @@ pub async fn operator_scenario(mut s: Scenario) {
                     && c.message.contains("Deployment")
                     && c.message.contains("payments-workers")
             })
-        })
+        }) && has_condition(g, "Stalled", "True", "NotOwned")
     })
     .await;
+    // Waiting for a person, not retrying its way out: Flux's wait and Argo CD say failed.
+    assert_health(
+        &groups.get("payments").await.unwrap(),
+        Kstatus::Failed,
+        "Degraded",
+    );
     if s.controllers {
         // The Deployment is valid to the cluster's own controller: it observed the scaled
         // spec and made 3 Pods (Pending without nodes; the concurrency change above rolls out
@@ -587,6 +619,11 @@ pub async fn operator_scenario(mut s: Scenario) {
         })
     })
     .await;
+    let paused = serde_json::to_value(groups.get("billing").await.unwrap()).unwrap();
+    assert_ne!(kstatus(&paused), Kstatus::Failed, "{paused}");
+    if let Some((health, message)) = argocd(&paused) {
+        assert_eq!(health, "Suspended", "{message}");
+    }
     annotate(None).await;
     until(
         &deployments,
