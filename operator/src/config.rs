@@ -75,8 +75,9 @@ pub struct Config {
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
     /// Namespaces whose workloadIdentity queues may use the operator's own Entra identity, per
-    /// account: `shop,billing@https://acct.documents.azure.com:443/` (repeat the flag, or
-    /// separate grants with `;` in the environment). None by default.
+    /// account and database: `shop,billing@https://acct.documents.azure.com:443/shop-db`
+    /// (`/*` for every database; repeat the flag, or separate grants with `;` in the
+    /// environment). None by default.
     #[arg(
         long = "identity-grant",
         env = "COSMOSQ_IDENTITY_GRANTS",
@@ -132,12 +133,13 @@ mod tests {
     fn identity_grants_come_as_the_chart_renders_them() {
         let config = Config::try_parse_from([
             "cosmosq-operator",
-            "--identity-grant=shop,billing@https://a.documents.azure.com:443/",
-            "--identity-grant=*@https://shared.documents.azure.com/",
+            "--identity-grant=shop,billing@https://a.documents.azure.com:443/shop,billing",
+            "--identity-grant=*@https://shared.documents.azure.com/*",
         ])
         .unwrap();
         assert_eq!(config.identity_grants.len(), 2);
         assert_eq!(config.identity_grants[0].namespaces, ["shop", "billing"]);
+        assert_eq!(config.identity_grants[0].databases, ["shop", "billing"]);
         let none = Config::try_parse_from(["cosmosq-operator"]).unwrap();
         assert!(none.identity_grants.is_empty(), "no namespace by default");
         let err = Config::try_parse_from(["cosmosq-operator", "--identity-grant=shop"])

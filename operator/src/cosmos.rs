@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cosmosq_crds::CosmosQueue;
+use cosmosq_queue::cosmos::provision::{self, Provisioned, Shortfall};
 use cosmosq_queue::{Auth, ConnectionArgs, CosmosClient, Queue, QueueError};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, ResourceExt};
@@ -37,17 +38,32 @@ pub enum CosmosError {
         /// The key looked for.
         key: String,
     },
-    /// The namespace may not use the operator's own identity on that account.
+    /// The namespace may not use the operator's own identity on that account's database.
     #[error(
         "spec.credentials.workloadIdentity: namespace {namespace} is not granted the operator's \
-         identity on {endpoint} (an admin grants it with --identity-grant, the chart's \
-         workloadIdentity.grants; or use a key Secret of this namespace)"
+         identity on database {database} of {endpoint} (an admin grants it with \
+         --identity-grant, the chart's workloadIdentity.grants; or use a key Secret of this \
+         namespace)"
     )]
     IdentityNotGranted {
         /// The queue's namespace.
         namespace: String,
         /// The account.
         endpoint: String,
+        /// The database.
+        database: String,
+    },
+    /// The queue's identity may not create its containers, and they are not all there as
+    /// the engine needs them.
+    #[error(
+        "{}; the operator's Entra identity may not create or change databases and containers \
+         (Cosmos DB's data-plane roles do not cover them): an admin creates them as \
+         docs/identity.md shows, or the queue uses a key Secret",
+        shortfalls.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    )]
+    NeedsProvisioning {
+        /// What is missing or unlike what the engine needs.
+        shortfalls: Vec<Shortfall>,
     },
     /// Reading the Secret failed.
     #[error("reading Secret {secret}: {source}")]
@@ -84,11 +100,33 @@ impl CosmosError {
             || matches!(
                 self,
                 CosmosError::SecretForbidden(_)
+                    | CosmosError::NeedsProvisioning { .. }
                     | CosmosError::Queue(QueueError::Cosmos {
                         status: 401 | 403,
                         ..
                     })
             )
+    }
+}
+
+/// How a queue's database and containers come to exist.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Provisioning {
+    /// The operator creates what is missing: a key Secret is the account's key, which may.
+    Create,
+    /// An admin creates them; the operator checks. An Entra identity has data-plane roles
+    /// only, and those do not cover creating or deleting databases and containers.
+    Verify,
+}
+
+impl Provisioning {
+    /// The queue's provisioning, from its credentials (pure).
+    pub fn of(cq: &CosmosQueue) -> Self {
+        if cq.spec.credentials.secret_key_ref.is_some() {
+            Provisioning::Create
+        } else {
+            Provisioning::Verify
+        }
     }
 }
 
@@ -151,11 +189,17 @@ impl Cosmos {
         };
         let namespace = cq.namespace().unwrap_or_default();
         if cq.spec.credentials.secret_key_ref.is_none()
-            && !crate::grants::identity_allowed(grants, &namespace, &cq.spec.endpoint)
+            && !crate::grants::identity_allowed(
+                grants,
+                &namespace,
+                &cq.spec.endpoint,
+                &cq.spec.database,
+            )
         {
             return Err(CosmosError::IdentityNotGranted {
                 namespace,
                 endpoint: cq.spec.endpoint.clone(),
+                database: cq.spec.database.clone(),
             });
         }
         let mut args = ConnectionArgs {
@@ -232,15 +276,18 @@ impl Cosmos {
         Ok(queue)
     }
 
-    /// Creates what the queue needs (database, containers) and opens it.
-    pub async fn provision(
-        &self,
-        cq: &CosmosQueue,
-    ) -> Result<(Queue, cosmosq_queue::cosmos::provision::Provisioned), CosmosError> {
+    /// Creates what the queue needs (database, containers) and opens it; with the operator's
+    /// identity, which may not create them, checks that they are there as the engine needs.
+    pub async fn provision(&self, cq: &CosmosQueue) -> Result<(Queue, Provisioned), CosmosError> {
         let config = spec::queue(&cq.spec)?;
         let client = self.connect(cq).await?;
-        let (queue, provisioned) =
-            cosmosq_queue::cosmos::provision::provision(&client, &config).await?;
+        let (queue, provisioned) = match Provisioning::of(cq) {
+            Provisioning::Create => provision::provision(&client, &config).await?,
+            Provisioning::Verify => match provision::verify(&client, &config).await? {
+                Ok(queue) => (queue, Provisioned::default()),
+                Err(shortfalls) => return Err(CosmosError::NeedsProvisioning { shortfalls }),
+            },
+        };
         self.queues
             .lock()
             .await
@@ -253,7 +300,7 @@ impl Cosmos {
         let config = spec::queue(&cq.spec)?;
         let client = self.connect(cq).await?;
         self.forget(cq).await;
-        Ok(cosmosq_queue::cosmos::provision::deprovision(&client, &config).await?)
+        Ok(provision::deprovision(&client, &config).await?)
     }
 
     /// Drops the open handle, so the next use re-reads the Secret (a rotated key gets a new

@@ -1,52 +1,70 @@
 //! Who may use the operator's own Entra identity.
 //!
-//! A CosmosQueue with `credentials.workloadIdentity` is provisioned, estimated and deleted by
-//! the operator as itself: whatever its identity may do in any account, a namespace that
-//! names that account could make it do. So, like cert-manager's ClusterIssuers, the operator's
-//! identity serves only the namespaces an admin granted it to, per account
-//! (`--identity-grant`). A queue with a key Secret uses credentials its own namespace holds and
+//! A CosmosQueue with `credentials.workloadIdentity` is verified, estimated and read by the
+//! operator as itself: whatever its identity may do in any account, a namespace that names
+//! that account could make it do. So, like cert-manager's ClusterIssuers, the operator's
+//! identity serves only the namespaces an admin granted it to, per account and database
+//! (`--identity-grant`): two teams granted on one account do not reach each other's
+//! databases through it. A queue with a key Secret uses credentials its own namespace holds and
 //! needs no grant; the sidecars always run as the group's own ServiceAccount.
 
 use std::str::FromStr;
 
-/// `namespaces@endpoint`: the namespaces (comma-separated; `*` for all) whose queues may use
-/// the operator's identity on the account at `endpoint`.
+/// `namespaces@endpoint/databases`: the namespaces (comma-separated; `*` for all) whose queues
+/// may use the operator's identity on the databases (comma-separated; `*` for all) of the
+/// account at `endpoint`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdentityGrant {
     /// Namespaces allowed.
     pub namespaces: Vec<String>,
-    /// The account endpoint they may use the identity on.
+    /// The account endpoint they may use the identity on (`scheme://host:port`).
     pub endpoint: String,
+    /// The databases of that account they may use.
+    pub databases: Vec<String>,
 }
 
 impl FromStr for IdentityGrant {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
-        let (namespaces, endpoint) = text.rsplit_once('@').ok_or_else(|| {
-            format!("{text:?}: expected namespaces@endpoint, e.g. shop,billing@https://acct.documents.azure.com:443/")
+        const EXAMPLE: &str = "e.g. shop,billing@https://acct.documents.azure.com:443/shop-db";
+        let (namespaces, target) = text.rsplit_once('@').ok_or_else(|| {
+            format!("{text:?}: expected namespaces@endpoint/databases, {EXAMPLE}")
         })?;
-        let namespaces: Vec<String> = namespaces
-            .split(',')
-            .map(str::trim)
-            .filter(|n| !n.is_empty())
-            .map(str::to_owned)
-            .collect();
+        let namespaces = list(namespaces);
         if namespaces.is_empty() {
             return Err(format!("{text:?}: no namespace before '@'"));
         }
-        let endpoint = normalize(endpoint)
-            .ok_or_else(|| format!("{text:?}: {endpoint:?} is not an https:// endpoint"))?;
+        let url = url::Url::parse(target.trim())
+            .map_err(|_| format!("{text:?}: {target:?} is not an https:// endpoint"))?;
+        let endpoint = normalize(&url)
+            .ok_or_else(|| format!("{text:?}: {target:?} is not an https:// endpoint"))?;
+        let databases = list(url.path().trim_start_matches('/'));
+        if databases.is_empty() || databases.iter().any(|d| d.contains('/')) {
+            return Err(format!(
+                "{text:?}: name the databases after the endpoint ({EXAMPLE}; `/*` for every \
+                 database of the account)"
+            ));
+        }
         Ok(Self {
             namespaces,
             endpoint,
+            databases,
         })
     }
 }
 
-/// `https://host[:443]/` in one spelling, so a grant matches however the queue writes it.
-fn normalize(endpoint: &str) -> Option<String> {
-    let url = url::Url::parse(endpoint.trim()).ok()?;
+/// The comma-separated names of `text`, trimmed, empty ones dropped.
+fn list(text: &str) -> Vec<String> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `scheme://host:port` in one spelling, so a grant matches however the queue writes it.
+fn normalize(url: &url::Url) -> Option<String> {
     if url.scheme() != "https" && url.scheme() != "http" {
         return None;
     }
@@ -55,14 +73,24 @@ fn normalize(endpoint: &str) -> Option<String> {
     Some(format!("{}://{host}:{port}", url.scheme()))
 }
 
-/// Whether a queue in `namespace` on `endpoint` may use the operator's identity (pure).
-pub fn identity_allowed(grants: &[IdentityGrant], namespace: &str, endpoint: &str) -> bool {
-    let Some(endpoint) = normalize(endpoint) else {
+/// Whether a queue in `namespace` on `database` of the account at `endpoint` may use the
+/// operator's identity (pure).
+pub fn identity_allowed(
+    grants: &[IdentityGrant],
+    namespace: &str,
+    endpoint: &str,
+    database: &str,
+) -> bool {
+    let Some(endpoint) = url::Url::parse(endpoint.trim())
+        .ok()
+        .and_then(|u| normalize(&u))
+    else {
         return false;
     };
-    grants
-        .iter()
-        .any(|g| g.endpoint == endpoint && g.namespaces.iter().any(|n| n == "*" || n == namespace))
+    let names = |list: &[String], name: &str| list.iter().any(|n| n == "*" || n == name);
+    grants.iter().any(|g| {
+        g.endpoint == endpoint && names(&g.namespaces, namespace) && names(&g.databases, database)
+    })
 }
 
 #[cfg(test)]
@@ -74,37 +102,103 @@ mod tests {
     }
 
     #[test]
-    fn only_granted_namespaces_use_the_operators_identity_on_the_granted_account() {
+    fn only_granted_namespaces_use_the_operators_identity_on_the_granted_databases() {
         let grants = [
-            grant("shop, shop-staging@https://Shop.documents.azure.com:443/"),
-            grant("*@https://shared.documents.azure.com/"),
+            grant("shop, shop-staging@https://Shop.documents.azure.com:443/shop,shop-staging"),
+            grant("billing@https://shop.documents.azure.com/billing"),
+            grant("*@https://shared.documents.azure.com/*"),
         ];
-        for (namespace, endpoint, allowed) in [
-            ("shop", "https://shop.documents.azure.com:443/", true),
-            ("shop", "https://shop.documents.azure.com/", true), // default port, any case
-            ("shop-staging", "https://SHOP.documents.azure.com", true),
-            ("billing", "https://shop.documents.azure.com:443/", false), // not granted
-            ("shop", "https://billing.documents.azure.com:443/", false), // another account
-            ("anyone", "https://shared.documents.azure.com:443/", true),
-            ("shop", "not a url", false),
+        for (namespace, endpoint, database, allowed) in [
+            (
+                "shop",
+                "https://shop.documents.azure.com:443/",
+                "shop",
+                true,
+            ),
+            ("shop", "https://shop.documents.azure.com/", "shop", true), // default port
+            (
+                "shop-staging",
+                "https://SHOP.documents.azure.com",
+                "shop-staging",
+                true,
+            ),
+            (
+                "shop",
+                "https://shop.documents.azure.com/",
+                "shop-staging",
+                true,
+            ),
+            // Both granted on the account; neither reaches the other's database.
+            (
+                "shop",
+                "https://shop.documents.azure.com/",
+                "billing",
+                false,
+            ),
+            (
+                "billing",
+                "https://shop.documents.azure.com/",
+                "shop",
+                false,
+            ),
+            (
+                "billing",
+                "https://shop.documents.azure.com/",
+                "billing",
+                true,
+            ),
+            (
+                "payments",
+                "https://shop.documents.azure.com:443/",
+                "shop",
+                false,
+            ),
+            (
+                "shop",
+                "https://billing.documents.azure.com:443/",
+                "shop",
+                false,
+            ), // account
+            (
+                "anyone",
+                "https://shared.documents.azure.com:443/",
+                "any",
+                true,
+            ),
+            ("shop", "not a url", "shop", false),
         ] {
             assert_eq!(
-                identity_allowed(&grants, namespace, endpoint),
+                identity_allowed(&grants, namespace, endpoint, database),
                 allowed,
-                "{namespace} on {endpoint}"
+                "{namespace} on {endpoint} {database}"
             );
         }
         assert!(!identity_allowed(
             &[],
             "shop",
-            "https://shop.documents.azure.com/"
+            "https://shop.documents.azure.com/",
+            "shop"
         ));
     }
 
     #[test]
     fn grants_that_do_not_parse_are_named() {
-        for bad in ["shop", "@https://a.documents.azure.com/", "shop@ftp://a/"] {
-            assert!(bad.parse::<IdentityGrant>().is_err(), "{bad}");
+        for (bad, says) in [
+            ("shop", "expected namespaces@endpoint/databases"),
+            ("@https://a.documents.azure.com/db", "no namespace"),
+            ("shop@ftp://a/db", "not an https:// endpoint"),
+            // A grant of every database must say so.
+            (
+                "shop@https://a.documents.azure.com:443/",
+                "name the databases",
+            ),
+            (
+                "shop@https://a.documents.azure.com/db/colls",
+                "name the databases",
+            ),
+        ] {
+            let err = bad.parse::<IdentityGrant>().unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
         }
     }
 }

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use cosmosq_crds::{CosmosQueue, CosmosQueueStatus, DeletionPolicy};
+use cosmosq_queue::QueueError;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
@@ -159,7 +160,8 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
                 )
             };
             info!(partitions, "{message}");
-            if !created.is_empty() {
+            // Something made, or a queue that was failing is ready again.
+            if !created.is_empty() || was_failing(cq) {
                 ctx.event(
                     cq,
                     EventType::Normal,
@@ -186,13 +188,17 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
             } else {
                 Progress::Reconciling
             };
-            let (reason, action) = if e.is_spec_error() {
-                (reasons::INVALID_SPEC, Action::await_change())
-            } else {
-                (
+            let (reason, action) = match &e {
+                e if e.is_spec_error() => (reasons::INVALID_SPEC, Action::await_change()),
+                // An admin creates them outside the cluster: look again now and then.
+                CosmosError::NeedsProvisioning { .. } => (
+                    reasons::NEEDS_PROVISIONING,
+                    Action::requeue(crate::context::RECHECK),
+                ),
+                _ => (
                     reasons::PROVISIONING_FAILED,
                     Action::requeue(crate::context::RECHECK),
-                )
+                ),
             };
             ctx.cosmos.forget(cq).await;
             let message = e.to_string();
@@ -201,8 +207,12 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
                 .reconcile_errors
                 .with_label_values(&[KIND, reason])
                 .inc();
-            ctx.event(cq, EventType::Warning, reason, "Provision", message.clone())
-                .await;
+            // An Event when the queue's state changes, not at every retry: the status holds
+            // the latest message (each retry's request id differs).
+            if transition(cq, reason) {
+                ctx.event(cq, EventType::Warning, reason, "Provision", message.clone())
+                    .await;
+            }
             let previous = cq.status.as_ref().and_then(|s| s.partitions);
             (progress, reason, message, previous, action)
         }
@@ -252,6 +262,28 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
     Ok(action)
 }
 
+/// Whether the queue's status says `Ready=False` (pure).
+fn was_failing(cq: &CosmosQueue) -> bool {
+    cq.status.as_ref().is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == status::READY && c.status == "False")
+    })
+}
+
+/// Whether a pass ending `Ready=False` with `reason` is news (pure): the spec changed since the
+/// status was written, or the queue was not already failing for that reason.
+fn transition(cq: &CosmosQueue, reason: &str) -> bool {
+    let Some(status) = &cq.status else {
+        return true;
+    };
+    status.observed_generation != cq.metadata.generation
+        || !status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == status::READY && c.status == "False" && c.reason == reason)
+}
+
 async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcileError> {
     let what = format!("{}/{}", cq.spec.database, cq.spec.container);
     match cq.spec.deletion_policy {
@@ -268,12 +300,16 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
                 e @ (CosmosError::SecretNotFound(_)
                 | CosmosError::SecretForbidden(_)
                 | CosmosError::SecretKeyMissing { .. }
-                | CosmosError::IdentityNotGranted { .. }),
+                | CosmosError::IdentityNotGranted { .. }
+                | CosmosError::Queue(QueueError::Cosmos {
+                    status: 401 | 403, ..
+                })),
             ) => {
                 // The credentials are gone or out of reach (a namespace being deleted takes its
-                // Secrets with it, and the operator's Role there with `watchNamespace`):
-                // nothing can delete the containers now, and holding the queue would hold its
-                // namespace for ever. Say so, and let it go.
+                // Secrets with it, and the operator's Role there with `watchNamespace`), or the
+                // account refuses them (an Entra identity's data-plane roles never cover
+                // deleting containers): retrying does not change that, and holding the queue
+                // would hold its namespace for ever. Say so, and let it go.
                 let note = format!(
                     "deletionPolicy Delete: the containers of {what} were NOT deleted ({e}); \
                      delete them in Azure"
@@ -594,6 +630,129 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_identity_queue_is_verified_not_created_and_an_admins_containers_make_it_ready() {
+        let (ctx, mut server, cosmos) = emulator_context().await;
+        let mut input = queue(json!({"credentials": {"workloadIdentity": {}}}), false);
+        // Nothing exists: nothing is created, the status says what an admin must create, once.
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Warning"), &json!("NeedsProvisioning"))
+            );
+            let body = server.status(STATUS, queue(json!({}), false)).await;
+            (server, body)
+        });
+        let action = reconcile_queue(arc(&input), ctx.clone()).await.unwrap();
+        assert_eq!(action, Action::requeue(crate::context::RECHECK));
+        let (mut server, body) = verifier.await.unwrap();
+        assert_eq!(
+            condition(&body["status"], "Ready"),
+            ("False", "NeedsProvisioning")
+        );
+        assert_eq!(
+            condition(&body["status"], "Stalled"),
+            ("True", "NeedsProvisioning")
+        );
+        let message = body["status"]["conditions"][0]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("database shop does not exist; ")
+                && message.contains("docs/identity.md"),
+            "{message}"
+        );
+        assert!(!container_exists(&cosmos, "shop", "orders").await);
+        assert!(
+            cosmos.database_client("shop").read(None).await.is_err(),
+            "the database was created"
+        );
+
+        // Looked at again, still missing: the status, and no second Event.
+        input["status"] = body["status"].clone();
+        let verifier = tokio::spawn(async move {
+            server.status(STATUS, queue(json!({}), false)).await;
+            server
+        });
+        reconcile_queue(arc(&input), ctx.clone()).await.unwrap();
+        let mut server = verifier.await.unwrap();
+
+        // An admin creates them (as `az` or Bicep would): ready, and an Event says so.
+        let config = crate::spec::queue(&arc(&input).spec).unwrap();
+        cosmosq_queue::provision(&cosmos, &config).await.unwrap();
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Normal"), &json!("Provisioned"))
+            );
+            let body = server.status(STATUS, queue(json!({}), false)).await;
+            server.done().await;
+            body
+        });
+        let action = reconcile_queue(arc(&input), ctx).await.unwrap();
+        assert_eq!(action, Action::requeue(crate::context::RESYNC));
+        let body = verifier.await.unwrap();
+        assert_eq!(condition(&body["status"], "Ready"), ("True", "Provisioned"));
+        assert_eq!(condition(&body["status"], "Stalled").0, "False");
+    }
+
+    #[tokio::test]
+    async fn a_delete_queue_whose_account_refuses_the_delete_is_released_with_a_warning() {
+        // What an Entra identity meets (its data-plane roles cannot delete containers), and a
+        // key behind the account's firewall: 403, which no retry changes.
+        let (port, answered) = answering("403 Forbidden", "").await;
+        let allowed = format!("http://127.0.0.1:{port}").parse().unwrap();
+        let (ctx, mut server) =
+            crate::testing::azure_context_dialling(crate::endpoint::EndpointPolicy::new([allowed]));
+        let mut input = deleting("Delete");
+        input["spec"]["endpoint"] = json!(format!("http://127.0.0.1:{port}/"));
+        let verifier = tokio::spawn(async move {
+            server
+                .key_read(cosmosq_queue::cosmos::connection::EMULATOR_KEY)
+                .await;
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Warning"), &json!("DeleteSkipped"))
+            );
+            let note = event["note"].as_str().unwrap();
+            assert!(
+                note.contains("NOT deleted") && note.contains("status 403"),
+                "{note}"
+            );
+            expect_finalizer_removed(&mut server, deleting("Delete")).await;
+        });
+        reconcile_queue(arc(&input), Arc::new(ctx)).await.unwrap();
+        verifier.await.unwrap();
+        answered.await.unwrap();
+    }
+
+    /// A local endpoint answering its first request with `status` and `body` (and a request
+    /// id); the task ends with the request it read.
+    async fn answering(status: &str, body: &str) -> (u16, tokio::task::JoinHandle<String>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let answer = format!(
+            "HTTP/1.1 {status}\r\ncontent-length: {}\r\n\
+             x-ms-activity-id: 7f3c-request\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let task = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = socket.read(&mut buf).await.unwrap();
+                assert!(n > 0, "the request ended early");
+                request.extend_from_slice(&buf[..n]);
+            }
+            socket.write_all(answer.as_bytes()).await.unwrap();
+            String::from_utf8_lossy(&request).into_owned()
+        });
+        (port, task)
+    }
+
+    #[tokio::test]
     async fn a_namespace_not_granted_the_operators_identity_cannot_use_it() {
         // No grant: the operator does not act as itself for this namespace, and says why.
         let message = refused_as_invalid(queue(
@@ -626,27 +785,8 @@ mod tests {
     async fn what_an_endpoint_answers_never_reaches_status_or_events() {
         // An allowed endpoint (an admin's emulator entry) that answers 500 with a body: the
         // status and the Event say the status and the request id, not the body.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let answers = tokio::spawn(async move {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let body = "internal-service-secret";
-            let (mut socket, _) = listener.accept().await.unwrap();
-            let mut request = Vec::new();
-            let mut buf = [0u8; 4096];
-            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
-                let n = socket.read(&mut buf).await.unwrap();
-                assert!(n > 0, "the request ended early");
-                request.extend_from_slice(&buf[..n]);
-            }
-            let answer = format!(
-                "HTTP/1.1 500 Internal Server Error\r\ncontent-length: {}\r\n\
-                 x-ms-activity-id: 7f3c-request\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            socket.write_all(answer.as_bytes()).await.unwrap();
-            String::from_utf8_lossy(&request).into_owned()
-        });
+        let (port, answers) =
+            answering("500 Internal Server Error", "internal-service-secret").await;
         let allowed = format!("http://127.0.0.1:{port}").parse().unwrap();
         let (ctx, mut server) =
             crate::testing::azure_context_dialling(crate::endpoint::EndpointPolicy::new([allowed]));

@@ -303,13 +303,29 @@ where
         })
 }
 
-/// A hash of a group's pause annotations.
+/// A hash of a group's pause annotations and its reconcile request.
 fn pause_annotations(qcg: &QueueConsumerGroup) -> Option<u64> {
+    annotations_hash(
+        qcg,
+        &[
+            crate::spec::PAUSED_REPLICAS,
+            crate::spec::PAUSED,
+            crate::spec::RECONCILE_REQUESTED,
+        ],
+    )
+}
+
+/// A hash of a queue's reconcile request.
+fn reconcile_requested(cq: &CosmosQueue) -> Option<u64> {
+    annotations_hash(cq, &[crate::spec::RECONCILE_REQUESTED])
+}
+
+fn annotations_hash(object: &impl Resource, keys: &[&str]) -> Option<u64> {
     use std::hash::{Hash, Hasher};
-    let annotations = qcg.annotations();
+    let annotations = object.annotations();
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    for key in [crate::spec::PAUSED_REPLICAS, crate::spec::PAUSED] {
-        annotations.get(key).hash(&mut hasher);
+    for key in keys {
+        annotations.get(*key).hash(&mut hasher);
     }
     Some(hasher.finish())
 }
@@ -355,12 +371,13 @@ async fn run_controllers(
     work: CancellationToken,
 ) {
     let ns = config.watch_namespace.as_deref();
-    let (queue_store, queue_changes) = spec_changes(client, ns, |_: &CosmosQueue| None);
+    let (queue_store, queue_changes) = spec_changes(client, ns, reconcile_requested);
     let limits = controller::Config::default().concurrency(config.reconcile_concurrency);
     let queues = Controller::for_stream(queue_changes, queue_store.clone())
         .with_config(limits.clone())
         .graceful_shutdown_on(work.clone().cancelled_owned());
     // A pause is an annotation: it changes no generation, yet its HPA must go (or come back).
+    // So is a reconcile request.
     let (group_store, group_changes) = spec_changes(client, ns, pause_annotations);
     let groups = Controller::for_stream(group_changes, group_store.clone())
         .with_config(limits)

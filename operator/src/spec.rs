@@ -86,6 +86,10 @@ pub fn group_name(qcg: &QueueConsumerGroup) -> String {
 pub const PAUSED_REPLICAS: &str = "cosmosq.io/paused-replicas";
 /// The annotation that holds a group's workers where they are (`"true"`).
 pub const PAUSED: &str = "cosmosq.io/paused";
+/// The annotation whose every new value asks for a reconcile now (Flux's
+/// `reconcile.fluxcd.io/requestedAt`): e.g. after an admin created a queue's containers,
+/// rather than at the next look 30 s later.
+pub const RECONCILE_REQUESTED: &str = "cosmosq.io/reconcile-requested-at";
 
 /// Who sets a group's replicas this round.
 #[derive(Clone, Debug, PartialEq, Eq)]

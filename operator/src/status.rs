@@ -104,6 +104,9 @@ pub mod reasons {
     pub const RETAINED: &str = "Retained";
     /// Event: a deleted `Delete` queue's containers were deleted.
     pub const DELETED: &str = "Deleted";
+    /// A queue's database or containers, which its credentials may not create, are missing
+    /// or unlike what the engine needs: an admin creates them.
+    pub const NEEDS_PROVISIONING: &str = "NeedsProvisioning";
     /// Event: deleting a `Delete` queue's containers failed; retried.
     pub const DELETE_FAILED: &str = "DeleteFailed";
     /// Event: a deleted `Delete` queue was released without deleting its containers.

@@ -300,3 +300,140 @@ async fn the_partition_key_path_is_the_containers() {
         "stored and found under the container's key path"
     );
 }
+
+/// What an Entra identity can do with data-plane roles: verify, create nothing, and say what
+/// an admin must create or change, until what they made is what the engine needs.
+#[tokio::test]
+async fn verifying_creates_nothing_and_names_what_is_missing_or_unlike_the_engines() {
+    use azure_data_cosmos::models::{ContainerProperties, TimeToLive};
+    use cosmosq_queue::cosmos::provision::{
+        lease_container, messages_container, verify, Shortfall,
+    };
+    let emulator = Emulator::in_process(EmulatorOptions {
+        partitions: 1,
+        ..Default::default()
+    })
+    .unwrap();
+    let client = emulator.client().await.unwrap();
+    let config = QueueConfig::new("db", "q");
+    let shortfalls = |found: Result<_, Vec<Shortfall>>| found.err().expect("not verified");
+    assert_eq!(
+        shortfalls(verify(&client, &config).await.unwrap()),
+        [Shortfall::Database("db".into())]
+    );
+    assert!(
+        client.database_client("db").read(None).await.is_err(),
+        "verify created the database"
+    );
+
+    client.create_database("db", None).await.unwrap();
+    assert_eq!(
+        shortfalls(verify(&client, &config).await.unwrap()),
+        [
+            Shortfall::Container {
+                name: "q".into(),
+                partition_key: "/pk".into()
+            },
+            Shortfall::Container {
+                name: "q-leases".into(),
+                partition_key: "/pk".into()
+            },
+        ]
+    );
+
+    // An admin's containers: the messages one as the docs say; the lease one on another key,
+    // with time to live off, and an indexing policy that indexes nothing but `/type/?`.
+    let db = client.database_client("db");
+    db.create_container(messages_container(&config), None)
+        .await
+        .unwrap();
+    let mut leases = lease_container(&config);
+    leases = ContainerProperties::new(
+        leases.id.clone(),
+        serde_json::from_value(json!({"paths": ["/id"], "kind": "Hash", "version": 2})).unwrap(),
+    )
+    .with_default_ttl(TimeToLive::Forever)
+    .with_indexing_policy(
+        serde_json::from_value(json!({"indexingMode": "consistent", "automatic": true,
+            "includedPaths": [{"path": "/type/?"}], "excludedPaths": [{"path": "/*"}]}))
+        .unwrap(),
+    );
+    db.create_container(leases, None).await.unwrap();
+    let found = shortfalls(verify(&client, &config).await.unwrap());
+    let said: Vec<String> = found.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        said[..3],
+        [
+            "container q-leases is partitioned on /id, not /pk",
+            "container q-leases has time to live off (settled message states would never expire)",
+            "container q-leases does not index /group/?",
+        ],
+        "{said:#?}"
+    );
+    assert_eq!(found.len(), 2 + 5, "{said:#?}"); // and /state, /due, /enqueuedAt, /epk
+
+    // Made again as the engine needs it (the service's default indexing policy indexes all).
+    db.container_client("q-leases", None)
+        .await
+        .unwrap()
+        .delete(None)
+        .await
+        .unwrap();
+    let mut leases = lease_container(&config);
+    leases.indexing_policy = None;
+    db.create_container(leases, None).await.unwrap();
+    let queue = verify(&client, &config).await.unwrap().expect("verified");
+    queue
+        .enqueue(NewMessage::json(json!({"n": 1})))
+        .await
+        .unwrap();
+}
+
+/// The containers docs/identity.md tells an admin to create (its indexing policies, partition
+/// keys and time to live) are what the engine makes itself, and pass the operator's check.
+#[tokio::test]
+async fn the_containers_the_identity_docs_describe_pass_verification() {
+    use azure_data_cosmos::models::{ContainerProperties, IndexingPolicy, TimeToLive};
+    use cosmosq_queue::cosmos::provision::{lease_container, messages_container, verify};
+    let doc = |name: &str| -> IndexingPolicy {
+        let path = format!("{}/../docs/identity/{name}", env!("CARGO_MANIFEST_DIR"));
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    };
+    let config = QueueConfig::new("shop", "orders");
+    assert_eq!(
+        Some(doc("messages-indexing.json")),
+        messages_container(&config).indexing_policy
+    );
+    assert_eq!(
+        Some(doc("leases-indexing.json")),
+        lease_container(&config).indexing_policy
+    );
+    let emulator = Emulator::in_process(EmulatorOptions::default()).unwrap();
+    let client = emulator.client().await.unwrap();
+    client.create_database("shop", None).await.unwrap();
+    let db = client.database_client("shop");
+    let hash = |path: &str| {
+        serde_json::from_value(json!({"paths": [path], "kind": "Hash", "version": 2})).unwrap()
+    };
+    // `--ttl 604800` (retention 7d) and `--ttl -1`, as the docs' commands give them.
+    db.create_container(
+        ContainerProperties::new("orders", hash("/pk"))
+            .with_default_ttl(TimeToLive::Seconds(604_800))
+            .with_indexing_policy(doc("messages-indexing.json")),
+        None,
+    )
+    .await
+    .unwrap();
+    db.create_container(
+        ContainerProperties::new("orders-leases", hash("/pk"))
+            .with_default_ttl(TimeToLive::NoDefault)
+            .with_indexing_policy(doc("leases-indexing.json")),
+        None,
+    )
+    .await
+    .unwrap();
+    verify(&client, &config)
+        .await
+        .unwrap()
+        .expect("the docs' containers verify");
+}

@@ -131,8 +131,17 @@ fn start_operator(
     (shutdown, operator)
 }
 
-/// Creates queue `name` on the emulator with `policy` and waits until it is ready.
-async fn create_ready_queue(queues: &Api<CosmosQueue>, ns: &str, name: &str, policy: &str) {
+/// Creates queue `name` with `policy` on the operator's identity, which may not create
+/// containers: the queue says what is missing (kstatus Failed, Argo CD Degraded) until an admin
+/// creates them (as `az` would, here through the SDK) and asks for a reconcile; then it is
+/// ready.
+async fn create_ready_queue(
+    cosmos: &CosmosClient,
+    queues: &Api<CosmosQueue>,
+    ns: &str,
+    name: &str,
+    policy: &str,
+) {
     let queue = json!({
         "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
         "metadata": {"name": name},
@@ -147,6 +156,40 @@ async fn create_ready_queue(queues: &Api<CosmosQueue>, ns: &str, name: &str, pol
         )
         .await
         .unwrap_or_else(|e| panic!("create the CosmosQueue {name}: {e}"));
+    until(
+        queues,
+        name,
+        &format!("the queue {name} to say what an admin must create"),
+        |q| {
+            q.and_then(|q| q.status.as_ref()).is_some_and(|s| {
+                s.conditions.iter().any(|c| {
+                    c.type_ == "Stalled"
+                        && c.status == "True"
+                        && c.reason == "NeedsProvisioning"
+                        && c.message.contains(" does not exist")
+                })
+            })
+        },
+    )
+    .await;
+    assert_health(
+        &queues.get(name).await.unwrap(),
+        Kstatus::Failed,
+        "Degraded",
+    );
+    assert!(
+        !container_exists(cosmos, ns, name).await,
+        "the operator's identity created {name}"
+    );
+    cosmosq_queue::provision(cosmos, &QueueConfig::new(ns, name))
+        .await
+        .expect("the admin creates the containers");
+    let requested = json!({"metadata": {"annotations": {
+        "cosmosq.io/reconcile-requested-at": format!("{:?}", std::time::SystemTime::now())}}});
+    queues
+        .patch(name, &PatchParams::default(), &Patch::Merge(&requested))
+        .await
+        .expect("ask for a reconcile");
     until(
         queues,
         name,
@@ -257,7 +300,7 @@ pub async fn operator_scenario(mut s: Scenario) {
 
     // A queue is provisioned and reported ready.
     let queues: Api<CosmosQueue> = Api::namespaced(s.client.clone(), ns);
-    create_ready_queue(&queues, ns, "orders", "Delete").await;
+    create_ready_queue(&s.cosmos, &queues, ns, "orders", "Delete").await;
     until(&queues, "orders", "the queue's partitions", |q| {
         q.and_then(|q| q.status.as_ref())
             .is_some_and(|s| s.partitions == Some(4))
@@ -277,7 +320,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         "a Delete queue is held until its containers are deleted"
     );
     // A Retain queue has nothing to do at deletion, so nothing holds it (or its namespace).
-    create_ready_queue(&queues, ns, "archive", "Retain").await;
+    create_ready_queue(&s.cosmos, &queues, ns, "archive", "Retain").await;
     assert!(finalizers(&queues.get("archive").await.unwrap()).is_empty());
     queues
         .delete("archive", &DeleteParams::default())
@@ -728,7 +771,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         // namespace is deleted while a `Delete` queue still exists in it: the queue's
         // containers are deleted and the namespace goes (a finalizer must never hold it).
         let (shutdown, operator) = start_operator(&s, &args);
-        create_ready_queue(&queues, ns, "last", "Delete").await;
+        create_ready_queue(&s.cosmos, &queues, ns, "last", "Delete").await;
         let namespaces: Api<Namespace> = Api::all(s.client.clone());
         namespaces
             .delete(ns, &DeleteParams::background())

@@ -103,6 +103,151 @@ pub async fn deprovision(client: &CosmosClient, config: &QueueConfig) -> Result<
     Ok(())
 }
 
+/// What [`verify`] found missing or unlike what the engine needs, said so that whoever creates
+/// the queue's containers (an admin with `az` or Bicep) knows what to do.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Shortfall {
+    /// The database does not exist.
+    #[error("database {0} does not exist")]
+    Database(String),
+    /// A container does not exist.
+    #[error("container {name} does not exist (partition key {partition_key})")]
+    Container {
+        /// The container.
+        name: String,
+        /// The partition key path it needs.
+        partition_key: String,
+    },
+    /// A container is partitioned on another path.
+    #[error("container {name} is partitioned on {found}, not {needed}")]
+    PartitionKey {
+        /// The container.
+        name: String,
+        /// Its partition key paths.
+        found: String,
+        /// The path the queue needs.
+        needed: String,
+    },
+    /// Time to live is off: what should expire never does.
+    #[error("container {name} has time to live off ({what} would never expire)")]
+    TimeToLive {
+        /// The container.
+        name: String,
+        /// What would be kept for ever.
+        what: &'static str,
+    },
+    /// A path the engine filters or sorts on is not indexed (its queries would fail).
+    #[error("container {name} does not index {path}")]
+    Index {
+        /// The container.
+        name: String,
+        /// The path.
+        path: String,
+    },
+}
+
+/// Checks, creating nothing, that the database and both containers exist as the engine needs
+/// them (partition keys, time to live, the indexed paths), and opens the queue when they do.
+/// This is what an Entra identity can do: Cosmos DB's data-plane roles read metadata but do
+/// not cover creating or deleting databases and containers.
+pub async fn verify(
+    client: &CosmosClient,
+    config: &QueueConfig,
+) -> Result<std::result::Result<Queue, Vec<Shortfall>>> {
+    config.validate()?;
+    let db = client.database_client(config.database.as_str());
+    match db.read(None).await {
+        Ok(_) => {}
+        Err(e) if status_of(&e) == NOT_FOUND => {
+            return Ok(Err(vec![Shortfall::Database(config.database.clone())]))
+        }
+        Err(e) => return Err(QueueError::cosmos("read database")(e)),
+    }
+    let mut shortfalls = Vec::new();
+    for (needed, what) in [
+        (messages_container(config), "messages"),
+        (lease_container(config), "settled message states"),
+    ] {
+        let found = match db.container_client(needed.id.as_ref(), None).await {
+            Ok(container) => container
+                .read(None)
+                .await
+                .map_err(QueueError::cosmos("read container"))?
+                .into_model()
+                .map_err(QueueError::cosmos("read container"))?,
+            Err(e) if status_of(&e) == NOT_FOUND => {
+                shortfalls.push(Shortfall::Container {
+                    name: needed.id.to_string(),
+                    partition_key: needed.partition_key.paths().join(","),
+                });
+                continue;
+            }
+            Err(e) => return Err(QueueError::cosmos("open container")(e)),
+        };
+        shortfalls.extend(compare(&needed, &found, what));
+    }
+    if !shortfalls.is_empty() {
+        return Ok(Err(shortfalls));
+    }
+    Ok(Ok(Queue::open(client, config.clone()).await?))
+}
+
+/// How `found` falls short of `needed` (pure): other settings (throughput, more indexed
+/// paths, another default TTL) are the owner's choice.
+fn compare(
+    needed: &ContainerProperties,
+    found: &ContainerProperties,
+    what: &'static str,
+) -> Vec<Shortfall> {
+    let name = needed.id.to_string();
+    let mut shortfalls = Vec::new();
+    if found.partition_key.paths() != needed.partition_key.paths() {
+        shortfalls.push(Shortfall::PartitionKey {
+            name: name.clone(),
+            found: found.partition_key.paths().join(","),
+            needed: needed.partition_key.paths().join(","),
+        });
+    }
+    if needed.default_ttl != TimeToLive::Forever && found.default_ttl == TimeToLive::Forever {
+        shortfalls.push(Shortfall::TimeToLive {
+            name: name.clone(),
+            what,
+        });
+    }
+    let needed_paths = needed
+        .indexing_policy
+        .iter()
+        .flat_map(|p| p.included_paths.iter().map(|p| p.path.clone()));
+    for path in needed_paths {
+        if !indexes(found.indexing_policy.as_ref(), &path) {
+            shortfalls.push(Shortfall::Index {
+                name: name.clone(),
+                path,
+            });
+        }
+    }
+    shortfalls
+}
+
+/// Whether `policy` indexes `path` (a `/a/?` scalar path): explicitly, or through `/*` without
+/// excluding it. No policy is the service's default, which indexes everything.
+fn indexes(policy: Option<&IndexingPolicy>, path: &str) -> bool {
+    let Some(policy) = policy else {
+        return true;
+    };
+    if policy.indexing_mode == Some(azure_data_cosmos::models::IndexingMode::None) {
+        return false;
+    }
+    let listed = |paths: &[PropertyPath], p: &str| paths.iter().any(|x| x.path == p);
+    let prefix = path.trim_end_matches("/?");
+    let excluded = listed(&policy.excluded_paths, path)
+        || listed(&policy.excluded_paths, &format!("{prefix}/*"));
+    listed(&policy.included_paths, path)
+        || (!excluded
+            && (policy.included_paths.is_empty() || listed(&policy.included_paths, "/*"))
+            && !listed(&policy.excluded_paths, "/*"))
+}
+
 /// Indexed so each host's sweep of the ranges it owns is an index seek (added later than the
 /// others: lease containers created before it get it at the next provisioning).
 const EPK_INDEX_PATH: &str = "/epk/?";
