@@ -742,6 +742,15 @@ pub struct QueueConsumerGroupStatus {
     /// The generation `Ready` describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The operator version and sidecar image the workers were built by
+    /// (`<version>/<image>`); absent for workers built before this was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers_built_by: Option<String>,
+    /// What the operator would roll the workers onto, and why it waits: an upgrade waits for
+    /// the group's next spec change or `cosmosq.io/rollout-requested-at` (or, with the
+    /// operator's `--sidecar-update=rolling`, for its turn).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_update: Option<String>,
 }
 
 /// One feed range of the group: who processes it and what is left.

@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::build::{self, Defaults};
+use crate::rollout;
 use crate::spec::{self, SpecError};
 
 /// The field manager of everything the reconcilers apply.
@@ -52,8 +53,14 @@ pub struct Applied {
     pub deployment: String,
     /// Whether an HPA was applied (HPA mode).
     pub hpa: bool,
-    /// The Deployment's status as the apply returned it.
+    /// The Deployment's status as the apply (or, when held, a read) returned it.
     pub workers: Option<k8s_openapi::api::apps::v1::DeploymentStatus>,
+    /// What the running workers were built from (unknown for a Deployment built before the
+    /// record).
+    pub running: Option<rollout::BuiltFrom>,
+    /// What the operator would build now, and why it waits, when the Deployment was left as
+    /// it is.
+    pub held: Option<(rollout::BuiltFrom, &'static str)>,
 }
 
 async fn apply<K>(client: &Client, namespace: &str, object: &K) -> Result<K, ApplyError>
@@ -229,9 +236,17 @@ pub async fn apply_group(
         .ok_or_else(|| ApplyError::NoNamespace(qcg.name_any()))?;
     let settings = spec::group(qcg)?;
     let mut deployment = build::deployment(qcg, &settings, queue, defaults)?;
-    if let Some(digest) = key_digest(client, &namespace, queue, &deployment.name_any()).await? {
-        build::with_key_digest(&mut deployment, digest);
+    let digest = key_digest(client, &namespace, queue, &deployment.name_any()).await?;
+    if let Some(digest) = &digest {
+        build::with_key_digest(&mut deployment, digest.clone());
     }
+    let built_from = rollout::BuiltFrom {
+        group: qcg.metadata.generation,
+        queue: queue.metadata.generation,
+        request: qcg.annotations().get(rollout::ROLLOUT_REQUESTED).cloned(),
+        operator: rollout::operator(&defaults.sidecar_image),
+        key: digest,
+    };
     let service_account = build::service_account(qcg, queue)?;
     // The pods run as that account (`build::deployment` refuses any other).
     let name = build::workers_name(qcg);
@@ -240,7 +255,7 @@ pub async fn apply_group(
 
     // Nothing is written until every object of the group's names is known to be its own (or
     // absent): a team's Deployment, ServiceAccount or binding of that name stays theirs.
-    tokio::try_join!(
+    let (_, _, running, _) = tokio::try_join!(
         ours::<ServiceAccount>(client, &namespace, &name, qcg),
         ours::<RoleBinding>(client, &namespace, &name, qcg),
         ours::<Deployment>(client, &namespace, &name, qcg),
@@ -253,7 +268,50 @@ pub async fn apply_group(
     )?;
     apply::<ServiceAccount>(client, &namespace, &service_account).await?;
     apply_binding(client, &namespace, &binding, qcg).await?;
-    let applied = apply::<Deployment>(client, &namespace, &deployment).await?;
+    // The workers roll for the user's changes; for the operator's, as its policy allows.
+    let running_from = running
+        .as_ref()
+        .and_then(|m| rollout::BuiltFrom::of(m.annotations.as_ref()?));
+    let cause = match &running {
+        None => rollout::Cause::Unchanged,
+        Some(_) => rollout::cause(running_from.as_ref(), &built_from, spec_changed(qcg)),
+    };
+    let rolling = if rollout::counts(cause, &defaults.rollout) {
+        Some(budgeted_rollouts(client, defaults, running.as_ref()).await?)
+    } else {
+        None
+    };
+    let decision = rollout::decide(cause, &defaults.rollout, || {
+        rolling.expect("counted when the decision needs it")
+    });
+    let (workers, running_from, held) = match decision {
+        rollout::Decision::Apply { budgeted } => {
+            let annotations = deployment
+                .metadata
+                .annotations
+                .get_or_insert_with(Default::default);
+            annotations.insert(rollout::BUILT_FROM.into(), built_from.annotation());
+            if cause != rollout::Cause::Unchanged {
+                let why = if budgeted { "operator" } else { "spec" };
+                annotations.insert(rollout::ROLLOUT_CAUSE.into(), why.into());
+            } else if let Some(why) = running
+                .as_ref()
+                .and_then(|m| m.annotations.as_ref()?.get(rollout::ROLLOUT_CAUSE))
+            {
+                // Kept: a budgeted rollout counts until it completes.
+                annotations.insert(rollout::ROLLOUT_CAUSE.into(), why.clone());
+            }
+            let applied = apply::<Deployment>(client, &namespace, &deployment).await?;
+            (applied.status, Some(built_from), None)
+        }
+        rollout::Decision::Hold(why) => {
+            tracing::info!(group = %qcg.name_any(), ?cause, "{why}");
+            let live = Api::<Deployment>::namespaced(client.clone(), &namespace)
+                .get(&name)
+                .await?;
+            (live.status, running_from, Some((built_from, why)))
+        }
+    };
     if let Some(hpa) = &hpa {
         apply::<HorizontalPodAutoscaler>(client, &namespace, hpa).await?;
     } else if spec_changed(qcg) || qcg.spec.scaling.mode == ScalingMode::Hpa {
@@ -264,8 +322,29 @@ pub async fn apply_group(
     Ok(Applied {
         deployment: deployment.name_any(),
         hpa: hpa.is_some(),
-        workers: applied.status,
+        workers,
+        running: running_from,
+        held,
     })
+}
+
+/// How many groups' Deployments (but `own`) are rolling for the operator's reasons: listed
+/// when a rollout would count against the budget, so the count survives restarts and leader
+/// changes (no state of the operator's own).
+async fn budgeted_rollouts(
+    client: &Client,
+    defaults: &Defaults,
+    own: Option<&ObjectMeta>,
+) -> Result<usize, ApplyError> {
+    let api: Api<Deployment> = match &defaults.rollout_scope {
+        Some(namespace) => Api::namespaced(client.clone(), namespace),
+        None => Api::all(client.clone()),
+    };
+    let listed = api
+        .list(&kube::api::ListParams::default().labels(build::MANAGED_SELECTOR))
+        .await?;
+    let own = own.and_then(|m| m.uid.as_deref()).unwrap_or_default();
+    Ok(rollout::budgeted_in_progress(&listed.items, own))
 }
 
 /// Whether the spec changed since the last reconcile that finished (a mode switch is one):
@@ -357,7 +436,7 @@ mod tests {
     fn queue() -> CosmosQueue {
         serde_json::from_value(json!({
             "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
-            "metadata": {"name": "orders", "namespace": "shop", "uid": "q1"},
+            "metadata": {"name": "orders", "namespace": "shop", "uid": "q1", "generation": 1},
             "spec": {"endpoint": "https://acct.documents.azure.com:443/",
                      "credentials": {"secretKeyRef": {"name": "cosmos-key"}},
                      "database": "shop", "container": "orders"}
@@ -435,15 +514,24 @@ mod tests {
         let applied = apply_group(&client, &group(json!({})), &queue(), &defaults())
             .await
             .unwrap();
+        let server = verifier.await.unwrap();
+        let built_from = rollout::BuiltFrom {
+            group: None,
+            queue: Some(1),
+            request: None,
+            operator: format!("{}/cosmosq/sidecar:test", env!("CARGO_PKG_VERSION")),
+            key: Some(build::key_digest(b"k1")),
+        };
         assert_eq!(
             applied,
             Applied {
                 deployment: "billing-workers".into(),
                 hpa: false,
                 workers: None,
+                running: Some(built_from),
+                held: None,
             }
         );
-        let server = verifier.await.unwrap();
         drop(client);
         server.done().await; // nothing else was written
     }
@@ -459,8 +547,15 @@ mod tests {
                     crate::testing::not_found(),
                 )
                 .await;
-            // The live Deployment's digest is kept.
+            // The live Deployment's digest is kept (through a change of the group's spec).
             let mut live = existing("apps/v1", "Deployment", Some("g1"));
+            live["metadata"]["annotations"] = json!({rollout::BUILT_FROM: rollout::BuiltFrom {
+                group: Some(2),
+                queue: Some(1),
+                request: None,
+                operator: rollout::operator("cosmosq/sidecar:test"),
+                key: Some("0123456789abcdef".into()),
+            }.annotation()});
             live["spec"] = json!({"selector": {}, "template": {"metadata": {"annotations":
                     {build::KEY_DIGEST_ANNOTATION: "0123456789abcdef"}}}});
             server

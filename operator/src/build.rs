@@ -108,6 +108,10 @@ pub struct Defaults {
     /// `<release>-worker`: patch pods, narrowed by the chart's admission policy to the caller's
     /// own pod's deletion cost).
     pub worker_cluster_role: String,
+    /// When the operator's own changes roll the workers.
+    pub rollout: crate::rollout::Policy,
+    /// Where the groups are (the watched namespace), for counting rollouts.
+    pub rollout_scope: Option<String>,
 }
 
 /// The worker ClusterRole's name when none is configured.
@@ -119,6 +123,8 @@ impl Defaults {
         Self {
             sidecar_image: sidecar_image.into(),
             worker_cluster_role: WORKER_CLUSTER_ROLE.into(),
+            rollout: crate::rollout::Policy::default(),
+            rollout_scope: None,
         }
     }
 }
@@ -135,12 +141,13 @@ fn selector_labels(qcg: &QueueConsumerGroup) -> BTreeMap<String, String> {
     ])
 }
 
+/// The label selector of every object the operator manages (its watches and lists use it).
+pub const MANAGED_SELECTOR: &str = "app.kubernetes.io/managed-by=cosmosq-operator";
+
 fn labels(qcg: &QueueConsumerGroup) -> BTreeMap<String, String> {
     let mut labels = selector_labels(qcg);
-    labels.insert(
-        "app.kubernetes.io/managed-by".into(),
-        "cosmosq-operator".into(),
-    );
+    let (key, value) = MANAGED_SELECTOR.split_once('=').expect("key=value");
+    labels.insert(key.into(), value.into());
     labels.insert("cosmosq.io/queue".into(), qcg.spec.queue_ref.name.clone());
     labels
 }

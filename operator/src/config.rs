@@ -27,6 +27,14 @@ pub struct Config {
         default_value = concat!("ghcr.io/cosmosq/sidecar:", env!("CARGO_PKG_VERSION"))
     )]
     pub sidecar_image: String,
+    /// Whether an upgrade of the operator (a new sidecar image or pod template) rolls the
+    /// groups' workers by itself: `manual` (default) waits for each group's next spec change
+    /// or `cosmosq.io/rollout-requested-at`; `rolling` rolls them, a few at a time.
+    #[arg(long, env = "COSMOSQ_SIDECAR_UPDATE", value_enum, default_value_t)]
+    pub sidecar_update: crate::rollout::SidecarUpdate,
+    /// How many groups may roll at once for the operator's reasons or a rotated key.
+    #[arg(long, env = "COSMOSQ_SIDECAR_UPDATE_MAX_CONCURRENT", default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..))]
+    pub sidecar_update_max_concurrent: u16,
     /// The ClusterRole every group's RoleBinding grants its workers (the chart's
     /// `<release>-worker`).
     #[arg(long, env = "COSMOSQ_WORKER_CLUSTER_ROLE", default_value = crate::build::WORKER_CLUSTER_ROLE)]

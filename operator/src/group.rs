@@ -115,6 +115,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
     let queues: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
     let queue_name = &qcg.spec.queue_ref.name;
     let mut available = None;
+    let mut built = (None, None);
     let outcome = match queues.get_opt(queue_name).await? {
         None => Outcome {
             ok: false,
@@ -125,6 +126,13 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
         },
         Some(queue) => match apply_group(&ctx.client, qcg, &queue, &ctx.defaults).await {
             Ok(applied) => {
+                built = (
+                    applied.running.as_ref().map(|r| r.operator.clone()),
+                    applied
+                        .held
+                        .as_ref()
+                        .map(|(next, why)| format!("{}: {why}", next.operator)),
+                );
                 let state = workers(applied.workers.as_ref());
                 let rolling_out = state.available.as_ref().is_some_and(|(ok, ..)| !ok);
                 available = state.available;
@@ -252,9 +260,22 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             status::now(),
         ));
     }
+    let (workers_built_by, pending_update) = built;
+    if pending_update.is_some() && pending_update != previous.pending_update {
+        ctx.event(
+            qcg,
+            EventType::Normal,
+            reasons::UPDATE_HELD,
+            "Rollout",
+            pending_update.clone().unwrap_or_default(),
+        )
+        .await;
+    }
     let status = QueueConsumerGroupStatus {
         conditions,
         observed_generation: generation,
+        workers_built_by,
+        pending_update,
         ..QueueConsumerGroupStatus::default()
     };
     let groups: Api<QueueConsumerGroup> = Api::namespaced(ctx.client.clone(), &namespace);

@@ -26,6 +26,7 @@ pub mod http;
 pub mod leader;
 pub mod metrics;
 pub mod queue;
+pub mod rollout;
 pub mod run;
 pub mod scaler;
 /// The pure scaling decision lives in the engine, shared with `cosmosq demo`.

@@ -38,7 +38,7 @@ use cosmosq_queue::telemetry::Telemetry;
 /// The label the leader puts on its own pod; the external-metrics Service selects it.
 pub const LEADER_LABEL: &str = "cosmosq.io/leader";
 /// Objects the operator applies carry this label; only they are watched.
-const MANAGED: &str = "app.kubernetes.io/managed-by=cosmosq-operator";
+const MANAGED: &str = crate::build::MANAGED_SELECTOR;
 
 /// What stops the operator.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +91,11 @@ pub async fn run_with(
     let defaults = Defaults {
         sidecar_image: config.sidecar_image.clone(),
         worker_cluster_role: config.worker_cluster_role.clone(),
+        rollout: crate::rollout::Policy {
+            update: config.sidecar_update,
+            max_concurrent: usize::from(config.sidecar_update_max_concurrent),
+        },
+        rollout_scope: config.watch_namespace.clone(),
     };
     let cosmos = Cosmos::new(backend, client.clone());
     let mut ctx = Context::new(client.clone(), defaults, cosmos, Some(identity.clone()));
@@ -303,7 +308,7 @@ where
         })
 }
 
-/// A hash of a group's pause annotations and its reconcile request.
+/// A hash of a group's pause annotations and its reconcile and rollout requests.
 fn pause_annotations(qcg: &QueueConsumerGroup) -> Option<u64> {
     annotations_hash(
         qcg,
@@ -311,6 +316,7 @@ fn pause_annotations(qcg: &QueueConsumerGroup) -> Option<u64> {
             crate::spec::PAUSED_REPLICAS,
             crate::spec::PAUSED,
             crate::spec::RECONCILE_REQUESTED,
+            crate::rollout::ROLLOUT_REQUESTED,
         ],
     )
 }
@@ -377,7 +383,7 @@ async fn run_controllers(
         .with_config(limits.clone())
         .graceful_shutdown_on(work.clone().cancelled_owned());
     // A pause is an annotation: it changes no generation, yet its HPA must go (or come back).
-    // So is a reconcile request.
+    // So are reconcile and rollout requests.
     let (group_store, group_changes) = spec_changes(client, ns, pause_annotations);
     let groups = Controller::for_stream(group_changes, group_store.clone())
         .with_config(limits)

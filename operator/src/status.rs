@@ -107,6 +107,9 @@ pub mod reasons {
     /// A queue's database or containers, which its credentials may not create, are missing
     /// or unlike what the engine needs: an admin creates them.
     pub const NEEDS_PROVISIONING: &str = "NeedsProvisioning";
+    /// Event: the operator would roll a group's workers onto what it builds now, and waits
+    /// (its rollout policy).
+    pub const UPDATE_HELD: &str = "UpdateHeld";
     /// Event: deleting a `Delete` queue's containers failed; retried.
     pub const DELETE_FAILED: &str = "DeleteFailed";
     /// Event: a deleted `Delete` queue was released without deleting its containers.

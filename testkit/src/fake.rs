@@ -49,6 +49,10 @@ struct State {
     tokens: BTreeMap<String, String>,
     /// What a SubjectAccessReview allows: (user, verb, API group, resource, namespace).
     grants: std::collections::BTreeSet<(String, String, String, String, String)>,
+    /// The top-level status fields each field manager last applied, by (collection,
+    /// namespace, name, manager): a field a manager stops applying is removed, as server-side
+    /// apply removes the fields it no longer owns.
+    status_owners: BTreeMap<(String, String, String, String), std::collections::BTreeSet<String>>,
 }
 
 impl State {
@@ -466,7 +470,10 @@ impl FakeApiServer {
                 None => status_error(StatusCode::NOT_FOUND, "NotFound", "not found"),
             },
             (&Method::POST, _) => self.create(&target, body),
-            (&Method::PATCH, Some(name)) => self.patch(&target, name, &content_type, body),
+            (&Method::PATCH, Some(name)) => {
+                let manager = query_param(&query, "fieldManager").unwrap_or_default();
+                self.patch(&target, name, &content_type, &manager, body)
+            }
             (&Method::PUT, Some(name)) => self.replace(&target, name, body),
             (&Method::DELETE, Some(name)) => self.delete(&target, name),
             _ => status_error(
@@ -643,6 +650,7 @@ impl FakeApiServer {
         target: &Target,
         name: &str,
         content_type: &str,
+        manager: &str,
         body: Value,
     ) -> Response<ResponseBody> {
         let mut state = self.state.lock().expect("state");
@@ -666,6 +674,34 @@ impl FakeApiServer {
                 if apply {
                     if !object["status"].is_object() {
                         object["status"] = json!({});
+                    }
+                    let applied: std::collections::BTreeSet<String> = status
+                        .as_object()
+                        .map(|o| o.keys().cloned().collect())
+                        .unwrap_or_default();
+                    let key = |m: &str| {
+                        (
+                            target.collection.clone(),
+                            namespace.clone(),
+                            name.to_owned(),
+                            m.to_owned(),
+                        )
+                    };
+                    let before = state
+                        .status_owners
+                        .insert(key(manager), applied.clone())
+                        .unwrap_or_default();
+                    for dropped in before.difference(&applied) {
+                        let others_own = state.status_owners.iter().any(|((c, ns, n, m), keys)| {
+                            (c, ns, n) == (&target.collection, &namespace, &name.to_owned())
+                                && m != manager
+                                && keys.contains(dropped)
+                        });
+                        if !others_own && dropped != "conditions" {
+                            if let Some(o) = object["status"].as_object_mut() {
+                                o.remove(dropped);
+                            }
+                        }
                     }
                     apply_merge(&mut object["status"], &status);
                 } else {

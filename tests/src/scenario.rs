@@ -202,6 +202,81 @@ async fn create_ready_queue(
     .await;
 }
 
+/// The operator is upgraded (a new sidecar image) while `operator` runs: no worker rolls by
+/// itself; the group says what it would roll onto, and a rollout request takes it. Returns the
+/// upgraded operator.
+async fn an_upgrade_rolls_nothing_by_itself(
+    s: &Scenario,
+    traced: &[String],
+    shutdown: CancellationToken,
+    operator: tokio::task::JoinHandle<Result<(), cosmosq_operator::run::RunError>>,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), cosmosq_operator::run::RunError>>,
+) {
+    let deployments: Api<Deployment> = Api::namespaced(s.client.clone(), &s.namespace);
+    let groups: Api<QueueConsumerGroup> = Api::namespaced(s.client.clone(), &s.namespace);
+    let sidecar_image = |d: &Deployment| {
+        d.spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|p| p.containers.iter().find(|c| c.name == "cosmosq-sidecar"))
+            .and_then(|c| c.image.clone())
+    };
+    let before = deployments.get("billing-workers").await.unwrap();
+    shutdown.cancel();
+    operator
+        .await
+        .expect("the operator task")
+        .expect("the operator stops cleanly");
+    let upgraded = "ghcr.io/cosmosq/sidecar:upgraded";
+    let (shutdown, operator) = start_operator(
+        s,
+        &[traced.to_vec(), vec![format!("--sidecar-image={upgraded}")]].concat(),
+    );
+    until(&groups, "billing", "the update the group waits for", |g| {
+        g.and_then(|g| g.status.as_ref())
+            .and_then(|s| s.pending_update.as_deref())
+            .is_some_and(|p| p.contains(upgraded) && p.contains("rollout-requested-at"))
+    })
+    .await;
+    let held = deployments.get("billing-workers").await.unwrap();
+    assert_eq!(
+        (held.metadata.generation, sidecar_image(&held)),
+        (before.metadata.generation, sidecar_image(&before)),
+        "the upgrade rolled the workers"
+    );
+    let running = groups.get("billing").await.unwrap().status.unwrap();
+    assert!(
+        running
+            .workers_built_by
+            .as_deref()
+            .is_some_and(|b| b.ends_with(sidecar_image(&before).unwrap().as_str())),
+        "{running:?}"
+    );
+    let request = json!({"metadata": {"annotations": {
+        "cosmosq.io/rollout-requested-at": "2026-12-03T12:00:00Z"}}});
+    change(&groups, "billing", request).await;
+    until(
+        &deployments,
+        "billing-workers",
+        "the requested rollout",
+        |d| d.and_then(sidecar_image).as_deref() == Some(upgraded),
+    )
+    .await;
+    until(&groups, "billing", "the group to run the upgrade", |g| {
+        g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
+            s.pending_update.is_none()
+                && s.workers_built_by
+                    .as_deref()
+                    .is_some_and(|b| b.ends_with(upgraded))
+        })
+    })
+    .await;
+
+    (shutdown, operator)
+}
+
 /// Runs the operator and the scenario; panics with what did not happen.
 pub async fn operator_scenario(mut s: Scenario) {
     let ns = s.namespace.as_str();
@@ -266,17 +341,15 @@ pub async fn operator_scenario(mut s: Scenario) {
         .await
         .expect("create the old binding");
 
-    let (shutdown, operator) = start_operator(
-        &s,
-        &[
-            args.clone(),
-            vec![
-                format!("--otlp-endpoint={}", collector.endpoint),
-                "--otlp-protocol=http/json".into(),
-            ],
-        ]
-        .concat(),
-    );
+    let traced = [
+        args.clone(),
+        vec![
+            format!("--otlp-endpoint={}", collector.endpoint),
+            "--otlp-protocol=http/json".into(),
+        ],
+    ]
+    .concat();
+    let (mut shutdown, mut operator) = start_operator(&s, &traced);
 
     // Applied before its queue (as GitOps applies a folder), the group waits for it: GitOps
     // tools read it as in progress, not failed and not done.
@@ -300,7 +373,10 @@ pub async fn operator_scenario(mut s: Scenario) {
 
     // A queue is provisioned and reported ready.
     let queues: Api<CosmosQueue> = Api::namespaced(s.client.clone(), ns);
-    create_ready_queue(&s.cosmos, &queues, ns, "orders", "Delete").await;
+    Box::pin(create_ready_queue(
+        &s.cosmos, &queues, ns, "orders", "Delete",
+    ))
+    .await;
     until(&queues, "orders", "the queue's partitions", |q| {
         q.and_then(|q| q.status.as_ref())
             .is_some_and(|s| s.partitions == Some(4))
@@ -320,7 +396,10 @@ pub async fn operator_scenario(mut s: Scenario) {
         "a Delete queue is held until its containers are deleted"
     );
     // A Retain queue has nothing to do at deletion, so nothing holds it (or its namespace).
-    create_ready_queue(&s.cosmos, &queues, ns, "archive", "Retain").await;
+    Box::pin(create_ready_queue(
+        &s.cosmos, &queues, ns, "archive", "Retain",
+    ))
+    .await;
     assert!(finalizers(&queues.get("archive").await.unwrap()).is_empty());
     queues
         .delete("archive", &DeleteParams::default())
@@ -676,6 +755,12 @@ pub async fn operator_scenario(mut s: Scenario) {
     )
     .await;
 
+    // The operator is upgraded (a new sidecar image): no worker rolls by itself.
+    (shutdown, operator) = Box::pin(an_upgrade_rolls_nothing_by_itself(
+        &s, &traced, shutdown, operator,
+    ))
+    .await;
+
     // Through every scaling round since, the team's Deployment stayed as the team made it;
     // deleting the group that was refused leaves it.
     let untouched = |d: &Deployment| {
@@ -771,7 +856,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         // namespace is deleted while a `Delete` queue still exists in it: the queue's
         // containers are deleted and the namespace goes (a finalizer must never hold it).
         let (shutdown, operator) = start_operator(&s, &args);
-        create_ready_queue(&s.cosmos, &queues, ns, "last", "Delete").await;
+        Box::pin(create_ready_queue(&s.cosmos, &queues, ns, "last", "Delete")).await;
         let namespaces: Api<Namespace> = Api::all(s.client.clone());
         namespaces
             .delete(ns, &DeleteParams::background())

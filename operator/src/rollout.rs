@@ -1,0 +1,307 @@
+//! When a group's workers roll.
+//!
+//! A worker pod template is built from the group's spec, its queue's spec, the account key's
+//! digest and the operator itself (its version and the sidecar image it injects). A change of
+//! the first two is the user's: it rolls the group at once. A change of the operator's own
+//! (an upgrade of the chart) would roll every group of the cluster within a minute — an image
+//! pull storm, every lease handed over at once, a spike of request units — so, as Linkerd,
+//! Istio and Dapr leave running pods alone, it waits: for the group's next spec change, for a
+//! new value of its `cosmosq.io/rollout-requested-at` annotation, or, with the opt-in
+//! `--sidecar-update=rolling`, for a place among `--sidecar-update-max-concurrent` groups
+//! rolling at a time. A rotated key must reach the workers before the old one is regenerated,
+//! so it rolls under that budget whatever the policy.
+//!
+//! What a Deployment was built from is recorded on it ([`BUILT_FROM`]), so the decision needs
+//! nothing but the metadata the ownership check already reads.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use serde::{Deserialize, Serialize};
+
+/// The Deployment annotation recording what its pod template was built from (JSON).
+pub const BUILT_FROM: &str = "cosmosq.io/built-from";
+/// The Deployment annotation saying why it last rolled: `operator` rollouts count against the
+/// budget until they complete.
+pub const ROLLOUT_CAUSE: &str = "cosmosq.io/rollout-cause";
+/// The group annotation whose every new value lets the group take what the operator builds
+/// now (a new sidecar, a rotated key), like `kubectl rollout restart`.
+pub const ROLLOUT_REQUESTED: &str = "cosmosq.io/rollout-requested-at";
+
+/// What a worker pod template was built from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuiltFrom {
+    /// The group's generation.
+    pub group: Option<i64>,
+    /// The queue's generation.
+    pub queue: Option<i64>,
+    /// The group's [`ROLLOUT_REQUESTED`] value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<String>,
+    /// The operator: `<version>/<default sidecar image>`.
+    pub operator: String,
+    /// The account key's digest (key Secrets only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+}
+
+impl BuiltFrom {
+    /// What a Deployment's annotations say it was built from; `None` for one built before
+    /// this was recorded, or whose record is not ours to read.
+    pub fn of(annotations: &BTreeMap<String, String>) -> Option<Self> {
+        serde_json::from_str(annotations.get(BUILT_FROM)?).ok()
+    }
+
+    /// As the annotation holds it.
+    pub fn annotation(&self) -> String {
+        serde_json::to_string(self).expect("plain fields serialize")
+    }
+}
+
+/// The operator as [`BuiltFrom::operator`] names it.
+pub fn operator(sidecar_image: &str) -> String {
+    format!("{}/{sidecar_image}", env!("CARGO_PKG_VERSION"))
+}
+
+/// Why the built template differs from the running one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// It does not (or nothing runs yet): applying changes nothing, or creates the workers.
+    Unchanged,
+    /// The group's or the queue's spec changed: the user's change, rolled at once.
+    Spec,
+    /// The group asked for it ([`ROLLOUT_REQUESTED`]).
+    Request,
+    /// The account key was rotated (and nothing of the operator changed).
+    Key,
+    /// The operator changed (an upgrade, another default sidecar image), or the running
+    /// template's record is unknown (built by a version before the record).
+    Operator,
+}
+
+/// Why `desired` differs from what runs (pure). `spec_changed` says whether the group's spec
+/// changed since its status was last written, for Deployments with no record.
+pub fn cause(running: Option<&BuiltFrom>, desired: &BuiltFrom, spec_changed: bool) -> Cause {
+    let Some(running) = running else {
+        return if spec_changed {
+            Cause::Spec
+        } else {
+            Cause::Operator
+        };
+    };
+    if running.group != desired.group || running.queue != desired.queue {
+        Cause::Spec
+    } else if running.request != desired.request {
+        Cause::Request
+    } else if running.operator != desired.operator {
+        Cause::Operator
+    } else if running.key != desired.key {
+        Cause::Key
+    } else {
+        Cause::Unchanged
+    }
+}
+
+/// Whether the operator's own changes roll groups by themselves.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum SidecarUpdate {
+    /// No: a group takes them at its next spec change or rollout request.
+    #[default]
+    Manual,
+    /// Yes, a few groups at a time.
+    Rolling,
+}
+
+/// The operator's rollout policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// Whether operator changes roll by themselves.
+    pub update: SidecarUpdate,
+    /// How many groups may roll for the operator's reasons (and rotated keys) at once.
+    pub max_concurrent: usize,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            update: SidecarUpdate::Manual,
+            max_concurrent: 5,
+        }
+    }
+}
+
+/// What to do with a group's Deployment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Apply what was built; `budgeted` when the rollout counts against the budget.
+    Apply {
+        /// It counts until it completes.
+        budgeted: bool,
+    },
+    /// Leave the Deployment as it is, and say why.
+    Hold(&'static str),
+}
+
+/// What to do for `cause` (pure); `rolling` is the number of budgeted rollouts in progress
+/// (other groups'), asked only for the causes that need it.
+pub fn decide(cause: Cause, policy: &Policy, rolling: impl FnOnce() -> usize) -> Decision {
+    match cause {
+        Cause::Unchanged | Cause::Spec | Cause::Request => Decision::Apply { budgeted: false },
+        Cause::Operator if policy.update == SidecarUpdate::Manual => Decision::Hold(
+            "the operator changed; the workers take it at the group's next spec change or \
+             rollout request (cosmosq.io/rollout-requested-at)",
+        ),
+        Cause::Operator | Cause::Key => {
+            if rolling() < policy.max_concurrent {
+                Decision::Apply { budgeted: true }
+            } else {
+                Decision::Hold("waiting for a place among the groups rolling at a time")
+            }
+        }
+    }
+}
+
+/// Whether [`decide`] needs the number of rollouts in progress for `cause` (pure).
+pub fn counts(cause: Cause, policy: &Policy) -> bool {
+    cause == Cause::Key || (cause == Cause::Operator && policy.update == SidecarUpdate::Rolling)
+}
+
+/// Whether a Deployment's rollout is still going (pure), as `kubectl rollout status` judges:
+/// its controller has not seen the last spec, or not every replica is updated and available.
+pub fn in_progress(d: &Deployment) -> bool {
+    let wanted = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let Some(status) = &d.status else {
+        return true;
+    };
+    status.observed_generation < d.metadata.generation
+        || status.updated_replicas.unwrap_or(0) < wanted
+        || status.available_replicas.unwrap_or(0) < wanted
+        || status.replicas.unwrap_or(0) > status.updated_replicas.unwrap_or(0)
+}
+
+/// How many of `deployments` (but `except`) are budgeted rollouts still in progress (pure).
+pub fn budgeted_in_progress<'a>(
+    deployments: impl IntoIterator<Item = &'a Deployment>,
+    except: &str,
+) -> usize {
+    deployments
+        .into_iter()
+        .filter(|d| d.metadata.uid.as_deref() != Some(except))
+        .filter(|d| {
+            d.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ROLLOUT_CAUSE))
+                .is_some_and(|c| c == "operator")
+        })
+        .filter(|d| in_progress(d))
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn built(group: i64, operator: &str, key: Option<&str>) -> BuiltFrom {
+        BuiltFrom {
+            group: Some(group),
+            queue: Some(1),
+            request: None,
+            operator: operator.into(),
+            key: key.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn the_users_changes_roll_at_once_and_the_operators_wait() {
+        let running = built(3, "0.4.0/sidecar:0.4.0", Some("k1"));
+        let upgraded = built(3, "0.5.0/sidecar:0.5.0", Some("k1"));
+        let rotated = built(3, "0.4.0/sidecar:0.4.0", Some("k2"));
+        let edited = built(4, "0.5.0/sidecar:0.5.0", Some("k2"));
+        let requested = BuiltFrom {
+            request: Some("2026-12-03T10:00:00Z".into()),
+            ..upgraded.clone()
+        };
+        assert_eq!(cause(Some(&running), &running, false), Cause::Unchanged);
+        assert_eq!(cause(Some(&running), &upgraded, false), Cause::Operator);
+        assert_eq!(cause(Some(&running), &rotated, false), Cause::Key);
+        assert_eq!(cause(Some(&running), &edited, false), Cause::Spec);
+        assert_eq!(cause(Some(&running), &requested, false), Cause::Request);
+        // Built before the record: the user's change if the spec moved, else the operator's.
+        assert_eq!(cause(None, &upgraded, true), Cause::Spec);
+        assert_eq!(cause(None, &upgraded, false), Cause::Operator);
+
+        let manual = Policy::default();
+        let rolling = Policy {
+            update: SidecarUpdate::Rolling,
+            max_concurrent: 2,
+        };
+        let never = || -> usize { panic!("the budget is not asked for a user's change") };
+        for cause in [Cause::Unchanged, Cause::Spec, Cause::Request] {
+            assert!(!counts(cause, &rolling));
+            assert_eq!(
+                decide(cause, &manual, never),
+                Decision::Apply { budgeted: false }
+            );
+        }
+        assert!(!counts(Cause::Operator, &manual));
+        assert!(matches!(
+            decide(Cause::Operator, &manual, never),
+            Decision::Hold(_)
+        ));
+        assert!(counts(Cause::Operator, &rolling) && counts(Cause::Key, &manual));
+        assert_eq!(
+            decide(Cause::Operator, &rolling, || 1),
+            Decision::Apply { budgeted: true }
+        );
+        assert!(matches!(
+            decide(Cause::Operator, &rolling, || 2),
+            Decision::Hold(_)
+        ));
+        // A rotated key rolls under the budget even when upgrades wait for the user.
+        assert_eq!(
+            decide(Cause::Key, &manual, || 4),
+            Decision::Apply { budgeted: true }
+        );
+        assert!(matches!(
+            decide(Cause::Key, &manual, || 5),
+            Decision::Hold(_)
+        ));
+    }
+
+    #[test]
+    fn only_unfinished_rollouts_of_the_operators_count() {
+        let deployment = |uid: &str, cause: &str, generation: i64, observed: i64, updated: i32| {
+            serde_json::from_value::<Deployment>(json!({
+                "metadata": {"name": uid, "uid": uid, "generation": generation,
+                             "annotations": {ROLLOUT_CAUSE: cause}},
+                "spec": {"replicas": 2, "selector": {}, "template": {}},
+                "status": {"observedGeneration": observed, "replicas": 2,
+                           "updatedReplicas": updated, "availableReplicas": updated}
+            }))
+            .unwrap()
+        };
+        let all = [
+            deployment("a", "operator", 2, 2, 1), // rolling: 1 of 2 updated
+            deployment("b", "operator", 2, 1, 2), // its controller has not seen it yet
+            deployment("c", "operator", 2, 2, 2), // done
+            deployment("d", "spec", 2, 2, 0),     // the user's: not budgeted
+        ];
+        assert_eq!(budgeted_in_progress(&all, ""), 2);
+        assert_eq!(
+            budgeted_in_progress(&all, "a"),
+            1,
+            "a group is not its own rival"
+        );
+    }
+
+    #[test]
+    fn a_record_round_trips_and_a_foreign_one_is_unknown() {
+        let record = built(3, "0.5.0/sidecar:0.5.0", None);
+        let annotations = BTreeMap::from([(BUILT_FROM.to_owned(), record.annotation())]);
+        assert_eq!(BuiltFrom::of(&annotations), Some(record));
+        let garbage = BTreeMap::from([(BUILT_FROM.to_owned(), "{".to_owned())]);
+        assert_eq!(BuiltFrom::of(&garbage), None);
+    }
+}
