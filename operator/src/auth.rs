@@ -8,18 +8,27 @@
 //! `kube-system/extension-apiserver-authentication` whose common name is an allowed one, and
 //! then asks the API server whether that caller may `get` the metric (SubjectAccessReview).
 //!
-//! The KEDA endpoint takes a bearer token instead: a TokenReview names the caller, a
-//! SubjectAccessReview decides whether it may `get` the QueueConsumerGroup.
+//! The KEDA endpoint and `/metrics` take a bearer token instead: a TokenReview names the
+//! caller, a SubjectAccessReview decides whether it may `get` the QueueConsumerGroup (KEDA) or
+//! the non-resource URL `/metrics` (Prometheus), as controller-runtime's metrics filter and
+//! kube-rbac-proxy do. A KEDA token must be minted for the operator's own audience
+//! ([`DEFAULT_TOKEN_AUDIENCE`]): one minted for the API server or anything else is refused, so a
+//! token handed out for another purpose cannot be replayed here. `/metrics` takes the API
+//! server's audience: Prometheus sends the token its pod was given, which already is an API
+//! credential of the same caller, so accepting it grants nothing RBAC does not.
 //!
 //! Answers are cached for ten seconds, as the API server's delegated authentication and
 //! authorization cache them: an HPA reads every 15 s, so each read costs at most one review.
+//! Refusals are cached too, by a hash of the token (the token itself is not kept), and tokens
+//! not in the cache are reviewed at a bounded rate ([`ReviewBudget`]): a caller without a valid
+//! token cannot make the operator ask the API server once per request.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::HeaderMap;
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec, TokenReviewStatus};
 use k8s_openapi::api::authorization::v1::{
     NonResourceAttributes, ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
@@ -27,6 +36,8 @@ use kube::api::{Api, PostParams};
 use kube::Client;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
 
 /// Where the cluster publishes how its front proxy authenticates.
 pub const AUTHENTICATION_NAMESPACE: &str = "kube-system";
@@ -34,8 +45,15 @@ pub const AUTHENTICATION_NAMESPACE: &str = "kube-system";
 pub const AUTHENTICATION_CONFIG_MAP: &str = "extension-apiserver-authentication";
 /// How long a review's answer is reused (the API server's delegated auth uses the same).
 pub const REVIEW_CACHE_TTL: Duration = Duration::from_secs(10);
-/// Above this many cached answers, expired ones are dropped on the next insert.
-const CACHE_PRUNE_AT: usize = 4096;
+/// The most answers each cache holds: expired ones go first, then the oldest.
+pub const CACHE_CAPACITY: usize = 4096;
+/// The audience a token for the KEDA endpoint must be minted for, unless configured otherwise.
+pub const DEFAULT_TOKEN_AUDIENCE: &str = "cosmosq";
+/// TokenReviews of tokens not in the cache that may be asked at once…
+pub const REVIEW_BURST: u32 = 10;
+/// …and how often one more may be asked: 5 a second. Prometheus and KEDA each need one per
+/// token every [`REVIEW_CACHE_TTL`].
+pub const REVIEW_REFILL: Duration = Duration::from_millis(200);
 
 /// Why a request to the secure listener was refused.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +64,9 @@ pub enum AuthError {
     /// 403: the caller is known and may not do this.
     #[error("{0}")]
     Forbidden(String),
+    /// 429: too many unknown tokens lately; the caller may try again after this long.
+    #[error("too many unknown bearer tokens; retry in {}s", retry_after_seconds(*.0))]
+    TooManyRequests(Duration),
     /// A review could not be asked.
     #[error("asking the API server: {0}")]
     Api(#[from] kube::Error),
@@ -231,70 +252,200 @@ fn common_name(der: &CertificateDer<'_>) -> Result<String, AuthError> {
     Ok(cn.to_owned())
 }
 
-type Cache<K, V> = Mutex<HashMap<K, (Instant, V)>>;
-
-fn cached<K: Eq + std::hash::Hash, V: Clone>(cache: &Cache<K, V>, key: &K) -> Option<V> {
-    let cache = cache.lock().expect("cache");
-    cache
-        .get(key)
-        .filter(|(at, _)| at.elapsed() < REVIEW_CACHE_TTL)
-        .map(|(_, v)| v.clone())
+/// Whole seconds, at least one: what a `Retry-After` header says.
+pub fn retry_after_seconds(wait: Duration) -> u64 {
+    wait.as_secs() + u64::from(wait.subsec_nanos() > 0 || wait.is_zero())
 }
 
-fn remember<K: Eq + std::hash::Hash, V>(cache: &Cache<K, V>, key: K, value: V) {
-    let mut cache = cache.lock().expect("cache");
-    if cache.len() >= CACHE_PRUNE_AT {
-        cache.retain(|_, (at, _)| at.elapsed() < REVIEW_CACHE_TTL);
+/// Answers by key, each valid for [`REVIEW_CACHE_TTL`], at most [`CACHE_CAPACITY`] of them.
+#[derive(Debug)]
+pub struct ReviewCache<K, V> {
+    entries: HashMap<K, (Instant, V)>,
+}
+
+impl<K, V> Default for ReviewCache<K, V> {
+    fn default() -> Self {
+        Self {
+            entries: HashMap::new(),
+        }
     }
-    cache.insert(key, (Instant::now(), value));
+}
+
+impl<K: Eq + std::hash::Hash + Clone, V: Clone> ReviewCache<K, V> {
+    /// The answer for `key`, if it was given less than [`REVIEW_CACHE_TTL`] before `now`.
+    pub fn get(&self, key: &K, now: Instant) -> Option<V> {
+        self.entries
+            .get(key)
+            .filter(|(at, _)| now.duration_since(*at) < REVIEW_CACHE_TTL)
+            .map(|(_, v)| v.clone())
+    }
+
+    /// Keeps `value` for `key`; when full, expired answers go, then the oldest one.
+    pub fn insert(&mut self, key: K, value: V, now: Instant) {
+        if self.entries.len() >= CACHE_CAPACITY && !self.entries.contains_key(&key) {
+            self.entries
+                .retain(|_, (at, _)| now.duration_since(*at) < REVIEW_CACHE_TTL);
+            if self.entries.len() >= CACHE_CAPACITY {
+                let oldest = self
+                    .entries
+                    .iter()
+                    .min_by_key(|(_, (at, _))| *at)
+                    .map(|(k, _)| k.clone());
+                if let Some(oldest) = oldest {
+                    self.entries.remove(&oldest);
+                }
+            }
+        }
+        self.entries.insert(key, (now, value));
+    }
+
+    /// How many answers are held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// A token bucket: [`REVIEW_BURST`] reviews at once, one more every [`REVIEW_REFILL`].
+#[derive(Debug)]
+pub struct ReviewBudget {
+    available: u32,
+    since: Instant,
+}
+
+impl ReviewBudget {
+    /// Full at `now`.
+    pub fn new(now: Instant) -> Self {
+        Self {
+            available: REVIEW_BURST,
+            since: now,
+        }
+    }
+
+    /// Takes one review at `now`, or says how long until one is available.
+    pub fn take(&mut self, now: Instant) -> Result<(), Duration> {
+        let elapsed = now.saturating_duration_since(self.since);
+        let earned = elapsed.as_nanos() / REVIEW_REFILL.as_nanos();
+        let earned = u32::try_from(earned).unwrap_or(u32::MAX);
+        if self.available.saturating_add(earned) >= REVIEW_BURST {
+            self.available = REVIEW_BURST;
+            self.since = now;
+        } else {
+            self.available += earned;
+            self.since += REVIEW_REFILL * earned;
+        }
+        if self.available == 0 {
+            return Err(REVIEW_REFILL - now.saturating_duration_since(self.since));
+        }
+        self.available -= 1;
+        Ok(())
+    }
+}
+
+/// Whom a bearer token must have been minted for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Audience {
+    /// The API server's own (a review that names none): what a pod's projected token carries.
+    ApiServer,
+    /// This one: the review names it, and the answer must name it back.
+    Named(String),
+}
+
+/// What a TokenReview's answer says of a token reviewed for `audience`. An authenticator that
+/// ignores audiences answers without `status.audiences`: that token is the API server's, not
+/// ours, and is refused (as client-go's delegated authenticator does).
+pub fn token_answer(status: TokenReviewStatus, audience: &Audience) -> Result<UserInfo, String> {
+    let refused = |why: String| Err(format!("the bearer token was not accepted{why}"));
+    let (Some(true), Some(user)) = (status.authenticated, status.user) else {
+        return refused(status.error.map(|e| format!(": {e}")).unwrap_or_default());
+    };
+    if let Audience::Named(wanted) = audience {
+        if !status.audiences.unwrap_or_default().contains(wanted) {
+            return refused(format!(": it is not a token for the audience {wanted:?}"));
+        }
+    }
+    Ok(UserInfo {
+        username: user.username.unwrap_or_default(),
+        uid: user.uid,
+        groups: user.groups.unwrap_or_default(),
+        extra: user.extra.unwrap_or_default(),
+    })
+}
+
+/// What a token's answer is cached under: a hash of the audience and the token, so the cache
+/// holds no credential.
+fn token_key(token: &str, audience: &Audience) -> [u8; 32] {
+    let mut hash = Sha256::new();
+    match audience {
+        Audience::ApiServer => hash.update([0]),
+        Audience::Named(name) => {
+            hash.update([1]);
+            hash.update(name.as_bytes());
+            hash.update([0]);
+        }
+    }
+    hash.update(token.as_bytes());
+    hash.finalize().into()
 }
 
 /// Asks the API server who a token belongs to and what a caller may do.
 pub struct Authorizer {
     client: Client,
-    tokens: Cache<String, Result<UserInfo, String>>,
-    decisions: Cache<(UserInfo, Attributes), Result<(), String>>,
+    tokens: Mutex<ReviewCache<[u8; 32], Result<UserInfo, String>>>,
+    budget: Mutex<ReviewBudget>,
+    decisions: Mutex<ReviewCache<(UserInfo, Attributes), Result<(), String>>>,
 }
 
 impl Authorizer {
-    /// Reviews through `client` (TokenReview, SubjectAccessReview), answers cached for [`REVIEW_CACHE_TTL`].
+    /// Reviews through `client` (TokenReview, SubjectAccessReview), answers cached for
+    /// [`REVIEW_CACHE_TTL`], unknown tokens reviewed within the [`ReviewBudget`].
     pub fn new(client: Client) -> Self {
         Self {
             client,
             tokens: Mutex::default(),
+            budget: Mutex::new(ReviewBudget::new(Instant::now())),
             decisions: Mutex::default(),
         }
     }
 
-    /// TokenReview: who holds `token`.
-    pub async fn token_user(&self, token: &str) -> Result<UserInfo, AuthError> {
-        if let Some(answer) = cached(&self.tokens, &token.to_owned()) {
+    /// TokenReview: who holds `token`, minted for `audience`.
+    pub async fn token_user(
+        &self,
+        token: &str,
+        audience: &Audience,
+    ) -> Result<UserInfo, AuthError> {
+        let key = token_key(token, audience);
+        let cached = self.tokens.lock().expect("cache").get(&key, Instant::now());
+        if let Some(answer) = cached {
             return answer.map_err(AuthError::Unauthenticated);
         }
+        self.budget
+            .lock()
+            .expect("budget")
+            .take(Instant::now())
+            .map_err(AuthError::TooManyRequests)?;
         let review = TokenReview {
             spec: TokenReviewSpec {
                 token: Some(token.to_owned()),
-                audiences: None,
+                audiences: match audience {
+                    Audience::ApiServer => None,
+                    Audience::Named(name) => Some(vec![name.clone()]),
+                },
             },
             ..TokenReview::default()
         };
         let review = Api::<TokenReview>::all(self.client.clone())
             .create(&PostParams::default(), &review)
             .await?;
-        let status = review.status.unwrap_or_default();
-        let answer = match (status.authenticated, status.user) {
-            (Some(true), Some(user)) => Ok(UserInfo {
-                username: user.username.unwrap_or_default(),
-                uid: user.uid,
-                groups: user.groups.unwrap_or_default(),
-                extra: user.extra.unwrap_or_default(),
-            }),
-            _ => Err(format!(
-                "the bearer token was not accepted{}",
-                status.error.map(|e| format!(": {e}")).unwrap_or_default()
-            )),
-        };
-        remember(&self.tokens, token.to_owned(), answer.clone());
+        let answer = token_answer(review.status.unwrap_or_default(), audience);
+        self.tokens
+            .lock()
+            .expect("cache")
+            .insert(key, answer.clone(), Instant::now());
         answer.map_err(AuthError::Unauthenticated)
     }
 
@@ -305,7 +456,12 @@ impl Authorizer {
         attributes: &Attributes,
     ) -> Result<(), AuthError> {
         let key = (user.clone(), attributes.clone());
-        if let Some(answer) = cached(&self.decisions, &key) {
+        let cached = self
+            .decisions
+            .lock()
+            .expect("cache")
+            .get(&key, Instant::now());
+        if let Some(answer) = cached {
             return answer.map_err(AuthError::Forbidden);
         }
         let (resource_attributes, non_resource_attributes) = match attributes {
@@ -365,7 +521,10 @@ impl Authorizer {
                     .unwrap_or_default()
             ))
         };
-        remember(&self.decisions, key, answer.clone());
+        self.decisions
+            .lock()
+            .expect("cache")
+            .insert(key, answer.clone(), Instant::now());
         answer.map_err(AuthError::Forbidden)
     }
 }
@@ -373,7 +532,153 @@ impl Authorizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cosmosq_testkit::fake::{FakeApiServer, API_AUDIENCE};
     use http::HeaderValue;
+    use k8s_openapi::api::authentication::v1::UserInfo as ReviewedUser;
+
+    fn cosmosq() -> Audience {
+        Audience::Named(DEFAULT_TOKEN_AUDIENCE.into())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_review_budget_allows_a_burst_then_one_per_refill() {
+        let mut budget = ReviewBudget::new(Instant::now());
+        for _ in 0..REVIEW_BURST {
+            assert_eq!(budget.take(Instant::now()), Ok(()));
+        }
+        assert_eq!(budget.take(Instant::now()), Err(REVIEW_REFILL));
+        tokio::time::advance(Duration::from_millis(50)).await;
+        assert_eq!(
+            budget.take(Instant::now()),
+            Err(REVIEW_REFILL - Duration::from_millis(50))
+        );
+        tokio::time::advance(REVIEW_REFILL - Duration::from_millis(50)).await;
+        assert_eq!(budget.take(Instant::now()), Ok(()));
+        assert_eq!(budget.take(Instant::now()), Err(REVIEW_REFILL));
+        // A long quiet spell refills the bucket, never beyond the burst.
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        for _ in 0..REVIEW_BURST {
+            assert_eq!(budget.take(Instant::now()), Ok(()));
+        }
+        assert!(budget.take(Instant::now()).is_err());
+        assert_eq!(retry_after_seconds(REVIEW_REFILL), 1);
+        assert_eq!(retry_after_seconds(Duration::from_millis(1500)), 2);
+        assert_eq!(retry_after_seconds(Duration::ZERO), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn answers_expire_and_the_cache_never_outgrows_its_capacity() {
+        let mut cache = ReviewCache::default();
+        cache.insert(0usize, "no", Instant::now());
+        tokio::time::advance(REVIEW_CACHE_TTL - Duration::from_millis(1)).await;
+        assert_eq!(cache.get(&0, Instant::now()), Some("no"));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(cache.get(&0, Instant::now()), None);
+        // Full of live answers: the oldest goes.
+        let mut cache = ReviewCache::default();
+        for key in 0..CACHE_CAPACITY + 100 {
+            cache.insert(key, (), Instant::now());
+            tokio::time::advance(Duration::from_micros(1)).await;
+        }
+        assert_eq!(cache.len(), CACHE_CAPACITY);
+        assert_eq!(cache.get(&99, Instant::now()), None);
+        assert_eq!(cache.get(&100, Instant::now()), Some(()));
+        // Full of expired answers: they all go.
+        tokio::time::advance(REVIEW_CACHE_TTL).await;
+        cache.insert(usize::MAX, (), Instant::now());
+        assert_eq!(cache.len(), 1);
+    }
+
+    #[test]
+    fn a_token_is_accepted_only_for_the_audience_asked() {
+        let user = || {
+            Some(ReviewedUser {
+                username: Some("system:serviceaccount:keda:keda-operator".into()),
+                ..ReviewedUser::default()
+            })
+        };
+        let answer = |authenticated: bool, audiences: Option<&[&str]>| TokenReviewStatus {
+            authenticated: Some(authenticated),
+            audiences: audiences.map(|a| a.iter().map(|s| s.to_string()).collect()),
+            user: authenticated.then(user).flatten(),
+            error: (!authenticated).then(|| "invalid bearer token".to_owned()),
+        };
+        let ok = token_answer(answer(true, Some(&["cosmosq"])), &cosmosq()).unwrap();
+        assert_eq!(ok.username, "system:serviceaccount:keda:keda-operator");
+        // An authenticator that ignores audiences vouches for the API server, not for us.
+        let err = token_answer(answer(true, None), &cosmosq()).unwrap_err();
+        assert!(err.contains("audience \"cosmosq\""), "{err}");
+        assert!(token_answer(answer(true, Some(&[API_AUDIENCE])), &cosmosq()).is_err());
+        assert!(token_answer(answer(true, None), &Audience::ApiServer).is_ok());
+        let err = token_answer(answer(false, None), &Audience::ApiServer).unwrap_err();
+        assert!(err.contains("invalid bearer token"), "{err}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refusals_are_remembered_by_a_hash_and_unknown_tokens_reviewed_at_a_bounded_rate() {
+        let server = FakeApiServer::new();
+        server.issue_token("api-token", "system:serviceaccount:keda:keda-operator");
+        let reviews = || {
+            server
+                .requests()
+                .get("POST apis/authentication.k8s.io/v1/tokenreviews")
+                .copied()
+                .unwrap_or(0)
+        };
+        let authorizer = Authorizer::new(server.client());
+        // Accepted for the API server is not accepted for us: each audience is its own answer.
+        assert!(authorizer
+            .token_user("api-token", &Audience::ApiServer)
+            .await
+            .is_ok());
+        assert!(matches!(
+            authorizer.token_user("api-token", &cosmosq()).await,
+            Err(AuthError::Unauthenticated(_))
+        ));
+        assert_eq!(reviews(), 2);
+        // A refused token is asked about once per TTL, and the cache does not hold it.
+        for _ in 0..3 {
+            assert!(matches!(
+                authorizer.token_user("forged-secret", &cosmosq()).await,
+                Err(AuthError::Unauthenticated(_))
+            ));
+        }
+        assert_eq!(reviews(), 3);
+        let held = format!("{:?}", authorizer.tokens.lock().unwrap());
+        assert!(!held.contains("forged-secret"), "{held}");
+        // New tokens spend the rest of the burst, then wait for the bucket.
+        let mut wait = None;
+        for i in 0..REVIEW_BURST * 3 {
+            match authorizer
+                .token_user(&format!("forged-{i}"), &cosmosq())
+                .await
+            {
+                Err(AuthError::Unauthenticated(_)) => {}
+                Err(AuthError::TooManyRequests(after)) => {
+                    wait = Some(after);
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(reviews(), u64::from(REVIEW_BURST));
+        assert_eq!(wait, Some(REVIEW_REFILL), "refused once the burst is spent");
+        // Known answers are not held up by the empty bucket.
+        assert!(authorizer
+            .token_user("api-token", &Audience::ApiServer)
+            .await
+            .is_ok());
+        tokio::time::advance(REVIEW_REFILL).await;
+        assert!(matches!(
+            authorizer.token_user("forged-late", &cosmosq()).await,
+            Err(AuthError::Unauthenticated(_))
+        ));
+        assert_eq!(reviews(), u64::from(REVIEW_BURST) + 1);
+        // After the TTL the refusal is asked again.
+        tokio::time::advance(REVIEW_CACHE_TTL).await;
+        let _ = authorizer.token_user("forged-secret", &cosmosq()).await;
+        assert_eq!(reviews(), u64::from(REVIEW_BURST) + 2);
+    }
 
     fn front_proxy(cn: &str) -> (String, CertificateDer<'static>) {
         let ca = cosmosq_testkit::pki::TestCa::new("front-proxy-ca");

@@ -39,13 +39,19 @@ pub struct Config {
     /// `<release>-worker`).
     #[arg(long, env = "COSMOSQ_WORKER_CLUSTER_ROLE", default_value = crate::build::WORKER_CLUSTER_ROLE)]
     pub worker_cluster_role: String,
-    /// Prometheus metrics, health and readiness (plain HTTP).
+    /// Health and readiness probes (plain HTTP, no authentication, nothing else).
     #[arg(long, env = "COSMOSQ_LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: SocketAddr,
-    /// The external metrics API (and the KEDA endpoint) over TLS, when --tls-cert-file and
+    /// `/metrics` (for bearer tokens whose holder may `get` the non-resource URL `/metrics`),
+    /// the external metrics API and the KEDA endpoint over TLS, when --tls-cert-file and
     /// --tls-key-file are set. Both files are read again when they change.
     #[arg(long, env = "COSMOSQ_SECURE_LISTEN", default_value = "0.0.0.0:6443")]
     pub secure_listen: SocketAddr,
+    /// Also serve `/metrics` here without authentication: a loopback address, for
+    /// kube-rbac-proxy in the same pod or a local run. Off by default: the series name every
+    /// namespace's queues and backlogs.
+    #[arg(long, env = "COSMOSQ_INSECURE_METRICS_LISTEN")]
+    pub insecure_metrics_listen: Option<SocketAddr>,
     /// The serving certificate (PEM) of the TLS listener.
     #[arg(long, env = "COSMOSQ_TLS_CERT_FILE", requires = "tls_key_file")]
     pub tls_cert_file: Option<PathBuf>,
@@ -56,6 +62,11 @@ pub struct Config {
     /// callers whose bearer token may `get` that QueueConsumerGroup.
     #[arg(long, env = "COSMOSQ_KEDA_ENDPOINT", default_value_t = false, action = clap::ArgAction::Set, requires = "tls_cert_file")]
     pub keda_endpoint: bool,
+    /// The audience a bearer token for the KEDA endpoint must be minted for
+    /// (`kubectl create token <account> --audience cosmosq`): a token for the API server or any
+    /// other audience is refused, so one handed out elsewhere cannot be replayed to it.
+    #[arg(long, env = "COSMOSQ_TOKEN_AUDIENCE", default_value = crate::auth::DEFAULT_TOKEN_AUDIENCE, value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    pub token_audience: String,
     /// How often every group's remaining work is estimated and its replicas decided.
     #[arg(long, env = "COSMOSQ_SCALE_INTERVAL", default_value = "15s", value_parser = duration)]
     pub scale_interval: Duration,
@@ -133,6 +144,11 @@ mod tests {
         assert!(config.leader_election);
         assert_eq!(config.scale_interval, Duration::from_secs(15));
         assert_eq!(config.listen.port(), 8080);
+        assert_eq!(
+            config.insecure_metrics_listen, None,
+            "no /metrics without auth"
+        );
+        assert_eq!(config.token_audience, "cosmosq");
         assert_eq!(config.reconcile_concurrency, 8);
         assert!(config.sidecar_image.starts_with("ghcr.io/cosmosq/sidecar:"));
     }

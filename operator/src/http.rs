@@ -1,7 +1,9 @@
-//! The operator's HTTP surface. Plain HTTP: `/metrics`, `/healthz`, `/readyz`. Over TLS only,
-//! and only for authenticated, authorized callers (see [`crate::auth`]): the
-//! `external.metrics.k8s.io/v1beta1` API an HPA reads through an APIService, and the same
-//! figures as plain JSON for KEDA's metrics-api scaler (when enabled).
+//! The operator's HTTP surface. Plain HTTP: `/healthz` and `/readyz`, for the kubelet. Over TLS
+//! only, and only for authenticated, authorized callers (see [`crate::auth`]): `/metrics` (its
+//! series name every tenant's queues and backlogs), the `external.metrics.k8s.io/v1beta1` API an
+//! HPA reads through an APIService, and the same figures as plain JSON for KEDA's metrics-api
+//! scaler (when enabled). `/metrics` is served without authentication only on a listener asked
+//! for by name (`--insecure-metrics-listen`: loopback, behind kube-rbac-proxy or on a laptop).
 //!
 //! A group whose estimate failed answers with an error, never with a zero: the HPA and KEDA
 //! then keep the replicas they have.
@@ -24,13 +26,15 @@ use tracing::{debug, info, warn};
 
 use cosmosq_queue::metric_names;
 
-use crate::auth::{Attributes, AuthError, Authorizer, RequestHeader};
+use crate::auth::{Attributes, Audience, AuthError, Authorizer, RequestHeader};
 use crate::context::{Figures, GroupFigures};
 use crate::metrics::Metrics;
 use crate::tls::ServingTls;
 
 const EXTERNAL_METRICS_GROUP: &str = "external.metrics.k8s.io";
 const EXTERNAL_METRICS: &str = "/apis/external.metrics.k8s.io/v1beta1";
+/// The path Prometheus scrapes, and the non-resource URL its readers are granted `get` on.
+pub const METRICS_PATH: &str = "/metrics";
 
 /// What can stop the HTTP listeners.
 #[derive(Debug, thiserror::Error)]
@@ -95,22 +99,37 @@ pub struct Peer {
 struct Secure {
     shared: Shared,
     authorizer: Arc<Authorizer>,
+    /// Whom KEDA's tokens must be minted for.
+    keda_audience: Audience,
 }
 
-/// Health, readiness and Prometheus metrics: nothing a caller must be trusted with.
+/// Health and readiness: nothing a caller must be trusted with.
 pub fn router(shared: Shared) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
         .with_state(shared)
 }
 
-/// The figures, per group and namespace, for authorized callers; connections come from
-/// [`serve_tls`], which attaches each one's [`Peer`].
-pub fn secure_router(shared: Shared, authorizer: Arc<Authorizer>, keda: bool) -> Router {
+/// `/metrics` for anyone who can connect: only for a listener no other pod can reach.
+pub fn insecure_metrics_router(shared: Shared) -> Router {
+    Router::new()
+        .route(METRICS_PATH, get(metrics))
+        .with_state(shared)
+}
+
+/// `/metrics` and the figures, per group and namespace, for authorized callers; connections
+/// come from [`serve_tls`], which attaches each one's [`Peer`]. With `keda_audience`, the KEDA
+/// endpoint too, for tokens minted for that audience.
+pub fn secure_router(
+    shared: Shared,
+    authorizer: Arc<Authorizer>,
+    keda_audience: Option<String>,
+) -> Router {
+    let keda = keda_audience.is_some();
     let router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .route(METRICS_PATH, get(secure_metrics))
         .route(EXTERNAL_METRICS, get(discovery))
         .route(
             &format!("{EXTERNAL_METRICS}/namespaces/{{namespace}}/{{metric}}"),
@@ -124,7 +143,11 @@ pub fn secure_router(shared: Shared, authorizer: Arc<Authorizer>, keda: bool) ->
     } else {
         router
     };
-    router.with_state(Secure { shared, authorizer })
+    router.with_state(Secure {
+        shared,
+        authorizer,
+        keda_audience: keda_audience.map_or(Audience::ApiServer, Audience::Named),
+    })
 }
 
 fn auth_response(error: AuthError) -> Response {
@@ -137,6 +160,18 @@ fn auth_response(error: AuthError) -> Response {
             status_error(StatusCode::UNAUTHORIZED, "Unauthorized", error.to_string())
         }
         AuthError::Forbidden(message) => status_error(StatusCode::FORBIDDEN, "Forbidden", message),
+        AuthError::TooManyRequests(wait) => {
+            let mut response = status_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "TooManyRequests",
+                error.to_string(),
+            );
+            response.headers_mut().insert(
+                http::header::RETRY_AFTER,
+                crate::auth::retry_after_seconds(wait).into(),
+            );
+            response
+        }
         AuthError::Api(_) => status_error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "InternalError",
@@ -177,10 +212,12 @@ impl Secure {
             .map_err(auth_response)
     }
 
-    /// The holder of the request's bearer token, if it may do `attributes`.
+    /// The holder of the request's bearer token (minted for `audience`), if it may do
+    /// `attributes`.
     async fn bearer_caller(
         &self,
         headers: &HeaderMap,
+        audience: &Audience,
         attributes: Attributes,
     ) -> Result<(), Response> {
         let token = headers
@@ -196,7 +233,7 @@ impl Secure {
             })?;
         let user = self
             .authorizer
-            .token_user(token)
+            .token_user(token, audience)
             .await
             .map_err(auth_response)?;
         self.authorizer
@@ -224,6 +261,22 @@ async fn metrics(State(shared): State<Shared>) -> Response {
         shared.metrics.render(),
     )
         .into_response()
+}
+
+/// Prometheus' read: its own ServiceAccount token (the API server's audience), bound to a role
+/// that may `get` the non-resource URL `/metrics` (the chart's `<release>-metrics-reader`).
+async fn secure_metrics(State(secure): State<Secure>, headers: HeaderMap) -> Response {
+    let attributes = Attributes::NonResource {
+        path: METRICS_PATH.into(),
+        verb: "get".into(),
+    };
+    if let Err(refused) = secure
+        .bearer_caller(&headers, &Audience::ApiServer, attributes)
+        .await
+    {
+        return refused;
+    }
+    metrics(State(secure.shared)).await
 }
 
 async fn discovery(
@@ -381,7 +434,10 @@ async fn keda_figures(
         name: Some(name.clone()),
         verb: "get".into(),
     };
-    if let Err(refused) = secure.bearer_caller(&headers, attributes).await {
+    if let Err(refused) = secure
+        .bearer_caller(&headers, &secure.keda_audience, attributes)
+        .await
+    {
         return refused;
     }
     let shared = &secure.shared;
@@ -418,7 +474,7 @@ pub async fn serve(
         addr: SocketAddr::from(([0, 0, 0, 0], 0)),
         source,
     })?;
-    info!(%addr, "serving metrics, health and the KEDA endpoint");
+    info!(%addr, "serving plain HTTP");
     axum::serve(listener, router)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
@@ -433,7 +489,7 @@ pub async fn serve_tls(
     tls: Arc<ServingTls>,
     shutdown: CancellationToken,
 ) -> Result<(), HttpError> {
-    info!(addr = ?listener.local_addr().ok(), "serving the figures over TLS");
+    info!(addr = ?listener.local_addr().ok(), "serving metrics and the figures over TLS");
     loop {
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
@@ -490,6 +546,7 @@ mod tests {
 
     const HPA: &str = "system:serviceaccount:kube-system:horizontal-pod-autoscaler";
     const KEDA: &str = "system:serviceaccount:keda:keda-operator";
+    const PROMETHEUS: &str = "system:serviceaccount:monitoring:prometheus";
 
     fn figures(backlog: Option<u64>) -> GroupFigures {
         GroupFigures {
@@ -508,6 +565,7 @@ mod tests {
     /// The operator's TLS listener on loopback, in a cluster whose front proxy, HPA controller
     /// and KEDA are known to the (in-memory) API server.
     struct Served {
+        server: FakeApiServer,
         shared: Shared,
         tls: Arc<ServingTls>,
         url: String,
@@ -557,7 +615,12 @@ mod tests {
             "cosmosq_backlog",
             "shop",
         );
-        server.issue_token("keda-token", KEDA);
+        // KEDA's token, minted for the operator's audience; the same account's token for the
+        // API server (what its pod mounts).
+        server.issue_token_for("keda-token", KEDA, &[crate::auth::DEFAULT_TOKEN_AUDIENCE]);
+        server.issue_token("keda-api-token", KEDA);
+        server.issue_token("prometheus-token", PROMETHEUS);
+        server.grant_path(PROMETHEUS, "get", METRICS_PATH);
         server.grant(
             KEDA,
             "get",
@@ -565,7 +628,14 @@ mod tests {
             "queueconsumergroups",
             "shop",
         );
-        server.issue_token("stranger-token", "system:serviceaccount:other:app");
+        server.issue_token_for(
+            "stranger-token",
+            "system:serviceaccount:other:app",
+            &[
+                cosmosq_testkit::fake::API_AUDIENCE,
+                crate::auth::DEFAULT_TOKEN_AUDIENCE,
+            ],
+        );
 
         let serving_ca = TestCa::new("serving-ca");
         let dir = std::env::temp_dir().join(format!("cosmosq-tls-{}", uuid::Uuid::new_v4()));
@@ -592,10 +662,11 @@ mod tests {
         let router = secure_router(
             shared.clone(),
             Arc::new(Authorizer::new(server.client())),
-            keda,
+            keda.then(|| crate::auth::DEFAULT_TOKEN_AUDIENCE.to_owned()),
         );
         tokio::spawn(serve_tls(listener, router, tls.clone(), shutdown.clone()));
         Served {
+            server,
             shared,
             tls,
             url,
@@ -645,12 +716,24 @@ mod tests {
         }
 
         async fn with_token(&self, token: Option<&str>, path: &str) -> (StatusCode, Value) {
+            send(self.token_request(token, path)).await
+        }
+
+        fn token_request(&self, token: Option<&str>, path: &str) -> reqwest::RequestBuilder {
             let request = client(&self.serving_ca, None).get(format!("{}{path}", self.url));
-            let request = match token {
+            match token {
                 Some(token) => request.bearer_auth(token),
                 None => request,
-            };
-            send(request).await
+            }
+        }
+
+        /// TokenReviews the operator asked so far.
+        fn token_reviews(&self) -> u64 {
+            self.server
+                .requests()
+                .get("POST apis/authentication.k8s.io/v1/tokenreviews")
+                .copied()
+                .unwrap_or(0)
         }
     }
 
@@ -833,6 +916,13 @@ mod tests {
             served.with_token(Some("stranger-token"), path).await.0,
             StatusCode::FORBIDDEN
         );
+        // KEDA's own account, with a token minted for the API server (its pod's): not for us.
+        let (status, body) = served.with_token(Some("keda-api-token"), path).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+        assert!(
+            body["message"].as_str().unwrap().contains("cosmosq"),
+            "{body}"
+        );
         // Off unless enabled.
         let off = serve(figures(Some(7)), false).await;
         assert_eq!(
@@ -894,6 +984,99 @@ mod tests {
             .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(body["message"].as_str().unwrap().contains("standby"));
+    }
+
+    #[tokio::test]
+    async fn metrics_are_served_over_tls_to_holders_of_get_metrics_only() {
+        let served = serve(figures(Some(7)), false).await;
+        let scrape = |token: Option<&'static str>| served.with_token(token, METRICS_PATH);
+        // Anonymous, a token the API server does not know, a known caller not granted
+        // `get /metrics`.
+        assert_eq!(scrape(None).await.0, StatusCode::UNAUTHORIZED);
+        assert_eq!(scrape(Some("forged")).await.0, StatusCode::UNAUTHORIZED);
+        let (status, body) = scrape(Some("stranger-token")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        assert!(
+            body["message"].as_str().unwrap().contains("get /metrics"),
+            "{body}"
+        );
+        // Prometheus, with its pod's own token (the API server's audience).
+        let response = served
+            .token_request(Some("prometheus-token"), METRICS_PATH)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200);
+        let text = response.text().await.unwrap();
+        assert!(text.contains("cosmosq_operator_leader"), "{text}");
+        // The plain listener has probes only.
+        let plain = router(served.shared.clone());
+        let response = tower::ServiceExt::oneshot(
+            plain,
+            http::Request::get(METRICS_PATH)
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn unknown_tokens_cost_at_most_a_burst_of_reviews_then_429() {
+        let served = serve(figures(Some(7)), true).await;
+        // Prometheus' token is known (cached) before the flood.
+        assert_eq!(
+            served
+                .with_token(Some("prometheus-token"), METRICS_PATH)
+                .await
+                .0,
+            StatusCode::OK
+        );
+        let before = served.token_reviews();
+        // The same forged token again and again: one review, then its cached refusal.
+        for _ in 0..5 {
+            let (status, _) = served.with_token(Some("forged"), METRICS_PATH).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED);
+        }
+        assert_eq!(served.token_reviews(), before + 1);
+        // A new token per request: the rest of the burst is reviewed, then refused unasked.
+        let flood = std::time::Instant::now();
+        let mut refused = None;
+        for i in 0..crate::auth::REVIEW_BURST * 3 {
+            let response = served
+                .token_request(Some(&format!("forged-{i}")), METRICS_PATH)
+                .send()
+                .await
+                .unwrap();
+            if response.status().as_u16() == 429 {
+                refused = Some(response);
+                break;
+            }
+            assert_eq!(response.status().as_u16(), 401);
+        }
+        let refused = refused.expect("refused with 429 once the burst is spent");
+        let retry_after = refused.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        assert_eq!(retry_after, "1", "the next review is due within a second");
+        // The burst, the forged token's one review, and what refilled while the flood ran.
+        let refilled =
+            (flood.elapsed().as_millis() / crate::auth::REVIEW_REFILL.as_millis()) as u64;
+        let reviews = served.token_reviews() - before;
+        assert!(
+            reviews <= u64::from(crate::auth::REVIEW_BURST) + 1 + refilled,
+            "{reviews} reviews, {refilled} refilled"
+        );
+        // A token answered before the flood still reads.
+        assert_eq!(
+            served
+                .with_token(Some("prometheus-token"), METRICS_PATH)
+                .await
+                .0,
+            StatusCode::OK
+        );
     }
 
     #[test]

@@ -114,24 +114,44 @@ pub async fn run_with(
         )),
         _ => None,
     };
+    let insecure_metrics = match config.insecure_metrics_listen {
+        Some(addr) => Some((addr, http::bind(addr).await?)),
+        None => None,
+    };
     let mut servers = tokio::task::JoinSet::new();
     servers.spawn(http::serve(
         listener,
         http::router(shared.clone()),
         shutdown.clone(),
     ));
-    if let Some((listener, tls)) = secure {
-        let router = http::secure_router(
-            shared.clone(),
-            Arc::new(Authorizer::new(client.clone())),
-            config.keda_endpoint,
-        );
-        let reload = tls.clone().run(shutdown.clone());
-        servers.spawn(async move {
-            reload.await;
-            Ok(())
-        });
-        servers.spawn(http::serve_tls(listener, router, tls, shutdown.clone()));
+    if let Some((addr, listener)) = insecure_metrics {
+        if !addr.ip().is_loopback() {
+            warn!(%addr, "/metrics is served without authentication where other pods may reach it");
+        }
+        servers.spawn(http::serve(
+            listener,
+            http::insecure_metrics_router(shared.clone()),
+            shutdown.clone(),
+        ));
+    }
+    match secure {
+        Some((listener, tls)) => {
+            let router = http::secure_router(
+                shared.clone(),
+                Arc::new(Authorizer::new(client.clone())),
+                config.keda_endpoint.then(|| config.token_audience.clone()),
+            );
+            let reload = tls.clone().run(shutdown.clone());
+            servers.spawn(async move {
+                reload.await;
+                Ok(())
+            });
+            servers.spawn(http::serve_tls(listener, router, tls, shutdown.clone()));
+        }
+        None if config.insecure_metrics_listen.is_none() => {
+            info!("/metrics is not served: it needs the TLS listener (--tls-cert-file, --tls-key-file)");
+        }
+        None => {}
     }
     let pod = config.identity.clone().map(|name| {
         (

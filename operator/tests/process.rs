@@ -1,6 +1,7 @@
 //! The operator binary as Kubernetes runs it: configured by flags, reaching the API server
 //! through a kubeconfig (here the in-memory one, served over HTTP), becoming leader, serving
-//! its probes and metrics, and on SIGTERM releasing its Lease and exiting 0.
+//! its probes (and `/metrics` only where asked to without TLS), and on SIGTERM releasing its
+//! Lease and exiting 0.
 
 use cosmosq_testkit::free_port;
 use std::process::{Command, Stdio};
@@ -35,6 +36,7 @@ async fn the_binary_leads_serves_probes_and_stops_cleanly_on_sigterm() {
     std::fs::create_dir_all(&dir).unwrap();
     let (kubeconfig, stop) = fake.serve_localhost(&dir).await.unwrap();
     let port = free_port();
+    let metrics_port = free_port();
     let mut operator = Command::new(env!("CARGO_BIN_EXE_cosmosq-operator"))
         .env("KUBECONFIG", &kubeconfig)
         .env(
@@ -43,6 +45,10 @@ async fn the_binary_leads_serves_probes_and_stops_cleanly_on_sigterm() {
         )
         .env_remove("KUBERNETES_SERVICE_HOST")
         .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "--insecure-metrics-listen",
+            &format!("127.0.0.1:{metrics_port}"),
+        ])
         .args(["--lease-namespace", "cosmosq", "--identity", "operator-0"])
         .stdout(if std::env::var_os("COSMOSQ_TEST_LOG").is_some() {
             Stdio::inherit()
@@ -74,7 +80,9 @@ async fn the_binary_leads_serves_probes_and_stops_cleanly_on_sigterm() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (code, metrics) = get(port, "/metrics").await.unwrap();
+    // The probes' port, which every pod can reach, does not list the tenants' queues.
+    assert_eq!(get(port, "/metrics").await.unwrap().0, 404);
+    let (code, metrics) = get(metrics_port, "/metrics").await.unwrap();
     assert_eq!(code, 200);
     assert!(metrics.contains("cosmosq_operator_leader 1"), "{metrics}");
 

@@ -45,15 +45,21 @@ struct State {
     requests: BTreeMap<String, u64>,
     /// What each client did, as RBAC sees it: (actor, API group, resource, verb).
     verbs: std::collections::BTreeSet<(String, String, String, String)>,
-    /// Bearer tokens a TokenReview accepts, and the user each names.
-    tokens: BTreeMap<String, String>,
+    /// Bearer tokens a TokenReview accepts: the user each names, and its audiences.
+    tokens: BTreeMap<String, (String, Vec<String>)>,
     /// What a SubjectAccessReview allows: (user, verb, API group, resource, namespace).
     grants: std::collections::BTreeSet<(String, String, String, String, String)>,
     /// The top-level status fields each field manager last applied, by (collection,
     /// namespace, name, manager): a field a manager stops applying is removed, as server-side
     /// apply removes the fields it no longer owns.
     status_owners: BTreeMap<(String, String, String, String), std::collections::BTreeSet<String>>,
+    /// Paths a SubjectAccessReview allows: (user, verb, path).
+    paths: std::collections::BTreeSet<(String, String, String)>,
 }
+
+/// The audience of tokens the API server issues by default, and of reviews that name none
+/// (kube-apiserver's `--api-audiences`).
+pub const API_AUDIENCE: &str = "https://kubernetes.default.svc";
 
 impl State {
     /// The stored object, if any.
@@ -254,10 +260,23 @@ impl FakeApiServer {
         kube::Client::new(service, "default")
     }
 
-    /// A token that TokenReviews accept as `user`.
+    /// A token that TokenReviews accept as `user`, minted for the API server's audience.
     pub fn issue_token(&self, token: &str, user: &str) {
+        self.issue_token_for(token, user, &[API_AUDIENCE]);
+    }
+
+    /// A token minted for `audiences` (`kubectl create token --audience`): a review accepts it
+    /// only for one of them, and names the ones they share in `status.audiences`.
+    pub fn issue_token_for(&self, token: &str, user: &str, audiences: &[&str]) {
         let mut state = self.state.lock().expect("state");
-        state.tokens.insert(token.into(), user.into());
+        let audiences = audiences.iter().map(|a| a.to_string()).collect();
+        state.tokens.insert(token.into(), (user.into(), audiences));
+    }
+
+    /// Lets SubjectAccessReviews allow `user` to `verb` the non-resource URL `path`.
+    pub fn grant_path(&self, user: &str, verb: &str, path: &str) {
+        let mut state = self.state.lock().expect("state");
+        state.paths.insert((user.into(), verb.into(), path.into()));
     }
 
     /// Lets SubjectAccessReviews allow `user` to `verb` `resource` of `group` in `namespace`.
@@ -278,16 +297,45 @@ impl FakeApiServer {
         review["status"] = match target.collection.as_str() {
             "apis/authentication.k8s.io/v1/tokenreviews" => {
                 let token = review["spec"]["token"].as_str().unwrap_or_default();
+                // As kube-apiserver: a review that names no audience asks for its own.
+                let wanted: Vec<String> = review["spec"]["audiences"]
+                    .as_array()
+                    .filter(|a| !a.is_empty())
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|v| v.as_str().map(str::to_owned))
+                            .collect()
+                    })
+                    .unwrap_or_else(|| vec![API_AUDIENCE.to_owned()]);
                 match state.tokens.get(token) {
-                    Some(user) => json!({"authenticated": true,
-                        "user": {"username": user, "groups": ["system:authenticated"]}}),
                     None => json!({"authenticated": false, "error": "invalid bearer token"}),
+                    Some((user, audiences)) => {
+                        let shared: Vec<&String> =
+                            audiences.iter().filter(|a| wanted.contains(a)).collect();
+                        if shared.is_empty() {
+                            json!({"authenticated": false, "error": format!(
+                                "token audiences {audiences:?} is invalid for the target audiences {wanted:?}")})
+                        } else {
+                            json!({"authenticated": true, "audiences": shared,
+                                "user": {"username": user, "groups": ["system:authenticated"]}})
+                        }
+                    }
                 }
             }
             "apis/authorization.k8s.io/v1/subjectaccessreviews" => {
                 let spec = &review["spec"];
                 let attrs = &spec["resourceAttributes"];
                 let field = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+                let path = &spec["nonResourceAttributes"];
+                if path.is_object() {
+                    let key = (
+                        field(&spec["user"]),
+                        field(&path["verb"]),
+                        field(&path["path"]),
+                    );
+                    review["status"] = json!({"allowed": state.paths.contains(&key)});
+                    return Some(full(StatusCode::CREATED, &review));
+                }
                 let key = (
                     field(&spec["user"]),
                     field(&attrs["verb"]),

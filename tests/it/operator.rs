@@ -8,8 +8,10 @@
 //! Needs `helm` (`COSMOSQ_HELM`, `target/tools/helm` as `.ci/run` installs it, or `PATH`).
 //!
 //! The operator's TLS listener is checked as the cluster's callers reach it: straight (no
-//! front-proxy certificate: refused) and with ServiceAccount tokens (KEDA's bearer mode:
-//! TokenReview and SubjectAccessReview by the real API server). When the API server can reach
+//! front-proxy certificate: refused) and with ServiceAccount tokens (KEDA's bearer mode, minted
+//! for the `cosmosq` audience by the TokenRequest API, and Prometheus' scrape of `/metrics`
+//! with the chart's metrics-reader ClusterRole: TokenReview and SubjectAccessReview by the real
+//! API server). When the API server can reach
 //! this process (`COSMOSQ_E2E_OPERATOR_ADDRESS=<an IP of this host the API server can dial>`),
 //! an APIService is registered and the figures are read through the aggregation layer.
 
@@ -40,6 +42,11 @@ use kube::{Client, CustomResourceExt, ResourceExt};
 use serde_json::{json, Value};
 
 const MANAGER: &str = "cosmosq-e2e";
+/// The ServiceAccount that scrapes `/metrics` as Prometheus would (bound by the chart's
+/// `metrics.readers`).
+const SCRAPER: &str = "metrics-scraper";
+/// The audience the operator asks KEDA's tokens to carry (its default).
+const AUDIENCE: &str = "cosmosq";
 
 #[tokio::test]
 async fn the_operator_on_a_real_cluster() {
@@ -125,13 +132,13 @@ async fn the_operator_on_a_real_cluster() {
     );
     let cluster_roles: Api<ClusterRole> = Api::all(client.clone());
     let bindings: Api<ClusterRoleBinding> = Api::all(client.clone());
-    for role in ["worker", "queues"] {
+    for role in ["worker", "queues", "metrics-reader"] {
         cluster_roles
             .delete(&format!("{release}-{role}"), &DeleteParams::default())
             .await
             .expect("delete the chart's ClusterRoles");
     }
-    for binding in ["auth-delegator", "queues"] {
+    for binding in ["auth-delegator", "queues", "metrics-reader"] {
         bindings
             .delete(&format!("{release}-{binding}"), &DeleteParams::default())
             .await
@@ -167,7 +174,13 @@ async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> St
             "externalMetrics.enabled=true,kedaEndpoint.enabled=true",
         ])
         .args(["--set", &format!("watchNamespace={namespace}")])
+        // The scraper this test plays is bound to the metrics-reader ClusterRole.
+        .args([
+            "--set",
+            &format!("metrics.readers[0].name={SCRAPER},metrics.readers[0].namespace={namespace}"),
+        ])
         .args(["--show-only", "templates/serviceaccount.yaml"])
+        .args(["--show-only", "templates/metrics-reader.yaml"])
         .args(["--show-only", "templates/rbac.yaml"])
         .args(["--show-only", "templates/workers.yaml"])
         .output()
@@ -578,7 +591,7 @@ async fn a_worker_changes_only_its_own_deletion_cost(config: &kube::Config, name
     );
     // A worker account whose group is gone (deleted with --cascade=orphan: its binding stays)
     // is held to the same, though no group of its name exists to judge it by.
-    let orphan = token_of(&client, namespace, "orphaned-workers").await;
+    let orphan = token_of(&client, namespace, "orphaned-workers", &[]).await;
     let bindings: Api<RoleBinding> = Api::namespaced(client.clone(), namespace);
     let worker_role = own_worker_role(&client, namespace).await;
     let binding = serde_json::from_value(json!({"metadata": {"name": "orphaned-workers"},
@@ -625,17 +638,19 @@ async fn get(request: reqwest::RequestBuilder) -> (u16, Value) {
     (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
 }
 
-/// A token of ServiceAccount `name`, as a Secret for KEDA's TriggerAuthentication holds one.
-async fn token_of(client: &Client, namespace: &str, name: &str) -> String {
+/// A token of ServiceAccount `name` (created if need be) for `audiences` (the API server's when
+/// empty), as `kubectl create token --audience` mints it for KEDA's TriggerAuthentication.
+async fn token_of(client: &Client, namespace: &str, name: &str, audiences: &[&str]) -> String {
     let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let account = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
-    accounts
-        .create(&PostParams::default(), &account)
-        .await
-        .expect("create a ServiceAccount");
+    match accounts.create(&PostParams::default(), &account).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("create a ServiceAccount: {e}"),
+    }
     let request = TokenRequest {
         spec: TokenRequestSpec {
-            audiences: Vec::new(),
+            audiences: audiences.iter().map(|a| a.to_string()).collect(),
             expiration_seconds: Some(600),
             ..TokenRequestSpec::default()
         },
@@ -680,8 +695,8 @@ async fn the_figures_are_served_only_to_authorized_callers(
 
     // KEDA's bearer mode, judged by the API server: the operator reviews tokens as the chart's
     // ServiceAccount (system:auth-delegator).
-    let reader = token_of(client, namespace, "keda-reader").await;
-    let stranger = token_of(client, namespace, "stranger").await;
+    let reader = token_of(client, namespace, "keda-reader", &[AUDIENCE]).await;
+    let stranger = token_of(client, namespace, "stranger", &[AUDIENCE]).await;
     let role = serde_json::from_value(json!({
         "metadata": {"name": "read-groups"},
         "rules": [{"apiGroups": ["cosmosq.io"], "resources": ["queueconsumergroups"], "verbs": ["get"]}]
@@ -732,6 +747,42 @@ async fn the_figures_are_served_only_to_authorized_callers(
     assert_eq!(status, 401, "{body}");
     let (status, _) = get(https.get(&keda)).await;
     assert_eq!(status, 401);
+    // The same reader's token minted for the API server (what its pod would mount): the real
+    // API server refuses it for the audience the operator asks.
+    let api_token = token_of(client, namespace, "keda-reader", &[]).await;
+    let (status, body) = get(https.get(&keda).bearer_auth(&api_token)).await;
+    assert_eq!(status, 401, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(AUDIENCE)),
+        "{body}"
+    );
+
+    // /metrics: Prometheus' own token (the API server's audience), bound to the chart's
+    // metrics-reader ClusterRole; nobody else.
+    let metrics = listener.url("/metrics");
+    let (status, body) = get(https.get(&metrics)).await;
+    assert_eq!(status, 401, "anonymous: {body}");
+    let unbound = token_of(client, namespace, "stranger", &[]).await;
+    let (status, body) = get(https.get(&metrics).bearer_auth(&unbound)).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("get /metrics")),
+        "{body}"
+    );
+    let scraper = token_of(client, namespace, SCRAPER, &[]).await;
+    let response = https
+        .get(&metrics)
+        .bearer_auth(&scraper)
+        .send()
+        .await
+        .expect("the operator answers");
+    assert_eq!(response.status().as_u16(), 200);
+    let text = response.text().await.expect("the metrics");
+    assert!(text.contains("cosmosq_operator_leader 1"), "{text}");
 
     match std::env::var("COSMOSQ_E2E_OPERATOR_ADDRESS") {
         Ok(address) => read_through_the_aggregator(client, namespace, listener, &address).await,

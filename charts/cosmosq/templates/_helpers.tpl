@@ -31,7 +31,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- default (printf "%s-external-metrics-tls" (include "cosmosq.fullname" .)) .Values.externalMetrics.existingSecret -}}
 {{- end -}}
 
-{{/* Non-empty when the operator serves TLS: the external metrics API or the KEDA endpoint. */}}
+{{/* Non-empty when the operator serves TLS: always, since /metrics is served only there (and
+the external metrics API and the KEDA endpoint, when on). */}}
 {{- define "cosmosq.secure" -}}
-{{- if or .Values.externalMetrics.enabled .Values.kedaEndpoint.enabled }}true{{ end -}}
+true
 {{- end }}
