@@ -19,6 +19,7 @@ fn duration(text: &str) -> Result<Duration, String> {
 /// Every setting is a flag or its `COSMOSQ_*` variable (`POD_*` from the downward API).
 #[derive(Parser, Clone, Debug)]
 #[command(name = "cosmosq-operator", version, args_override_self = true)]
+#[command(group(clap::ArgGroup::new("serving").args(["tls_cert_file", "serving_cert_secret"])))]
 pub struct Config {
     /// The sidecar image injected into worker pods (a group's spec.sidecar.image overrides it).
     #[arg(
@@ -44,7 +45,7 @@ pub struct Config {
     pub listen: SocketAddr,
     /// `/metrics` (for bearer tokens whose holder may `get` the non-resource URL `/metrics`),
     /// the external metrics API and the KEDA endpoint over TLS, when --tls-cert-file and
-    /// --tls-key-file are set. Both files are read again when they change.
+    /// --tls-key-file (read again when they change) or --serving-cert-secret are set.
     #[arg(long, env = "COSMOSQ_SECURE_LISTEN", default_value = "0.0.0.0:6443")]
     pub secure_listen: SocketAddr,
     /// Also serve `/metrics` here without authentication: a loopback address, for
@@ -53,14 +54,46 @@ pub struct Config {
     #[arg(long, env = "COSMOSQ_INSECURE_METRICS_LISTEN")]
     pub insecure_metrics_listen: Option<SocketAddr>,
     /// The serving certificate (PEM) of the TLS listener.
-    #[arg(long, env = "COSMOSQ_TLS_CERT_FILE", requires = "tls_key_file")]
+    #[arg(
+        long,
+        env = "COSMOSQ_TLS_CERT_FILE",
+        requires = "tls_key_file",
+        conflicts_with = "serving_cert_secret"
+    )]
     pub tls_cert_file: Option<PathBuf>,
     /// Its private key (PEM).
     #[arg(long, env = "COSMOSQ_TLS_KEY_FILE", requires = "tls_cert_file")]
     pub tls_key_file: Option<PathBuf>,
+    /// Issue the TLS listener's serving certificate (and its CA) itself, kept in this Secret of
+    /// the operator's namespace (--lease-namespace): the leader renews it at 2/3 of its life and
+    /// rotates the CA with an overlap; every replica serves what the Secret holds.
+    #[arg(
+        long,
+        env = "COSMOSQ_SERVING_CERT_SECRET",
+        requires = "serving_cert_service"
+    )]
+    pub serving_cert_secret: Option<String>,
+    /// The Service (of the operator's namespace) the issued certificate names:
+    /// `<service>.<namespace>.svc`, `<service>.<namespace>`, `<service>`.
+    #[arg(
+        long,
+        env = "COSMOSQ_SERVING_CERT_SERVICE",
+        requires = "serving_cert_secret"
+    )]
+    pub serving_cert_service: Option<String>,
+    /// The life of an issued serving certificate.
+    #[arg(long, env = "COSMOSQ_SERVING_CERT_VALIDITY", default_value = "365d", value_parser = duration)]
+    pub serving_cert_validity: Duration,
+    /// The life of an issued CA.
+    #[arg(long, env = "COSMOSQ_SERVING_CA_VALIDITY", default_value = "3650d", value_parser = duration)]
+    pub serving_ca_validity: Duration,
+    /// The APIService whose `spec.caBundle` (only) the leader keeps to the issued CAs (the
+    /// chart's `v1beta1.external.metrics.k8s.io`).
+    #[arg(long, env = "COSMOSQ_API_SERVICE", requires = "serving_cert_secret")]
+    pub api_service: Option<String>,
     /// Serve `/keda/namespaces/<ns>/queueconsumergroups/<name>` on the TLS listener, for
     /// callers whose bearer token may `get` that QueueConsumerGroup.
-    #[arg(long, env = "COSMOSQ_KEDA_ENDPOINT", default_value_t = false, action = clap::ArgAction::Set, requires = "tls_cert_file")]
+    #[arg(long, env = "COSMOSQ_KEDA_ENDPOINT", default_value_t = false, action = clap::ArgAction::Set, requires = "serving")]
     pub keda_endpoint: bool,
     /// The audience a bearer token for the KEDA endpoint must be minted for
     /// (`kubectl create token <account> --audience cosmosq`): a token for the API server or any
@@ -182,5 +215,43 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("--tls-key-file"), "{err}");
+    }
+
+    #[test]
+    fn the_certificate_comes_from_files_or_from_the_operator_never_both() {
+        let config = Config::try_parse_from([
+            "cosmosq-operator",
+            "--serving-cert-secret=cosmosq-operator-tls",
+            "--serving-cert-service=cosmosq-external-metrics",
+            "--api-service=v1beta1.external.metrics.k8s.io",
+            "--keda-endpoint=true",
+        ])
+        .unwrap();
+        assert_eq!(
+            config.serving_cert_validity,
+            Duration::from_secs(365 * 86_400)
+        );
+        assert_eq!(
+            config.serving_ca_validity,
+            Duration::from_secs(3650 * 86_400)
+        );
+        let err = Config::try_parse_from([
+            "cosmosq-operator",
+            "--serving-cert-secret=s",
+            "--serving-cert-service=svc",
+            "--tls-cert-file=c.pem",
+            "--tls-key-file=k.pem",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("cannot be used with"), "{err}");
+        let err = Config::try_parse_from(["cosmosq-operator", "--serving-cert-secret=s"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--serving-cert-service"), "{err}");
+        let err = Config::try_parse_from(["cosmosq-operator", "--keda-endpoint=true"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("required"), "{err}");
     }
 }

@@ -501,7 +501,10 @@ pub async fn serve_tls(
                 }
             },
         };
-        let settings = tls.current();
+        let Some(settings) = tls.current() else {
+            debug!(%peer, "no serving certificate yet; closing the connection");
+            continue;
+        };
         let acceptor = tokio_rustls::TlsAcceptor::from(settings.config.clone());
         let router = router.clone();
         tokio::spawn(async move {
@@ -642,9 +645,15 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         write_pair(&dir, serving_ca.server());
         let tls = Arc::new(
-            ServingTls::load(&dir.join("tls.crt"), &dir.join("tls.key"), server.client())
-                .await
-                .unwrap(),
+            ServingTls::load(
+                crate::tls::Source::Files {
+                    cert: dir.join("tls.crt"),
+                    key: dir.join("tls.key"),
+                },
+                server.client(),
+            )
+            .await
+            .unwrap(),
         );
         let shared = Shared::new(Arc::new(Metrics::new()), Figures::default());
         shared.leader.store(true, Ordering::Relaxed);

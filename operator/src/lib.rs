@@ -16,6 +16,7 @@
 pub mod apply;
 pub mod auth;
 pub mod build;
+pub mod certs;
 pub mod config;
 pub mod context;
 pub mod cosmos;

@@ -24,6 +24,7 @@ use tracing::{info, warn};
 
 use crate::auth::Authorizer;
 use crate::build::Defaults;
+use crate::certs::{self, Keeper};
 use crate::config::Config;
 use crate::context::{Context, ReconcileFailure};
 use crate::cosmos::{Backend, Cosmos};
@@ -32,7 +33,7 @@ use crate::http::{self, HttpError, Shared};
 use crate::leader::{LeaderElection, LeaderError, Settings};
 use crate::queue::reconcile_queue;
 use crate::scaler::Scaler;
-use crate::tls::{ServingTls, TlsError};
+use crate::tls::{ServingTls, Source, TlsError};
 use cosmosq_queue::telemetry::Telemetry;
 
 /// The label the leader puts on its own pod; the external-metrics Service selects it.
@@ -107,13 +108,29 @@ pub async fn run_with(
     // The HTTP surface comes first: the kubelet probes a standby too.
     let shared = Shared::new(ctx.metrics.clone(), ctx.figures.clone());
     let listener = http::bind(config.listen).await?;
-    let secure = match (&config.tls_cert_file, &config.tls_key_file) {
-        (Some(cert), Some(key)) => Some((
-            http::bind(config.secure_listen).await?,
-            Arc::new(ServingTls::load(cert, key, client.clone()).await?),
-        )),
+    let source = match (
+        &config.tls_cert_file,
+        &config.tls_key_file,
+        &config.serving_cert_secret,
+    ) {
+        (Some(cert), Some(key), _) => Some(Source::Files {
+            cert: cert.clone(),
+            key: key.clone(),
+        }),
+        (_, _, Some(name)) => Some(Source::Secret {
+            secrets: Box::new(Api::namespaced(client.clone(), &config.lease_namespace)),
+            name: name.clone(),
+        }),
         _ => None,
     };
+    let secure = match source {
+        Some(source) => Some((
+            http::bind(config.secure_listen).await?,
+            Arc::new(ServingTls::load(source, client.clone()).await?),
+        )),
+        None => None,
+    };
+    let keeper = certificate_keeper(&client, &config, secure.as_ref().map(|(_, tls)| tls));
     let insecure_metrics = match config.insecure_metrics_listen {
         Some(addr) => Some((addr, http::bind(addr).await?)),
         None => None,
@@ -178,6 +195,12 @@ pub async fn run_with(
     }
     shared.leader.store(true, Ordering::Relaxed);
     ctx.metrics.leader.set(1);
+    // The Service reaches this pod once it is labelled: it serves a certificate by then.
+    if let Some(keeper) = &keeper {
+        if let Err(e) = keeper.round(std::time::SystemTime::now()).await {
+            warn!(error = %e, "could not issue the serving certificate yet; trying again");
+        }
+    }
     if let Some((pods, name)) = &pod {
         label_own_pod(pods, name, true).await;
     }
@@ -196,14 +219,25 @@ pub async fn run_with(
         }
         None => None,
     };
-    let controllers = run_controllers(
-        &client,
-        &config,
-        ctx.clone(),
-        shared.clone(),
-        changed_rx,
-        work.clone(),
-    );
+    let controllers = async {
+        let keeping = async {
+            if let Some(keeper) = &keeper {
+                keeper.run(work.clone()).await;
+                info!("certificate keeping stopped");
+            }
+        };
+        tokio::join!(
+            run_controllers(
+                &client,
+                &config,
+                ctx.clone(),
+                shared.clone(),
+                changed_rx,
+                work.clone(),
+            ),
+            keeping
+        );
+    };
     let outcome = match lost {
         Some(hold) => {
             let (outcome, ()) = tokio::join!(hold, controllers);
@@ -233,6 +267,36 @@ pub async fn run_with(
     shutdown.cancel();
     stop_servers(servers).await?;
     outcome.map_err(RunError::from)
+}
+
+/// The leader's keeper of the certificate it issues itself (`--serving-cert-secret`).
+fn certificate_keeper(
+    client: &Client,
+    config: &Config,
+    tls: Option<&Arc<ServingTls>>,
+) -> Option<Keeper> {
+    let (Some(name), Some(service), Some(tls)) = (
+        &config.serving_cert_secret,
+        &config.serving_cert_service,
+        tls,
+    ) else {
+        return None;
+    };
+    Some(Keeper::new(
+        Api::namespaced(client.clone(), &config.lease_namespace),
+        name.clone(),
+        config
+            .api_service
+            .as_ref()
+            .map(|name| (Api::all(client.clone()), name.clone())),
+        certs::Settings::for_service(
+            service,
+            &config.lease_namespace,
+            config.serving_cert_validity,
+            config.serving_ca_validity,
+        ),
+        tls.clone(),
+    ))
 }
 
 async fn stop_servers(

@@ -187,14 +187,20 @@ fn the_keda_example_scales_the_group_through_what_the_operator_serves() {
         "the URL has no port: 443 {service}"
     );
     let text = std::fs::read_to_string(EXAMPLE).unwrap();
-    let secret = chart
+    // The operator issues the CA into the Secret its Deployment names, in its own namespace.
+    let deployment = chart
         .iter()
-        .find(|d| d["kind"] == "Secret" && d["data"].get("ca.crt").is_some())
-        .expect("the chart's CA Secret");
+        .find(|d| d["kind"] == "Deployment")
+        .expect("the operator's Deployment");
+    let secret = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|a| a.as_str()?.strip_prefix("--serving-cert-secret="))
+        .expect("the Secret the operator keeps its CA in");
     let named = format!(
-        "kubectl -n {} get secret {}",
-        secret["metadata"]["namespace"].as_str().unwrap(),
-        secret["metadata"]["name"].as_str().unwrap()
+        "kubectl -n {} get secret {secret}",
+        deployment["metadata"]["namespace"].as_str().unwrap(),
     );
     assert!(text.contains(&named), "the example says {named:?}");
 }

@@ -13,7 +13,9 @@
 //! with the chart's metrics-reader ClusterRole: TokenReview and SubjectAccessReview by the real
 //! API server). When the API server can reach
 //! this process (`COSMOSQ_E2E_OPERATOR_ADDRESS=<an IP of this host the API server can dial>`),
-//! an APIService is registered and the figures are read through the aggregation layer.
+//! the chart's APIService is registered and the figures are read through the aggregation layer.
+//! The listener runs as the chart's default configures it: the operator issues its serving
+//! certificate into a Secret and writes the APIService's caBundle itself.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -22,7 +24,7 @@ use std::time::Duration;
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_testkit::fake::FakeApiServer;
-use cosmosq_testkit::pki::{client_config, TestCa};
+use cosmosq_testkit::pki::client_config;
 use cosmosq_tests::crd_rules::Kind;
 use cosmosq_tests::scenario::{operator_scenario, until, Check, Scenario};
 use k8s_openapi::api::admissionregistration::v1::{
@@ -104,7 +106,7 @@ async fn the_operator_on_a_real_cluster() {
     let operator_client = Client::try_from(as_operator).expect("an impersonating client");
 
     let emulator = Emulator::in_process(EmulatorOptions::default()).expect("emulator");
-    let listener = SecureListener::new(&namespace);
+    let listener = SecureListener::new(&namespace, &release);
     operator_scenario(Scenario {
         client: client.clone(),
         operator_client,
@@ -132,13 +134,13 @@ async fn the_operator_on_a_real_cluster() {
     );
     let cluster_roles: Api<ClusterRole> = Api::all(client.clone());
     let bindings: Api<ClusterRoleBinding> = Api::all(client.clone());
-    for role in ["worker", "queues", "metrics-reader"] {
+    for role in ["worker", "queues", "metrics-reader", "ca-bundle"] {
         cluster_roles
             .delete(&format!("{release}-{role}"), &DeleteParams::default())
             .await
             .expect("delete the chart's ClusterRoles");
     }
-    for binding in ["auth-delegator", "queues", "metrics-reader"] {
+    for binding in ["auth-delegator", "queues", "metrics-reader", "ca-bundle"] {
         bindings
             .delete(&format!("{release}-{binding}"), &DeleteParams::default())
             .await
@@ -301,7 +303,9 @@ async fn the_chart_keeps_its_certificate_across_upgrades(
         );
     };
     let chart = chart.to_str().expect("a UTF-8 path");
-    let values = format!("kedaEndpoint.enabled=true,watchNamespace={namespace}");
+    let values = format!(
+        "kedaEndpoint.enabled=true,externalMetrics.certGeneratedBy=helm,watchNamespace={namespace}"
+    );
     let secrets: Api<k8s_openapi::api::core::v1::Secret> =
         Api::namespaced(client.clone(), namespace);
     let secret = format!("{release}-external-metrics-tls");
@@ -383,47 +387,127 @@ async fn the_api_server_enforces_the_crd_rules(client: &Client, namespace: &str)
     }
 }
 
-/// The operator's TLS listener for this run: a port, and a serving certificate for the
-/// Service an APIService names (and for loopback, where this test calls it directly).
+/// The chart's templates `show` rendered for `release` in `namespace` as the suite installs
+/// it (the TLS listener on, only `namespace` watched), one JSON value per document.
+fn chart_documents(release: &str, namespace: &str, show: &[&str]) -> Vec<Value> {
+    let chart = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
+    let mut command = std::process::Command::new(helm());
+    command
+        .args(["template", release])
+        .arg(&chart)
+        .args(["--namespace", namespace])
+        .args([
+            "--set",
+            "externalMetrics.enabled=true,kedaEndpoint.enabled=true",
+        ])
+        .args(["--set", &format!("watchNamespace={namespace}")]);
+    for template in show {
+        command.args(["--show-only", &format!("templates/{template}")]);
+    }
+    let output = command.output().expect("run helm");
+    assert!(
+        output.status.success(),
+        "helm template: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rendered = String::from_utf8(output.stdout).expect("UTF-8");
+    serde_yaml::Deserializer::from_str(&rendered)
+        .map(|doc| serde::Deserialize::deserialize(doc).expect("a YAML document"))
+        .filter(|object: &Value| !object.is_null())
+        .collect()
+}
+
+/// The operator's TLS listener for this run: a port, and the chart's settings of the
+/// certificate the operator issues itself for the chart's Service.
 struct SecureListener {
     port: u16,
-    ca: TestCa,
-    dir: PathBuf,
+    namespace: String,
+    /// The chart's operator arguments of the listener (certificate, APIService, KEDA).
+    args: Vec<String>,
     service: String,
+    secret: String,
+    release: String,
 }
 
 impl SecureListener {
-    fn new(namespace: &str) -> Self {
+    fn new(namespace: &str, release: &str) -> Self {
         let port = std::net::TcpListener::bind("0.0.0.0:0")
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
-        let service = "cosmosq-e2e-metrics".to_owned();
-        let ca = TestCa::new("cosmosq-e2e-ca");
-        let (cert, key) = ca.server_for(&[&format!("{service}.{namespace}.svc")]);
-        let dir = std::env::temp_dir().join(format!("cosmosq-e2e-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).expect("a temporary directory");
-        std::fs::write(dir.join("tls.crt"), cert).expect("write the certificate");
-        std::fs::write(dir.join("tls.key"), key).expect("write the key");
+        let deployment = chart_documents(release, namespace, &["deployment.yaml"]);
+        let args: Vec<String> = deployment[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .expect("the operator's arguments")
+            .iter()
+            .filter_map(|a| a.as_str())
+            .filter(|a| {
+                ["--serving-cert-", "--api-service=", "--keda-endpoint="]
+                    .iter()
+                    .any(|p| a.starts_with(p))
+            })
+            .map(str::to_owned)
+            .collect();
+        let value = |flag: &str| {
+            args.iter()
+                .find_map(|a| a.strip_prefix(flag))
+                .unwrap_or_else(|| panic!("the chart sets {flag} by default: {args:?}"))
+                .to_owned()
+        };
         Self {
             port,
-            ca,
-            dir,
-            service,
+            namespace: namespace.to_owned(),
+            service: value("--serving-cert-service="),
+            secret: value("--serving-cert-secret="),
+            args,
+            release: release.to_owned(),
         }
     }
 
     fn operator_args(&self) -> Vec<String> {
-        vec![
-            format!("--secure-listen=0.0.0.0:{}", self.port),
-            format!("--tls-cert-file={}", self.dir.join("tls.crt").display()),
-            format!("--tls-key-file={}", self.dir.join("tls.key").display()),
-            "--keda-endpoint=true".into(),
-        ]
+        let mut args = self.args.clone();
+        args.push(format!("--secure-listen=0.0.0.0:{}", self.port));
+        args
     }
 
+    /// The name the certificate is for: the Service's, as the aggregator dials it.
+    fn host(&self) -> String {
+        format!("{}.{}.svc", self.service, self.namespace)
+    }
+
+    /// `path` on this process's listener, dialled by the Service's name.
     fn url(&self, path: &str) -> String {
-        format!("https://localhost:{}{path}", self.port)
+        format!("https://{}:{}{path}", self.host(), self.port)
+    }
+
+    /// The CAs the operator's Secret says to trust (`ca.crt`), once the leader issued them.
+    async fn trusted(&self, client: &Client) -> String {
+        let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+            Api::namespaced(client.clone(), &self.namespace);
+        until(
+            &secrets,
+            &self.secret,
+            "the operator's serving certificate",
+            |s| {
+                s.and_then(|s| s.data.as_ref())
+                    .is_some_and(|d| d.contains_key("ca.crt"))
+            },
+        )
+        .await;
+        let secret = secrets.get(&self.secret).await.expect("the Secret");
+        String::from_utf8(secret.data.expect("its data")["ca.crt"].0.clone()).expect("PEM")
+    }
+
+    /// An HTTPS client trusting `ca`, reaching this process by the Service's name.
+    fn client(&self, ca: &str) -> reqwest::Client {
+        reqwest::Client::builder()
+            .tls_backend_preconfigured(client_config(ca, None))
+            .resolve(
+                &self.host(),
+                std::net::SocketAddr::from(([127, 0, 0, 1], self.port)),
+            )
+            .build()
+            .expect("an HTTPS client")
     }
 }
 
@@ -670,10 +754,7 @@ async fn the_figures_are_served_only_to_authorized_callers(
     namespace: &str,
     listener: &SecureListener,
 ) {
-    let https = reqwest::Client::builder()
-        .tls_backend_preconfigured(client_config(&listener.ca.pem, None))
-        .build()
-        .expect("an HTTPS client");
+    let https = listener.client(&listener.trusted(client).await);
     // Straight to the operator, claiming to be an admin: refused for want of the front
     // proxy's certificate. The message shows the operator read the front proxy's CA, which the
     // chart's RoleBinding in kube-system allows.
@@ -792,9 +873,10 @@ async fn the_figures_are_served_only_to_authorized_callers(
     }
 }
 
-/// Registers the operator as `v1beta1.external.metrics.k8s.io` and reads the backlog as an
-/// HPA does, through the API server: TLS verified by the APIService's CA bundle, the front
-/// proxy's certificate verified by the operator, the caller authorized by both.
+/// Registers the operator as `v1beta1.external.metrics.k8s.io` with the chart's APIService
+/// (no caBundle: the operator writes it) and reads the backlog as an HPA does, through the API
+/// server: TLS verified by the bundle the operator wrote, the front proxy's certificate
+/// verified by the operator, the caller authorized by both.
 async fn read_through_the_aggregator(
     client: &Client,
     namespace: &str,
@@ -814,6 +896,7 @@ async fn read_through_the_aggregator(
         );
         return;
     }
+    // The chart's Service selects the leader's pod; this operator is a process of this host.
     let service = serde_json::from_value(json!({
         "metadata": {"name": listener.service},
         "spec": {"ports": [{"name": "https", "port": 443, "targetPort": listener.port}]}
@@ -835,18 +918,23 @@ async fn read_through_the_aggregator(
         .create(&PostParams::default(), &slice)
         .await
         .expect("create the EndpointSlice");
-    let apiservice = serde_json::from_value(json!({
-        "metadata": {"name": NAME},
-        "spec": {"group": "external.metrics.k8s.io", "version": "v1beta1",
-                 "groupPriorityMinimum": 100, "versionPriority": 100,
-                 "service": {"name": listener.service, "namespace": namespace, "port": 443},
-                 "caBundle": base64_encode(listener.ca.pem.as_bytes())}
-    }))
-    .unwrap();
+    let apiservice = chart_documents(&listener.release, namespace, &["external-metrics.yaml"])
+        .into_iter()
+        .find(|d| d["kind"] == "APIService")
+        .expect("the chart's APIService");
+    assert!(
+        apiservice["spec"].get("caBundle").is_none(),
+        "the chart renders no caBundle: {apiservice}"
+    );
     apiservices
-        .create(&PostParams::default(), &apiservice)
+        .patch(
+            NAME,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&apiservice),
+        )
         .await
-        .expect("create the APIService");
+        .expect("apply the chart's APIService");
+    // The leader gives it the bundle within a round (30 s).
     until(&apiservices, NAME, "the APIService to be available", |a| {
         a.and_then(|a| a.status.as_ref())
             .and_then(|s| s.conditions.as_ref())
@@ -856,6 +944,27 @@ async fn read_through_the_aggregator(
             })
     })
     .await;
+    let available = apiservices.get(NAME).await.expect("the APIService");
+    let bundle = available
+        .spec
+        .as_ref()
+        .and_then(|s| s.ca_bundle.as_ref())
+        .expect("the operator wrote the caBundle");
+    assert_eq!(
+        String::from_utf8_lossy(&bundle.0),
+        listener.trusted(client).await,
+        "the APIService trusts what the Secret's ca.crt says"
+    );
+    // The operator's field manager owns spec.caBundle and nothing else.
+    let owned: Vec<_> = available
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|f| f.manager.as_deref() == Some(cosmosq_operator::certs::CA_BUNDLE_MANAGER))
+        .map(|f| serde_json::to_value(&f.fields_v1).unwrap())
+        .collect();
+    assert_eq!(owned, [json!({"f:spec": {"f:caBundle": {}}})]);
     let path = format!(
         "/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/cosmosq_backlog_messages?labelSelector=group%3Dbilling"
     );
@@ -868,11 +977,6 @@ async fn read_through_the_aggregator(
         .delete(NAME, &DeleteParams::default())
         .await
         .expect("delete the APIService");
-}
-
-fn base64_encode(bytes: &[u8]) -> String {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
 /// The same scenario on the in-memory API server, in every test run; it also proves the
@@ -939,6 +1043,12 @@ async fn the_operator_provisions_runs_scales_and_cleans_up() {
         ("events.k8s.io", "events", "patch"),                       // repeated Events
         ("coordination.k8s.io", "leases", "update"),                // renewals (2 s)
         ("rbac.authorization.k8s.io", "clusterroles", "bind"),      // checked by real RBAC only
+        // The certificate the operator issues itself (its TLS listener is off here; the real
+        // cluster's run judges these calls).
+        ("", "secrets", "create"),
+        ("", "secrets", "update"),
+        ("apiregistration.k8s.io", "apiservices", "get"),
+        ("apiregistration.k8s.io", "apiservices", "patch"),
     ]
     .into_iter()
     .map(|(g, r, v)| (g.to_owned(), r.to_owned(), v.to_owned()))
