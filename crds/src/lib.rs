@@ -453,6 +453,15 @@ pub struct AppSpec {
     /// SDKs and apps publish through it unchanged (a container's own value is kept).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dapr_env: bool,
+    /// A Secret of the group's namespace holding Dapr's two API tokens: `dapr-api-token`,
+    /// which the app presents to the sidecar's API (`DAPR_API_TOKEN`; another container of
+    /// the pod cannot enqueue or settle without it), and `app-api-token`, which the sidecar
+    /// presents to the app on every call (`APP_API_TOKEN`; the app can tell its sidecar from
+    /// anyone). Both are set in the sidecar and in the app's containers, under Dapr's names,
+    /// so the Dapr SDKs send and check them unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"))]
+    pub api_token_secret: Option<String>,
 }
 
 fn default_app_path() -> String {

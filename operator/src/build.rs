@@ -201,6 +201,32 @@ pub fn subscription_entry(s: &cosmosq_crds::SubscriptionSpec, topic: &str) -> se
     entry
 }
 
+/// Dapr's variable for the token the app presents to its sidecar.
+pub const API_TOKEN_ENV: &str = "DAPR_API_TOKEN";
+/// Dapr's variable for the token the sidecar presents to its app.
+pub const APP_API_TOKEN_ENV: &str = "APP_API_TOKEN";
+/// The key of `spec.app.apiTokenSecret` holding [`API_TOKEN_ENV`].
+pub const API_TOKEN_KEY: &str = "dapr-api-token";
+/// The key of `spec.app.apiTokenSecret` holding [`APP_API_TOKEN_ENV`].
+pub const APP_API_TOKEN_KEY: &str = "app-api-token";
+
+/// `name` from `key` of the Secret `secret` (required: a pod without it does not start, and
+/// says so, rather than run unguarded).
+fn secret_env(name: &str, secret: &str, key: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(k8s_openapi::api::core::v1::EnvVarSource {
+            secret_key_ref: Some(k8s_openapi::api::core::v1::SecretKeySelector {
+                name: secret.into(),
+                key: key.into(),
+                optional: Some(false),
+            }),
+            ..Default::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
 fn env(name: &str, value: impl Into<String>) -> EnvVar {
     EnvVar {
         name: name.into(),
@@ -423,6 +449,14 @@ pub fn deployment(
             format!("the name {SIDECAR_CONTAINER} is the sidecar's"),
         ));
     }
+    // On the node's network, the sidecar's localhost API would be every pod's on the node.
+    if pod.host_network == Some(true) {
+        return Err(invalid(
+            "spec.template.spec.hostNetwork",
+            "the sidecar's API listens on the pod's localhost, which the node's network would \
+             share with every host-network pod of the node; leave it unset",
+        ));
+    }
     pod.containers
         .push(sidecar_container(qcg, queue, defaults)?);
     // The workers run as the group's own ServiceAccount: the operator binds the worker role
@@ -466,6 +500,18 @@ pub fn deployment(
     // own shutdown.
     let drain = settings.app_timeout.as_secs() as i64 + DRAIN_MARGIN_SECONDS;
     for container in pod.containers.iter_mut() {
+        // Dapr's two tokens, under Dapr's names, in every container: the sidecar checks and
+        // sends them, the app's SDK sends and checks them.
+        if let Some(secret) = &qcg.spec.app.api_token_secret {
+            let vars = container.env.get_or_insert_with(Vec::new);
+            for (name, key) in [
+                (API_TOKEN_ENV, API_TOKEN_KEY),
+                (APP_API_TOKEN_ENV, APP_API_TOKEN_KEY),
+            ] {
+                vars.retain(|v| v.name != name);
+                vars.push(secret_env(name, secret, key));
+            }
+        }
         if container.name == SIDECAR_CONTAINER {
             container
                 .env
@@ -939,6 +985,50 @@ mod tests {
     }
 
     #[test]
+    fn dapr_api_tokens_reach_the_sidecar_and_every_app_container_from_the_named_secret() {
+        let mut spec = json!({"template": {"spec": {"containers": [
+            {"name": "app", "image": "a", "env": [{"name": "DAPR_API_TOKEN", "value": "stale"}]},
+            {"name": "worker", "image": "w"}]}}});
+        spec["app"] = json!({"port": 8080, "apiTokenSecret": "billing-tokens"});
+        let d = build(&group(spec), &key_queue(), &defaults()).unwrap();
+        let pod = d.spec.unwrap().template.spec.unwrap();
+        assert_eq!(pod.containers.len(), 3);
+        for container in &pod.containers {
+            let from = |name: &str| {
+                let found: Vec<_> = container
+                    .env
+                    .iter()
+                    .flatten()
+                    .filter(|v| v.name == name)
+                    .collect();
+                assert_eq!(found.len(), 1, "{} {name}", container.name);
+                let key = found[0]
+                    .value_from
+                    .as_ref()
+                    .and_then(|f| f.secret_key_ref.as_ref())
+                    .unwrap_or_else(|| panic!("{} {name}: not from the Secret", container.name));
+                (key.name.clone(), key.key.clone())
+            };
+            assert_eq!(
+                from("DAPR_API_TOKEN"),
+                ("billing-tokens".into(), "dapr-api-token".into())
+            );
+            assert_eq!(
+                from("APP_API_TOKEN"),
+                ("billing-tokens".into(), "app-api-token".into())
+            );
+        }
+        // Without the setting, no token is set anywhere.
+        let d = build(&group(json!({})), &key_queue(), &defaults()).unwrap();
+        let pod = d.spec.unwrap().template.spec.unwrap();
+        assert!(pod
+            .containers
+            .iter()
+            .flat_map(|c| c.env.iter().flatten())
+            .all(|v| v.name != "DAPR_API_TOKEN" && v.name != "APP_API_TOKEN"));
+    }
+
+    #[test]
     fn invalid_templates_are_named() {
         let cases = [
             (
@@ -964,6 +1054,12 @@ mod tests {
                 json!({"template": {"spec": {"serviceAccountName": "default",
                     "containers": [{"name": "app", "image": "a"}]}}}),
                 "spec.template.spec.serviceAccountName",
+            ),
+            // The sidecar's localhost API would be the node's.
+            (
+                json!({"template": {"spec": {"hostNetwork": true,
+                    "containers": [{"name": "app", "image": "a"}]}}}),
+                "spec.template.spec.hostNetwork",
             ),
         ];
         for (extra, field) in cases {

@@ -101,6 +101,47 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .with_state(state)
 }
 
+/// The header Dapr's API token travels in, both ways.
+pub const API_TOKEN_HEADER: &str = "dapr-api-token";
+
+/// Paths answered without the token: health, as Dapr leaves its health endpoints open (the
+/// kubelet and the app's own start-up checks ask them).
+const OPEN_PATHS: [&str; 4] = [
+    "/healthz",
+    "/readyz",
+    "/v1.0/healthz",
+    "/v1.0/healthz/outbound",
+];
+
+/// `router` answering only callers that present `token` (`dapr-api-token`), 401 otherwise,
+/// as Dapr's API token authentication does; unchanged without a token.
+pub fn guarded(router: Router, token: Option<crate::config::Token>) -> Router {
+    let Some(token) = token else {
+        return router;
+    };
+    let token = Arc::new(token);
+    router.layer(axum::middleware::from_fn(
+        move |request: axum::extract::Request, next: axum::middleware::Next| {
+            let token = Arc::clone(&token);
+            async move {
+                let presented = request
+                    .headers()
+                    .get(API_TOKEN_HEADER)
+                    .map(|v| v.as_bytes())
+                    .unwrap_or_default();
+                if OPEN_PATHS.contains(&request.uri().path()) || token.matches(presented) {
+                    next.run(request).await
+                } else {
+                    error(
+                        StatusCode::UNAUTHORIZED,
+                        format!("a valid {API_TOKEN_HEADER} header is required"),
+                    )
+                }
+            }
+        },
+    ))
+}
+
 async fn readyz(State(state): State<Arc<ApiState>>) -> Response {
     if state.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ready").into_response()

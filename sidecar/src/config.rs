@@ -28,6 +28,44 @@ pub enum AppMode {
     Pull,
 }
 
+/// A shared secret between the sidecar and the app: never printed (`Debug` says `<redacted>`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(String);
+
+impl Token {
+    /// The token, for the one header it goes into.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `presented` is this token, in time independent of where they differ.
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        self.0.as_bytes().ct_eq(presented).into()
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::str::FromStr for Token {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Err("an empty token".into());
+        }
+        if !s.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err("a token is visible ASCII (it travels in a header)".into());
+        }
+        Ok(Token(s.to_owned()))
+    }
+}
+
 /// Delivers a cosmosq queue to the app next to it.
 ///
 /// Every setting is a flag or the `COSMOSQ_*` variable the operator sets.
@@ -84,6 +122,15 @@ pub struct Config {
     /// A path answering 2xx when the app is ready; without it, a TCP connect is the check.
     #[arg(long, env = env::APP_HEALTH_PATH)]
     pub app_health_path: Option<String>,
+    /// What the app must present (`dapr-api-token` header) to this API, as Dapr's
+    /// `DAPR_API_TOKEN`: another container of the pod (or, with `hostNetwork`, the node) cannot
+    /// enqueue or settle. The Dapr SDKs send it from the app's own `DAPR_API_TOKEN`.
+    #[arg(long, env = "DAPR_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<Token>,
+    /// What this sidecar presents to the app (`dapr-api-token` header) on every call, as
+    /// Dapr's `APP_API_TOKEN`: the app can tell its sidecar's deliveries from anyone's.
+    #[arg(long, env = "APP_API_TOKEN", hide_env_values = true)]
+    pub app_api_token: Option<Token>,
     /// Deliveries in flight at once.
     #[arg(long, env = env::MAX_CONCURRENCY, default_value_t = 16)]
     pub max_concurrency: usize,

@@ -94,6 +94,7 @@ async fn serve(
                 &config.app_path,
                 config.app_format,
                 config.app_timeout,
+                config.app_api_token.as_ref(),
             );
             let app = Arc::new(AppClient::new(transport, Arc::clone(&metrics)));
             (Some((Arc::clone(&app), port)), App::Push(app), None)
@@ -137,7 +138,7 @@ async fn serve(
     let api_stop = CancellationToken::new();
     let server = {
         let stop = api_stop.clone();
-        let router = api::router(Arc::clone(&state));
+        let router = api::guarded(api::router(Arc::clone(&state)), config.api_token.clone());
         tokio::spawn(async move {
             axum::serve(listener, router)
                 .with_graceful_shutdown(stop.cancelled_owned())
@@ -239,7 +240,7 @@ async fn start_pushing(
     }
     let subscription = match &config.app_subscription {
         Some(entry) => subscribe::declared(entry, &config.queue).map(Some),
-        None => subscribe::discover(port, &config.queue).await,
+        None => subscribe::discover(port, &config.queue, config.app_api_token.as_ref()).await,
     }
     .map_err(|e| SidecarError::Config(e.to_string()))?;
     if let Some(subscription) = subscription {
@@ -252,8 +253,7 @@ async fn start_pushing(
 /// Waits until the app answers (its health path with 2xx, or a TCP connect). `false` if
 /// shut down first.
 async fn wait_for_app(port: u16, config: &Config, shutdown: &CancellationToken) -> bool {
-    let http = reqwest::Client::builder()
-        .no_proxy()
+    let http = crate::transport::app_http(config.app_api_token.as_ref())
         .timeout(Duration::from_secs(2))
         .build()
         .expect("plain client");

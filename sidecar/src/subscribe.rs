@@ -262,9 +262,12 @@ pub fn declared(entry: &str, topic: &str) -> Result<Subscription, SubscribeError
 
 /// Asks the app for its subscriptions (once, at start). An app that does not serve them (an
 /// error status, a refused or failed request) keeps the configured path.
-pub async fn discover(port: u16, topic: &str) -> Result<Option<Subscription>, SubscribeError> {
-    let http = reqwest::Client::builder()
-        .no_proxy()
+pub async fn discover(
+    port: u16,
+    topic: &str,
+    token: Option<&crate::config::Token>,
+) -> Result<Option<Subscription>, SubscribeError> {
+    let http = crate::transport::app_http(token)
         .timeout(Duration::from_secs(5))
         .build()
         .expect("a plain HTTP client builds");

@@ -52,12 +52,34 @@ pub struct HttpTransport {
     bulker: OnceLock<Arc<Bulker>>,
 }
 
+/// An HTTP client for calls to the app: no proxy, and, when the group has one, the app token
+/// on every request (`dapr-api-token`, as Dapr's `APP_API_TOKEN`), marked sensitive so no
+/// debug output shows it.
+pub fn app_http(token: Option<&crate::config::Token>) -> reqwest::ClientBuilder {
+    let builder = reqwest::Client::builder().no_proxy();
+    let Some(token) = token else {
+        return builder;
+    };
+    let mut value = reqwest::header::HeaderValue::from_str(token.expose())
+        .expect("a token is visible ASCII (checked when parsed)");
+    value.set_sensitive(true);
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(crate::api::API_TOKEN_HEADER, value);
+    builder.default_headers(headers)
+}
+
 impl HttpTransport {
-    /// The app at `127.0.0.1:<port><path>`, answering within `timeout`.
-    pub fn new(port: u16, path: &str, format: Format, timeout: Duration) -> Self {
+    /// The app at `127.0.0.1:<port><path>`, answering within `timeout`, told it is its sidecar
+    /// calling by `token`.
+    pub fn new(
+        port: u16,
+        path: &str,
+        format: Format,
+        timeout: Duration,
+        token: Option<&crate::config::Token>,
+    ) -> Self {
         Self {
-            http: reqwest::Client::builder()
-                .no_proxy()
+            http: app_http(token)
                 .pool_idle_timeout(Duration::from_secs(30))
                 .build()
                 .expect("a plain HTTP client builds"),
@@ -287,7 +309,8 @@ mod tests {
     }
 
     fn subscribed(entry: serde_json::Value) -> HttpTransport {
-        let transport = HttpTransport::new(1, "/configured", Format::Cloudevents, Duration::ZERO);
+        let transport =
+            HttpTransport::new(1, "/configured", Format::Cloudevents, Duration::ZERO, None);
         let body = serde_json::to_vec(&json!([entry])).unwrap();
         transport.subscribe(crate::subscribe::parse(&body, "orders").unwrap().unwrap());
         transport
@@ -295,7 +318,7 @@ mod tests {
 
     #[test]
     fn a_subscription_picks_the_path_the_body_and_the_pubsub_name() {
-        let plain = HttpTransport::new(1, "/configured", Format::Cloudevents, Duration::ZERO);
+        let plain = HttpTransport::new(1, "/configured", Format::Cloudevents, Duration::ZERO, None);
         let (path, _) = plain.request(&delivery(json!({"kind": "a"}))).unwrap();
         assert_eq!(path, "/configured", "no subscription: the configured path");
 

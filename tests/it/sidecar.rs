@@ -1289,12 +1289,20 @@ async fn dapr_app(bulk: bool) {
     let (app_port, api_port) = (free_port(), free_port());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/dapr_app.py");
     let mode = if bulk { "bulk" } else { "single" };
-    let mut child = std::process::Command::new("python3")
+    // The bulk run also uses Dapr's API tokens, both ways, as a pod with
+    // `spec.app.apiTokenSecret` has them.
+    let (api_token, app_token) = ("dapr-side-s3cret", "app-side-s3cret");
+    let mut command = std::process::Command::new("python3");
+    command
         .args([script, &app_port.to_string(), "q", mode])
         .env("DAPR_HTTP_PORT", api_port.to_string())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("python3 runs the Dapr app");
+        .stdout(std::process::Stdio::piped());
+    if bulk {
+        command
+            .env("DAPR_API_TOKEN", api_token)
+            .env("APP_API_TOKEN", app_token);
+    }
+    let mut child = command.spawn().expect("python3 runs the Dapr app");
     let stdout = child.stdout.take().unwrap();
     let _app = Killed(child);
     let (lines, mut events) = tokio::sync::mpsc::unbounded_channel();
@@ -1306,7 +1314,9 @@ async fn dapr_app(bulk: bool) {
             let _ = lines.send(line);
         }
     });
-    let sidecar = start_sidecar(&fixture, config("dapr", app_port, api_port, &[]));
+    let tokens = ["--api-token", api_token, "--app-api-token", app_token];
+    let extra: &[&str] = if bulk { &tokens } else { &[] };
+    let sidecar = start_sidecar(&fixture, config("dapr", app_port, api_port, extra));
 
     let messages = [
         ("widget", json!({"kind": "widget"})),
@@ -1589,4 +1599,100 @@ async fn pull_group(group: &str, extra: &[&str]) {
     assert_eq!(gone.status(), 410);
     sidecar.stop.cancel();
     sidecar.task.await.unwrap().unwrap();
+}
+
+/// Dapr's API tokens, both ways: the app must present `DAPR_API_TOKEN` to the sidecar's API
+/// (health stays open), and every call the sidecar makes to the app carries `APP_API_TOKEN`;
+/// neither shows in the settings' debug output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_and_the_app_are_told_apart_by_dapr_api_tokens() {
+    let fixture = Fixture::new(1).await;
+    let presented: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let changed = Arc::new(Notify::new());
+    let app = {
+        let presented = Arc::clone(&presented);
+        let changed = Arc::clone(&changed);
+        axum::Router::new().fallback(
+            move |method: axum::http::Method, uri: axum::http::Uri, headers: HeaderMap| {
+                let presented = Arc::clone(&presented);
+                let changed = Arc::clone(&changed);
+                async move {
+                    let token = headers
+                        .get("dapr-api-token")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("<none>")
+                        .to_owned();
+                    presented
+                        .lock()
+                        .unwrap()
+                        .push((format!("{method} {}", uri.path()), token));
+                    changed.notify_waiters();
+                    if uri.path() == "/messages" {
+                        StatusCode::OK
+                    } else {
+                        StatusCode::NOT_FOUND
+                    }
+                }
+            },
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app_port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let config = config(
+        "g",
+        app_port,
+        free_port(),
+        &[
+            "--api-token",
+            "api-s3cret",
+            "--app-api-token",
+            "app-s3cret",
+            "--app-health-path",
+            "/messages",
+        ],
+    );
+    let said = format!("{config:?}");
+    assert!(!said.contains("s3cret"), "{said}");
+    let sidecar = start_sidecar(&fixture, config);
+    let http = reqwest::Client::new();
+    let enqueue = |token: Option<&'static str>| {
+        let mut request = http
+            .post(format!("{}/v1/enqueue", sidecar.api))
+            .header("content-type", "application/json")
+            .body(json!({"id": "one", "body": {"n": 1}}).to_string());
+        if let Some(token) = token {
+            request = request.header("dapr-api-token", token);
+        }
+        request.send()
+    };
+    eventually("the API to listen", Duration::from_secs(10), || async {
+        http.get(format!("{}/v1.0/healthz", sidecar.api))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+    })
+    .await;
+    for refused in [None, Some("api-s3cre"), Some("app-s3cret")] {
+        let answer = enqueue(refused).await.unwrap();
+        assert_eq!(answer.status(), 401, "{refused:?}");
+    }
+    let answer = enqueue(Some("api-s3cret")).await.unwrap();
+    assert!(answer.status().is_success(), "{}", answer.status());
+    wait_on(&changed, "the delivery", || {
+        presented
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(p, _)| p == "POST /messages")
+    })
+    .await;
+    sidecar.stop.cancel();
+    let _ = sidecar.task.await;
+    let presented = presented.lock().unwrap().clone();
+    // The health checks, the subscription lookup and the delivery all said who is calling.
+    assert!(presented.len() >= 3, "{presented:?}");
+    for (path, token) in &presented {
+        assert_eq!(token, "app-s3cret", "{path}");
+    }
 }

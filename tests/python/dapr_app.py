@@ -6,6 +6,9 @@ CloudEvents on the routes it declared, answers with Dapr's statuses, and publish
 Dapr HTTP API at DAPR_HTTP_PORT (one event, and in bulk), as Dapr's own samples do. It knows nothing of cosmosq.
 With "bulk" it subscribes with bulkSubscribe (at most 5 entries a request, 300 ms) and answers
 each request's entries with per-entry statuses, as Dapr's bulk subscribe documents.
+With APP_API_TOKEN set it refuses (401) any request not carrying it in `dapr-api-token`, and
+with DAPR_API_TOKEN set it presents that on its calls to the Dapr API, as Dapr's "API token
+authentication" pages document.
 Prints one JSON line per event it receives: {"route", "id", "pubsubname", "topic", "data",
 "batch"} (batch: the entries of the request it came in; 1 without bulk).
 """
@@ -56,11 +59,20 @@ def subscriptions():
     return [subscription]
 
 
+# "Enable API token authentication in Dapr": the app sends DAPR_API_TOKEN as dapr-api-token.
+# "Authenticate requests from Dapr using token authentication": Dapr sends APP_API_TOKEN.
+DAPR_API_TOKEN = os.environ.get("DAPR_API_TOKEN")
+APP_API_TOKEN = os.environ.get("APP_API_TOKEN")
+
+
 def post_json(path, payload):
+    headers = {"Content-Type": "application/json"}
+    if DAPR_API_TOKEN:
+        headers["dapr-api-token"] = DAPR_API_TOKEN
     request = urllib.request.Request(
         DAPR + path,
         data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
+        headers=headers,
         method="POST",
     )
     with urllib.request.urlopen(request, timeout=10) as response:
@@ -86,13 +98,23 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(payload)
 
+    def from_dapr(self):
+        if APP_API_TOKEN and self.headers.get("dapr-api-token") != APP_API_TOKEN:
+            self.reply(401, {"error": "not from my Dapr sidecar"})
+            return False
+        return True
+
     def do_GET(self):
+        if not self.from_dapr():
+            return
         if self.path == "/dapr/subscribe":
             self.reply(200, subscriptions())
         else:
             self.reply(404, {})
 
     def do_POST(self):
+        if not self.from_dapr():
+            return
         if self.path not in ROUTES:
             self.reply(404, {})
             return
