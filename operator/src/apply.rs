@@ -272,10 +272,27 @@ pub async fn apply_group(
     let running_from = running
         .as_ref()
         .and_then(|m| rollout::BuiltFrom::of(m.annotations.as_ref()?));
-    let cause = match &running {
+    let mut cause = match &running {
         None => rollout::Cause::Unchanged,
         Some(_) => rollout::cause(running_from.as_ref(), &built_from, spec_changed(qcg)),
     };
+    // Built before the record: a rotated key is told by the template's own digest (one more
+    // read, for such Deployments only), so it is not held with the upgrade.
+    let deployments = Api::<Deployment>::namespaced(client.clone(), &namespace);
+    let mut live = None;
+    if cause == rollout::Cause::Operator && running_from.is_none() && built_from.key.is_some() {
+        let read = deployments.get(&name).await?;
+        let live_key = read
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.annotations.as_ref())
+            .and_then(|a| a.get(build::KEY_DIGEST_ANNOTATION));
+        if live_key != built_from.key.as_ref() {
+            cause = rollout::Cause::Key;
+        }
+        live = Some(read);
+    }
     let rolling = if rollout::counts(cause, &defaults.rollout) {
         Some(budgeted_rollouts(client, defaults, running.as_ref()).await?)
     } else {
@@ -306,9 +323,10 @@ pub async fn apply_group(
         }
         rollout::Decision::Hold(why) => {
             tracing::info!(group = %qcg.name_any(), ?cause, "{why}");
-            let live = Api::<Deployment>::namespaced(client.clone(), &namespace)
-                .get(&name)
-                .await?;
+            let live = match live {
+                Some(live) => live,
+                None => deployments.get(&name).await?,
+            };
             (live.status, running_from, Some((built_from, why)))
         }
     };
@@ -534,6 +552,76 @@ mod tests {
         );
         drop(client);
         server.done().await; // nothing else was written
+    }
+
+    /// Workers built before the record (an upgrade to this version): held, unless their
+    /// template's key digest shows a rotated key, which rolls (counted against the budget).
+    #[tokio::test]
+    async fn workers_built_before_the_record_are_held_unless_their_key_was_rotated() {
+        for (live_digest, rolls) in [("k1", false), ("k0", true)] {
+            let (client, mut server) = client();
+            let verifier = tokio::spawn(async move {
+                server.key_read("k1").await;
+                let mut live = existing("apps/v1", "Deployment", Some("g1"));
+                live["spec"] = json!({"selector": {}, "template": {"metadata": {"annotations":
+                        {build::KEY_DIGEST_ANNOTATION: build::key_digest(live_digest.as_bytes())}}}});
+                server
+                    .expect_reads([None, None, Some(live.clone()), None], false)
+                    .await;
+                for (path, kind) in [
+                    (
+                        "/api/v1/namespaces/shop/serviceaccounts/billing-workers",
+                        "ServiceAccount",
+                    ),
+                    (
+                        "/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers",
+                        "RoleBinding",
+                    ),
+                ] {
+                    server.expect_apply(path, kind).await;
+                }
+                server
+                    .answer(
+                        Method::GET,
+                        "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                        json_response(StatusCode::OK, &live),
+                    )
+                    .await;
+                if rolls {
+                    // The budget is counted from the operator's Deployments: none is rolling.
+                    let list = server
+                        .expect(Method::GET, "/apis/apps/v1/deployments")
+                        .await;
+                    assert!(list.query.contains("labelSelector"), "{}", list.query);
+                    list.send.send_response(json_response(
+                        StatusCode::OK,
+                        &json!({"apiVersion": "apps/v1", "kind": "DeploymentList",
+                                "metadata": {}, "items": []}),
+                    ));
+                    let applied = server
+                        .expect_apply(
+                            "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                            "Deployment",
+                        )
+                        .await;
+                    let annotations = &applied["metadata"]["annotations"];
+                    assert_eq!(annotations[rollout::ROLLOUT_CAUSE], "operator");
+                    assert!(annotations[rollout::BUILT_FROM].is_string());
+                }
+                server
+            });
+            let applied = apply_group(&client, &group(json!({})), &queue(), &defaults())
+                .await
+                .unwrap();
+            let server = verifier.await.unwrap();
+            assert_eq!(applied.held.is_none(), rolls, "{live_digest}");
+            if let Some((next, why)) = &applied.held {
+                assert_eq!(next.key.as_deref(), Some(build::key_digest(b"k1").as_str()));
+                assert!(why.contains("rollout-requested-at"), "{why}");
+            }
+            drop(client);
+            server.done().await; // nothing else was read or written
+        }
     }
 
     #[tokio::test]

@@ -375,13 +375,9 @@ mod tests {
         condition(status, "Ready")
     }
 
+    /// The `(status, reason)` of `type_`, which must describe the group's generation (3).
     fn condition<'a>(status: &'a Value, type_: &str) -> (&'a str, &'a str) {
-        let c = status["conditions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["type"] == type_)
-            .unwrap_or_else(|| panic!("no {type_} in {status}"));
+        let c = crate::testing::condition(status, type_);
         assert_eq!(c["observedGeneration"], 3, "{c}");
         (c["status"].as_str().unwrap(), c["reason"].as_str().unwrap())
     }

@@ -860,16 +860,21 @@ mod tests {
             .await;
         assert_eq!(status, StatusCode::FORBIDDEN);
         // The plain HTTP router does not serve the figures at all.
-        let plain = router(served.shared.clone());
-        let response = tower::ServiceExt::oneshot(
-            plain,
-            http::Request::get(BACKLOG)
-                .body(axum::body::Body::empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-        assert_eq!(response.status(), StatusCode::NOT_FOUND);
+        assert_eq!(
+            plain_status(&served.shared, BACKLOG).await,
+            StatusCode::NOT_FOUND
+        );
+    }
+
+    /// What the plain (probes) router answers to `GET path`.
+    async fn plain_status(shared: &Shared, path: &str) -> StatusCode {
+        let request = http::Request::get(path)
+            .body(axum::body::Body::empty())
+            .unwrap();
+        tower::ServiceExt::oneshot(router(shared.clone()), request)
+            .await
+            .unwrap()
+            .status()
     }
 
     #[tokio::test]
@@ -1019,16 +1024,10 @@ mod tests {
         let text = response.text().await.unwrap();
         assert!(text.contains("cosmosq_operator_leader"), "{text}");
         // The plain listener has probes only.
-        let plain = router(served.shared.clone());
-        let response = tower::ServiceExt::oneshot(
-            plain,
-            http::Request::get(METRICS_PATH)
-                .body(axum::body::Body::empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-        assert_eq!(response.status(), StatusCode::NOT_FOUND);
+        assert_eq!(
+            plain_status(&served.shared, METRICS_PATH).await,
+            StatusCode::NOT_FOUND
+        );
     }
 
     #[tokio::test]

@@ -376,12 +376,7 @@ mod tests {
     }
 
     fn condition<'a>(status: &'a Value, type_: &str) -> (&'a str, &'a str) {
-        let c = status["conditions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["type"] == type_)
-            .unwrap();
+        let c = crate::testing::condition(status, type_);
         (c["status"].as_str().unwrap(), c["reason"].as_str().unwrap())
     }
 
@@ -499,22 +494,28 @@ mod tests {
                     secret_answer,
                 )
                 .await;
-            let event = server.event().await;
-            assert_eq!(
-                (&event["type"], &event["reason"]),
-                (&json!("Warning"), &json!("DeleteSkipped"))
-            );
-            let note = event["note"].as_str().unwrap();
-            assert!(
-                note.contains("NOT deleted") && note.contains("shop/orders"),
-                "{note}"
-            );
-            expect_finalizer_removed(&mut server, deleting("Delete")).await;
+            expect_released_with_a_warning(&mut server, "shop/orders").await;
         });
         reconcile_queue(arc(&deleting("Delete")), ctx)
             .await
             .unwrap();
         verifier.await.unwrap();
+    }
+
+    /// A `DeleteSkipped` Warning saying the containers were not deleted and `why`, then the
+    /// finalizer comes off.
+    async fn expect_released_with_a_warning(
+        server: &mut crate::testing::ApiServerVerifier,
+        why: &str,
+    ) {
+        let event = server.event().await;
+        assert_eq!(
+            (&event["type"], &event["reason"]),
+            (&json!("Warning"), &json!("DeleteSkipped"))
+        );
+        let note = event["note"].as_str().unwrap();
+        assert!(note.contains("NOT deleted") && note.contains(why), "{note}");
+        expect_finalizer_removed(server, deleting("Delete")).await;
     }
 
     /// The next request takes our finalizer off: a JSON patch that tests it is still ours.
@@ -709,17 +710,7 @@ mod tests {
             server
                 .key_read(cosmosq_queue::cosmos::connection::EMULATOR_KEY)
                 .await;
-            let event = server.event().await;
-            assert_eq!(
-                (&event["type"], &event["reason"]),
-                (&json!("Warning"), &json!("DeleteSkipped"))
-            );
-            let note = event["note"].as_str().unwrap();
-            assert!(
-                note.contains("NOT deleted") && note.contains("status 403"),
-                "{note}"
-            );
-            expect_finalizer_removed(&mut server, deleting("Delete")).await;
+            expect_released_with_a_warning(&mut server, "status 403").await;
         });
         reconcile_queue(arc(&input), Arc::new(ctx)).await.unwrap();
         verifier.await.unwrap();

@@ -72,7 +72,7 @@ pub enum Cause {
     Spec,
     /// The group asked for it ([`ROLLOUT_REQUESTED`]).
     Request,
-    /// The account key was rotated (and nothing of the operator changed).
+    /// The account key was rotated (the operator may have changed too).
     Key,
     /// The operator changed (an upgrade, another default sidecar image), or the running
     /// template's record is unknown (built by a version before the record).
@@ -93,10 +93,12 @@ pub fn cause(running: Option<&BuiltFrom>, desired: &BuiltFrom, spec_changed: boo
         Cause::Spec
     } else if running.request != desired.request {
         Cause::Request
+    } else if running.key != desired.key {
+        // Before the operator's own change: a rotated key must reach the workers even while
+        // an upgrade waits (it brings the upgrade along, under the budget).
+        Cause::Key
     } else if running.operator != desired.operator {
         Cause::Operator
-    } else if running.key != desired.key {
-        Cause::Key
     } else {
         Cause::Unchanged
     }
@@ -226,6 +228,9 @@ mod tests {
         assert_eq!(cause(Some(&running), &running, false), Cause::Unchanged);
         assert_eq!(cause(Some(&running), &upgraded, false), Cause::Operator);
         assert_eq!(cause(Some(&running), &rotated, false), Cause::Key);
+        // Upgraded (held) and then rotated: the key is not held with the upgrade.
+        let both = built(3, "0.5.0/sidecar:0.5.0", Some("k2"));
+        assert_eq!(cause(Some(&running), &both, false), Cause::Key);
         assert_eq!(cause(Some(&running), &edited, false), Cause::Spec);
         assert_eq!(cause(Some(&running), &requested, false), Cause::Request);
         // Built before the record: the user's change if the spec moved, else the operator's.

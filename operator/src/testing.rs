@@ -143,6 +143,16 @@ impl ApiServerVerifier {
     }
 }
 
+/// The condition `type_` of a written status; panics naming the status when it has none.
+pub fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
+    status["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == type_)
+        .unwrap_or_else(|| panic!("no {type_} in {status}"))
+}
+
 pub fn queue_json() -> Value {
     json!({
         "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
