@@ -61,6 +61,8 @@ pub struct Applied {
     /// What the operator would build now, and why it waits, when the Deployment was left as
     /// it is.
     pub held: Option<(rollout::BuiltFrom, &'static str)>,
+    /// Where the Deployment's rollout stands.
+    pub rollout: rollout::Rollout,
 }
 
 async fn apply<K>(client: &Client, namespace: &str, object: &K) -> Result<K, ApplyError>
@@ -293,7 +295,14 @@ pub async fn apply_group(
         }
         live = Some(read);
     }
-    let rolling = if rollout::counts(cause, &defaults.rollout) {
+    // One budgeted decision at a time, from the count to the apply: concurrent reconciles
+    // would each see a free place and overshoot the budget (only the leader reconciles).
+    let _deciding = if rollout::counts(cause, &defaults.rollout) {
+        Some(defaults.rollout_lock.lock().await)
+    } else {
+        None
+    };
+    let rolling = if _deciding.is_some() {
         Some(budgeted_rollouts(client, defaults, running.as_ref()).await?)
     } else {
         None
@@ -301,7 +310,7 @@ pub async fn apply_group(
     let decision = rollout::decide(cause, &defaults.rollout, || {
         rolling.expect("counted when the decision needs it")
     });
-    let (workers, running_from, held) = match decision {
+    let (workers, running_from, held, stands) = match decision {
         rollout::Decision::Apply { budgeted } => {
             let annotations = deployment
                 .metadata
@@ -319,7 +328,8 @@ pub async fn apply_group(
                 annotations.insert(rollout::ROLLOUT_CAUSE.into(), why.clone());
             }
             let applied = apply::<Deployment>(client, &namespace, &deployment).await?;
-            (applied.status, Some(built_from), None)
+            let stands = rollout::rollout(&applied);
+            (applied.status, Some(built_from), None, stands)
         }
         rollout::Decision::Hold(why) => {
             tracing::info!(group = %qcg.name_any(), ?cause, "{why}");
@@ -327,7 +337,8 @@ pub async fn apply_group(
                 Some(live) => live,
                 None => deployments.get(&name).await?,
             };
-            (live.status, running_from, Some((built_from, why)))
+            let stands = rollout::rollout(&live);
+            (live.status, running_from, Some((built_from, why)), stands)
         }
     };
     if let Some(hpa) = &hpa {
@@ -343,6 +354,7 @@ pub async fn apply_group(
         workers,
         running: running_from,
         held,
+        rollout: stands,
     })
 }
 
@@ -548,6 +560,8 @@ mod tests {
                 workers: None,
                 running: Some(built_from),
                 held: None,
+                // The echo has no status: its controller has not seen it yet.
+                rollout: rollout::Rollout::Going,
             }
         );
         drop(client);

@@ -112,6 +112,8 @@ pub struct Defaults {
     pub rollout: crate::rollout::Policy,
     /// Where the groups are (the watched namespace), for counting rollouts.
     pub rollout_scope: Option<String>,
+    /// Held from counting the rollouts in progress to applying one.
+    pub rollout_lock: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 /// The worker ClusterRole's name when none is configured.
@@ -125,6 +127,7 @@ impl Defaults {
             worker_cluster_role: WORKER_CLUSTER_ROLE.into(),
             rollout: crate::rollout::Policy::default(),
             rollout_scope: None,
+            rollout_lock: Default::default(),
         }
     }
 }

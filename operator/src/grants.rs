@@ -17,7 +17,7 @@ use std::str::FromStr;
 pub struct IdentityGrant {
     /// Namespaces allowed.
     pub namespaces: Vec<String>,
-    /// The account endpoint they may use the identity on (`scheme://host:port`).
+    /// The account endpoint they may use the identity on (`https://host:port`).
     pub endpoint: String,
     /// The databases of that account they may use.
     pub databases: Vec<String>,
@@ -40,6 +40,13 @@ impl FromStr for IdentityGrant {
         let endpoint = normalize(&url)
             .ok_or_else(|| format!("{text:?}: {target:?} is not an https:// endpoint"))?;
         let databases = list(url.path().trim_start_matches('/'));
+        // Names as written: a percent-encoded one (`a%20b`) would match neither `a b` nor
+        // what an admin meant.
+        if databases.iter().any(|d| d.contains('%')) {
+            return Err(format!(
+                "{text:?}: database names in a grant cannot be percent-encoded"
+            ));
+        }
         if databases.is_empty() || databases.iter().any(|d| d.contains('/')) {
             return Err(format!(
                 "{text:?}: name the databases after the endpoint ({EXAMPLE}; `/*` for every \
@@ -63,9 +70,10 @@ fn list(text: &str) -> Vec<String> {
         .collect()
 }
 
-/// `scheme://host:port` in one spelling, so a grant matches however the queue writes it.
+/// `https://host:port` in one spelling, so a grant matches however the queue writes it. Only
+/// https: the identity's token (scoped to every account it may reach) never goes in clear.
 fn normalize(url: &url::Url) -> Option<String> {
-    if url.scheme() != "https" && url.scheme() != "http" {
+    if url.scheme() != "https" {
         return None;
     }
     let host = url.host_str()?.to_ascii_lowercase();
@@ -195,6 +203,16 @@ mod tests {
             (
                 "shop@https://a.documents.azure.com/db/colls",
                 "name the databases",
+            ),
+            // The identity's token never goes in clear.
+            (
+                "shop@http://a.documents.azure.com/db",
+                "not an https:// endpoint",
+            ),
+            // `a%20b` would match neither `a b` nor a database the admin meant.
+            (
+                "shop@https://a.documents.azure.com/a%20b",
+                "percent-encoded",
             ),
         ] {
             let err = bad.parse::<IdentityGrant>().unwrap_err();

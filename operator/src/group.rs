@@ -16,6 +16,7 @@ use tracing::{info, instrument, warn};
 
 use crate::apply::{apply_group, ApplyError, FIELD_MANAGER};
 use crate::context::{Context, ReconcileFailure};
+use crate::rollout::Rollout;
 use crate::status::{self, reasons, Progress};
 
 /// The resource kind, as metrics and logs name it.
@@ -86,8 +87,10 @@ impl ReconcileFailure for ReconcileError {
 /// The outcome of a pass, before it is written to status.
 struct Outcome {
     ok: bool,
-    /// What kstatus readers are told; `Done` only with `ok` and an available Deployment.
+    /// What kstatus readers are told; `Done` only with `ok` and a finished rollout.
     progress: Progress,
+    /// The reason and message of `Reconciling`/`Stalled` when not `Ready`'s (a rollout).
+    progress_said: Option<(&'static str, String)>,
     reason: &'static str,
     message: String,
     action: Action,
@@ -115,12 +118,18 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
     let queues: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
     let queue_name = &qcg.spec.queue_ref.name;
     let mut available = None;
-    let mut built = (None, None);
+    // Kept as they were when nothing was applied (a missing queue, a refused apply).
+    let mut built = qcg
+        .status
+        .as_ref()
+        .map(|s| (s.workers_built_by.clone(), s.pending_update.clone()))
+        .unwrap_or_default();
     let outcome = match queues.get_opt(queue_name).await? {
         None => Outcome {
             ok: false,
             reason: reasons::QUEUE_NOT_FOUND,
             progress: Progress::Reconciling,
+            progress_said: None,
             message: format!("CosmosQueue {queue_name} does not exist in {namespace}"),
             action: Action::requeue(crate::context::RECHECK),
         },
@@ -134,26 +143,54 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
                         .map(|(next, why)| format!("{}: {why}", next.operator)),
                 );
                 let state = workers(applied.workers.as_ref());
-                let rolling_out = state.available.as_ref().is_some_and(|(ok, ..)| !ok);
+                // A rollout is said in the Deployment's own words where it has them.
+                let deployment = &applied.deployment;
+                let (rollout_progress, progress_said) = match &applied.rollout {
+                    Rollout::Done => (Progress::Done, None),
+                    Rollout::Going => {
+                        let said = match &state.available {
+                            Some((false, _, message)) => format!(": {message}"),
+                            _ => String::new(),
+                        };
+                        (
+                            Progress::Reconciling,
+                            Some((
+                                reasons::ROLLING_OUT,
+                                format!("waiting for the rollout of Deployment {deployment}{said}"),
+                            )),
+                        )
+                    }
+                    Rollout::Stopped(why) => (
+                        Progress::Stalled,
+                        Some((
+                            reasons::ROLLOUT_STOPPED,
+                            format!("the rollout of Deployment {deployment} stopped: {why}"),
+                        )),
+                    ),
+                };
+                // A group waiting for its turn in the rollout budget looks again soon.
+                let recheck = applied.held.is_some();
                 available = state.available;
                 match state.failure {
                     Some(message) => Outcome {
                         ok: false,
                         reason: reasons::REPLICA_FAILURE,
                         progress: Progress::Stalled,
+                        progress_said: None,
                         message,
                         action: Action::requeue(RETRY_REFUSED),
                     },
                     None => Outcome {
                         ok: true,
                         reason: reasons::APPLIED,
-                        progress: if rolling_out {
-                            Progress::Reconciling
-                        } else {
-                            Progress::Done
-                        },
+                        progress: rollout_progress,
+                        progress_said,
                         message: format!("Deployment {} is up to date", applied.deployment),
-                        action: Action::requeue(crate::context::RESYNC),
+                        action: Action::requeue(if recheck {
+                            crate::context::RECHECK
+                        } else {
+                            crate::context::RESYNC
+                        }),
                     },
                 }
             }
@@ -164,6 +201,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
                     ok: false,
                     reason: reasons::APPLY_REJECTED,
                     progress: Progress::Stalled,
+                    progress_said: None,
                     message: format!("the API server refused the workers: {}", e.message),
                     action: Action::requeue(RETRY_REFUSED),
                 }
@@ -174,6 +212,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
                 ok: false,
                 reason: reasons::NOT_OWNED,
                 progress: Progress::Stalled,
+                progress_said: None,
                 message: e.to_string(),
                 action: Action::requeue(RETRY_REFUSED),
             },
@@ -182,6 +221,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
                 ok: false,
                 reason: reasons::INVALID_SPEC,
                 progress: Progress::Stalled,
+                progress_said: None,
                 message: e.to_string(),
                 action: Action::await_change(),
             },
@@ -222,13 +262,9 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             .await;
         }
     }
-    // A rollout is said in the Deployment's own words.
-    let (progress_reason, progress_message) = match (&available, outcome.progress) {
-        (Some((false, reason, message)), Progress::Reconciling) => (
-            reason.as_str(),
-            format!("waiting for the workers: {message}"),
-        ),
-        _ => (outcome.reason, outcome.message.clone()),
+    let (progress_reason, progress_message) = match &outcome.progress_said {
+        Some((reason, message)) => (*reason, message.clone()),
+        None => (outcome.reason, outcome.message.clone()),
     };
     // Only the fields this reconciler owns; the scaling loop writes the rest of the status.
     let ready = status::condition(
@@ -505,34 +541,51 @@ mod tests {
         );
     }
 
+    /// The Deployment's rollout, as Flux and Argo CD learn it from the group: going (an old
+    /// pod still there, though `Available` may hold), stopped at its progress deadline, done.
     #[tokio::test]
-    async fn a_rollout_in_progress_is_reconciling_in_the_deployments_words() {
-        let (_, body) = reconcile_with_deployment_answer(
-            |applied| {
-                let mut stored = applied.clone();
-                stored["status"] = json!({"conditions": [
-                {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable",
-                 "message": "Deployment does not have minimum availability."}]});
-                json_response(StatusCode::OK, &stored)
-            },
-            true,
-        )
-        .await;
-        assert_eq!(ready(&body["status"]), ("True", "Applied"));
-        assert_eq!(
-            progress(&body["status"]),
-            Some(("Reconciling", "MinimumReplicasUnavailable"))
-        );
-        let reconciling = body["status"]["conditions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["type"] == "Reconciling")
-            .unwrap();
-        assert_eq!(
-            reconciling["message"],
-            "waiting for the workers: Deployment does not have minimum availability."
-        );
+    async fn the_workers_rollout_is_reconciling_until_done_and_stalled_when_it_stops() {
+        let cases = [
+            (
+                json!({"observedGeneration": 1, "replicas": 3, "updatedReplicas": 2,
+                       "conditions": [{"type": "Available", "status": "False",
+                           "reason": "MinimumReplicasUnavailable",
+                           "message": "Deployment does not have minimum availability."}]}),
+                Some(("Reconciling", "RollingOut")),
+                "waiting for the rollout of Deployment billing-workers: Deployment does not \
+                 have minimum availability.",
+            ),
+            (
+                json!({"observedGeneration": 1, "replicas": 3, "updatedReplicas": 1,
+                       "conditions": [{"type": "Progressing", "status": "False",
+                           "reason": "ProgressDeadlineExceeded",
+                           "message": "ReplicaSet \"billing-workers-7d\" has timed out progressing."}]}),
+                Some(("Stalled", "ProgressDeadlineExceeded")),
+                "the rollout of Deployment billing-workers stopped: ReplicaSet \
+                 \"billing-workers-7d\" has timed out progressing.",
+            ),
+            (
+                json!({"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1}),
+                None,
+                "Deployment billing-workers is up to date",
+            ),
+        ];
+        for (deployment_status, expected, said) in cases {
+            let (_, body) = reconcile_with_deployment_answer(
+                move |applied| {
+                    let mut stored = applied.clone();
+                    stored["metadata"]["generation"] = json!(1);
+                    stored["status"] = deployment_status;
+                    json_response(StatusCode::OK, &stored)
+                },
+                true,
+            )
+            .await;
+            assert_eq!(ready(&body["status"]), ("True", "Applied"));
+            assert_eq!(progress(&body["status"]), expected);
+            let kstatus = crate::testing::condition(&body["status"], "Reconciling");
+            assert_eq!(kstatus["message"], said);
+        }
     }
 
     #[tokio::test]
@@ -584,7 +637,11 @@ mod tests {
         assert_eq!(action, Action::requeue(crate::context::RESYNC));
         let (server, body) = verifier.await.unwrap();
         assert_eq!(ready(&body["status"]), ("True", "Applied"));
-        assert_eq!(progress(&body["status"]), None);
+        // Applied, not yet seen by the Deployment controller (no status): in progress.
+        assert_eq!(
+            progress(&body["status"]),
+            Some(("Reconciling", "RollingOut"))
+        );
         assert_eq!(body["status"]["observedGeneration"], 3);
         assert!(
             body["status"].get("backlog").is_none(),

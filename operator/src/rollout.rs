@@ -168,20 +168,73 @@ pub fn counts(cause: Cause, policy: &Policy) -> bool {
     cause == Cause::Key || (cause == Cause::Operator && policy.update == SidecarUpdate::Rolling)
 }
 
-/// Whether a Deployment's rollout is still going (pure), as `kubectl rollout status` judges:
-/// its controller has not seen the last spec, or not every replica is updated and available.
+/// Whether a Deployment's rollout is still going (pure): its controller has not seen the last
+/// spec, or pods of an older template are still there. Not availability: a group scaled up
+/// onto a full cluster (Pending pods) is not rolling. A rollout past its progress deadline
+/// has stopped: it is failed, not going (it would hold a place in the budget for ever).
 pub fn in_progress(d: &Deployment) -> bool {
-    let wanted = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
     let Some(status) = &d.status else {
         return true;
     };
+    if deadline_exceeded(d) {
+        return false;
+    }
+    let updated = status.updated_replicas.unwrap_or(0);
     status.observed_generation < d.metadata.generation
-        || status.updated_replicas.unwrap_or(0) < wanted
-        || status.available_replicas.unwrap_or(0) < wanted
-        || status.replicas.unwrap_or(0) > status.updated_replicas.unwrap_or(0)
+        || updated < d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1)
+        || status.replicas.unwrap_or(0) > updated
 }
 
-/// How many of `deployments` (but `except`) are budgeted rollouts still in progress (pure).
+/// Whether the Deployment controller gave up on its rollout (`Progressing=False`,
+/// `ProgressDeadlineExceeded`): a new template whose pods never become available.
+pub fn deadline_exceeded(d: &Deployment) -> bool {
+    d.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|c| {
+            c.type_ == "Progressing"
+                && c.status == "False"
+                && c.reason.as_deref() == Some("ProgressDeadlineExceeded")
+        })
+}
+
+/// Where a Deployment's rollout stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rollout {
+    /// Every pod runs the current template.
+    Done,
+    /// Its controller is on it.
+    Going,
+    /// Its controller gave up (the progress deadline passed), saying why.
+    Stopped(String),
+}
+
+/// Where `d`'s rollout stands (pure).
+pub fn rollout(d: &Deployment) -> Rollout {
+    if deadline_exceeded(d) {
+        let said = d
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .find(|c| c.type_ == "Progressing")
+            .and_then(|c| c.message.clone())
+            .unwrap_or_default();
+        Rollout::Stopped(said)
+    } else if in_progress(d) {
+        Rollout::Going
+    } else {
+        Rollout::Done
+    }
+}
+
+/// How many budgeted rollouts are in progress among `deployments` (pure): the workers of a
+/// group (controlled by a QueueConsumerGroup, named after it) rolled for the operator's
+/// reasons, but `except` (a group is not its own rival). A Deployment anyone else made, even
+/// with the same label and annotation, does not take a place.
 pub fn budgeted_in_progress<'a>(
     deployments: impl IntoIterator<Item = &'a Deployment>,
     except: &str,
@@ -189,6 +242,13 @@ pub fn budgeted_in_progress<'a>(
     deployments
         .into_iter()
         .filter(|d| d.metadata.uid.as_deref() != Some(except))
+        .filter(|d| {
+            d.metadata.owner_references.iter().flatten().any(|o| {
+                o.controller == Some(true)
+                    && o.kind == "QueueConsumerGroup"
+                    && d.metadata.name.as_deref() == Some(&format!("{}-workers", o.name))
+            })
+        })
         .filter(|d| {
             d.metadata
                 .annotations
@@ -276,28 +336,44 @@ mod tests {
     }
 
     #[test]
-    fn only_unfinished_rollouts_of_the_operators_count() {
-        let deployment = |uid: &str, cause: &str, generation: i64, observed: i64, updated: i32| {
+    fn only_unfinished_rollouts_of_the_operators_groups_count() {
+        let deployment = |name: &str, cause: &str, observed: i64, updated: i32, replicas: i32| {
             serde_json::from_value::<Deployment>(json!({
-                "metadata": {"name": uid, "uid": uid, "generation": generation,
-                             "annotations": {ROLLOUT_CAUSE: cause}},
+                "metadata": {"name": format!("{name}-workers"), "uid": name, "generation": 2,
+                             "annotations": {ROLLOUT_CAUSE: cause},
+                             "ownerReferences": [{"apiVersion": "cosmosq.io/v1alpha1",
+                                 "kind": "QueueConsumerGroup", "name": name, "uid": "g",
+                                 "controller": true}]},
                 "spec": {"replicas": 2, "selector": {}, "template": {}},
-                "status": {"observedGeneration": observed, "replicas": 2,
-                           "updatedReplicas": updated, "availableReplicas": updated}
+                "status": {"observedGeneration": observed, "replicas": replicas,
+                           "updatedReplicas": updated, "availableReplicas": 0}
             }))
             .unwrap()
         };
+        let mut forged = deployment("f", "operator", 2, 1, 2);
+        forged.metadata.owner_references = None; // a tenant's, with the label and annotation
+        let mut gave_up = deployment("x", "operator", 2, 1, 3);
+        gave_up.status.as_mut().unwrap().conditions = Some(vec![serde_json::from_value(
+            json!({"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}),
+        )
+        .unwrap()]);
         let all = [
-            deployment("a", "operator", 2, 2, 1), // rolling: 1 of 2 updated
-            deployment("b", "operator", 2, 1, 2), // its controller has not seen it yet
-            deployment("c", "operator", 2, 2, 2), // done
-            deployment("d", "spec", 2, 2, 0),     // the user's: not budgeted
+            deployment("a", "operator", 2, 1, 3), // rolling: an old pod is still there
+            deployment("b", "operator", 1, 2, 2), // its controller has not seen it yet
+            deployment("c", "operator", 2, 2, 2), // done, though nothing is available yet
+            deployment("d", "spec", 2, 0, 2),     // the user's: not budgeted
+            forged,
+            gave_up,
         ];
         assert_eq!(budgeted_in_progress(&all, ""), 2);
         assert_eq!(
             budgeted_in_progress(&all, "a"),
             1,
             "a group is not its own rival"
+        );
+        assert!(
+            !in_progress(&all[2]),
+            "Pending pods of a scale-up are not a rollout"
         );
     }
 

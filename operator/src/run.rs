@@ -97,6 +97,7 @@ pub async fn run_with(
             max_concurrent: usize::from(config.sidecar_update_max_concurrent),
         },
         rollout_scope: config.watch_namespace.clone(),
+        rollout_lock: Default::default(),
     };
     let cosmos = Cosmos::new(backend, client.clone());
     let mut ctx = Context::new(client.clone(), defaults, cosmos, Some(identity.clone()));

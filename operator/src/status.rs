@@ -107,6 +107,10 @@ pub mod reasons {
     /// A queue's database or containers, which its credentials may not create, are missing
     /// or unlike what the engine needs: an admin creates them.
     pub const NEEDS_PROVISIONING: &str = "NeedsProvisioning";
+    /// A group's Deployment is rolling out its current template.
+    pub const ROLLING_OUT: &str = "RollingOut";
+    /// A group's Deployment gave up its rollout (its progress deadline passed).
+    pub const ROLLOUT_STOPPED: &str = "ProgressDeadlineExceeded";
     /// Event: the operator would roll a group's workers onto what it builds now, and waits
     /// (its rollout policy).
     pub const UPDATE_HELD: &str = "UpdateHeld";

@@ -52,17 +52,29 @@ impl std::fmt::Debug for Token {
 }
 
 impl std::str::FromStr for Token {
-    type Err = String;
+    type Err = std::convert::Infallible;
 
-    fn from_str(s: &str) -> Result<Self, String> {
-        let s = s.trim();
-        if s.is_empty() {
-            return Err("an empty token".into());
-        }
-        if !s.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err("a token is visible ASCII (it travels in a header)".into());
-        }
+    /// Takes any value: [`Token::check`] refuses a bad one without printing it (clap's own
+    /// errors quote the value).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         Ok(Token(s.to_owned()))
+    }
+}
+
+impl Token {
+    /// Why the token cannot be used, never saying what it is: it travels in a header, so it is
+    /// visible ASCII, and what the app's SDK sends is compared byte for byte (no trimming).
+    pub fn check(&self, setting: &str) -> Result<(), String> {
+        if self.0.is_empty() {
+            return Err(format!("{setting}: empty"));
+        }
+        if !self.0.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(format!(
+                "{setting}: a token is visible ASCII, without spaces or line breaks (the value \
+                 is not shown)"
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -202,6 +214,14 @@ impl Config {
         self.connection
             .validate()
             .map_err(|e| SidecarError::Config(e.to_string()))?;
+        for (token, setting) in [
+            (&self.api_token, "--api-token (DAPR_API_TOKEN)"),
+            (&self.app_api_token, "--app-api-token (APP_API_TOKEN)"),
+        ] {
+            if let Some(token) = token {
+                token.check(setting).map_err(SidecarError::Config)?;
+            }
+        }
         self.queue_config()
             .validate()
             .map_err(|e| SidecarError::Config(e.to_string()))?;

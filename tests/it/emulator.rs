@@ -365,7 +365,7 @@ async fn verifying_creates_nothing_and_names_what_is_missing_or_unlike_the_engin
         said[..3],
         [
             "container q-leases is partitioned on /id, not /pk",
-            "container q-leases has time to live off (settled message states would never expire)",
+            "container q-leases has no time to live for them (settled message states would never expire)",
             "container q-leases does not index /group/?",
         ],
         "{said:#?}"

@@ -1654,6 +1654,19 @@ async fn the_api_and_the_app_are_told_apart_by_dapr_api_tokens() {
     );
     let said = format!("{config:?}");
     assert!(!said.contains("s3cret"), "{said}");
+    // A token that cannot travel in a header (a wrapped `openssl rand -base64` output) is
+    // refused by name, never by value.
+    let wrapped = self::config(
+        "g",
+        app_port,
+        free_port(),
+        &["--api-token", "s3cret\nwrapped"],
+    );
+    let refused = wrapped.validate().unwrap_err().to_string();
+    assert!(
+        refused.contains("--api-token (DAPR_API_TOKEN)") && !refused.contains("s3cret"),
+        "{refused}"
+    );
     let sidecar = start_sidecar(&fixture, config);
     let http = reqwest::Client::new();
     let enqueue = |token: Option<&'static str>| {

@@ -241,20 +241,26 @@ pub fn python_cosmos_sdk() -> Option<std::path::PathBuf> {
 /// installed into from PyPI on first use. `None`, with the reason printed, when PyPI cannot be
 /// reached.
 pub fn python_with(package: &str, module: &str) -> Option<std::path::PathBuf> {
-    if let Some(python) = std::env::var_os("COSMOSQ_PYTHON") {
-        return Some(python.into());
-    }
-    // Tests run in parallel: one installs at a time (into one virtualenv).
-    static INSTALLING: Mutex<()> = Mutex::new(());
-    let _installing = INSTALLING.lock().unwrap_or_else(|e| e.into_inner());
-    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/python");
-    let python = venv.join("bin/python");
     let imports = |python: &std::path::Path| {
         std::process::Command::new(python)
             .args(["-c", &format!("import {module}")])
             .output()
             .is_ok_and(|o| o.status.success())
     };
+    if let Some(python) = std::env::var_os("COSMOSQ_PYTHON") {
+        let python = std::path::PathBuf::from(python);
+        assert!(
+            imports(&python),
+            "COSMOSQ_PYTHON={} does not import {module} (pip install {package})",
+            python.display()
+        );
+        return Some(python);
+    }
+    // Tests run in parallel: one installs at a time (into one virtualenv).
+    static INSTALLING: Mutex<()> = Mutex::new(());
+    let _installing = INSTALLING.lock().unwrap_or_else(|e| e.into_inner());
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/python");
+    let python = venv.join("bin/python");
     if imports(&python) {
         return Some(python);
     }

@@ -128,8 +128,9 @@ pub enum Shortfall {
         /// The path the queue needs.
         needed: String,
     },
-    /// Time to live is off: what should expire never does.
-    #[error("container {name} has time to live off ({what} would never expire)")]
+    /// Time to live is off (or on without the default the retention needs): what should
+    /// expire never does.
+    #[error("container {name} has no time to live for them ({what} would never expire)")]
     TimeToLive {
         /// The container.
         name: String,
@@ -208,7 +209,15 @@ fn compare(
             needed: needed.partition_key.paths().join(","),
         });
     }
-    if needed.default_ttl != TimeToLive::Forever && found.default_ttl == TimeToLive::Forever {
+    // Off, or (where the queue's retention needs a default) on without one: what the
+    // retention should drop would be kept for ever.
+    let expires = match (&needed.default_ttl, &found.default_ttl) {
+        (TimeToLive::Forever, _) => true,
+        (_, TimeToLive::Forever) => false,
+        (TimeToLive::Seconds(_), TimeToLive::NoDefault) => false,
+        _ => true,
+    };
+    if !expires {
         shortfalls.push(Shortfall::TimeToLive {
             name: name.clone(),
             what,
