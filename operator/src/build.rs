@@ -506,11 +506,17 @@ pub fn deployment(
         // Dapr's two tokens, under Dapr's names, in every container: the sidecar checks and
         // sends them, the app's SDK sends and checks them.
         if let Some(secret) = &qcg.spec.app.api_token_secret {
+            let sidecar = container.name == SIDECAR_CONTAINER;
             let vars = container.env.get_or_insert_with(Vec::new);
-            for (name, key) in [
-                (API_TOKEN_ENV, API_TOKEN_KEY),
-                (APP_API_TOKEN_ENV, APP_API_TOKEN_KEY),
+            for (app_name, sidecar_name, key) in [
+                (API_TOKEN_ENV, env_names::API_TOKEN, API_TOKEN_KEY),
+                (
+                    APP_API_TOKEN_ENV,
+                    env_names::APP_API_TOKEN,
+                    APP_API_TOKEN_KEY,
+                ),
             ] {
+                let name = if sidecar { sidecar_name } else { app_name };
                 vars.retain(|v| v.name != name);
                 vars.push(secret_env(name, secret, key));
             }
@@ -997,6 +1003,12 @@ mod tests {
         let pod = d.spec.unwrap().template.spec.unwrap();
         assert_eq!(pod.containers.len(), 3);
         for container in &pod.containers {
+            // The sidecar under its own names, the app's containers under Dapr's.
+            let (api, app) = if container.name == SIDECAR_CONTAINER {
+                ("COSMOSQ_API_TOKEN", "COSMOSQ_APP_API_TOKEN")
+            } else {
+                ("DAPR_API_TOKEN", "APP_API_TOKEN")
+            };
             let from = |name: &str| {
                 let found: Vec<_> = container
                     .env
@@ -1013,13 +1025,10 @@ mod tests {
                 (key.name.clone(), key.key.clone())
             };
             assert_eq!(
-                from("DAPR_API_TOKEN"),
+                from(api),
                 ("billing-tokens".into(), "dapr-api-token".into())
             );
-            assert_eq!(
-                from("APP_API_TOKEN"),
-                ("billing-tokens".into(), "app-api-token".into())
-            );
+            assert_eq!(from(app), ("billing-tokens".into(), "app-api-token".into()));
         }
         // Without the setting, no token is set anywhere.
         let d = build(&group(json!({})), &key_queue(), &defaults()).unwrap();
@@ -1028,7 +1037,7 @@ mod tests {
             .containers
             .iter()
             .flat_map(|c| c.env.iter().flatten())
-            .all(|v| v.name != "DAPR_API_TOKEN" && v.name != "APP_API_TOKEN"));
+            .all(|v| !v.name.ends_with("API_TOKEN")));
     }
 
     #[test]

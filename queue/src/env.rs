@@ -80,3 +80,9 @@ pub const POD_NAME: &str = "POD_NAME";
 pub const POD_NAMESPACE: &str = "POD_NAMESPACE";
 /// Whether the sidecar sets its pod's deletion cost.
 pub const POD_DELETION_COST: &str = "COSMOSQ_POD_DELETION_COST";
+/// What the app must present to the sidecar's API (`dapr-api-token`); the app's containers
+/// get it as Dapr's `DAPR_API_TOKEN`.
+pub const API_TOKEN: &str = "COSMOSQ_API_TOKEN";
+/// What the sidecar presents to the app (`dapr-api-token`); the app's containers get it as
+/// Dapr's `APP_API_TOKEN`.
+pub const APP_API_TOKEN: &str = "COSMOSQ_APP_API_TOKEN";

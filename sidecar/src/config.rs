@@ -137,11 +137,13 @@ pub struct Config {
     /// What the app must present (`dapr-api-token` header) to this API, as Dapr's
     /// `DAPR_API_TOKEN`: another container of the pod (or, with `hostNetwork`, the node) cannot
     /// enqueue or settle. The Dapr SDKs send it from the app's own `DAPR_API_TOKEN`.
-    #[arg(long, env = "DAPR_API_TOKEN", hide_env_values = true)]
+    /// (The sidecar's own variable, not Dapr's: a developer's shell with `DAPR_API_TOKEN` set
+    /// does not turn it on for `cosmosq demo`.)
+    #[arg(long, env = env::API_TOKEN, hide_env_values = true)]
     pub api_token: Option<Token>,
     /// What this sidecar presents to the app (`dapr-api-token` header) on every call, as
     /// Dapr's `APP_API_TOKEN`: the app can tell its sidecar's deliveries from anyone's.
-    #[arg(long, env = "APP_API_TOKEN", hide_env_values = true)]
+    #[arg(long, env = env::APP_API_TOKEN, hide_env_values = true)]
     pub app_api_token: Option<Token>,
     /// Deliveries in flight at once.
     #[arg(long, env = env::MAX_CONCURRENCY, default_value_t = 16)]
@@ -215,8 +217,11 @@ impl Config {
             .validate()
             .map_err(|e| SidecarError::Config(e.to_string()))?;
         for (token, setting) in [
-            (&self.api_token, "--api-token (DAPR_API_TOKEN)"),
-            (&self.app_api_token, "--app-api-token (APP_API_TOKEN)"),
+            (&self.api_token, "--api-token (COSMOSQ_API_TOKEN)"),
+            (
+                &self.app_api_token,
+                "--app-api-token (COSMOSQ_APP_API_TOKEN)",
+            ),
         ] {
             if let Some(token) = token {
                 token.check(setting).map_err(SidecarError::Config)?;

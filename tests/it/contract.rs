@@ -47,9 +47,11 @@ fn sidecar_environment(group: serde_json::Value) -> BTreeMap<String, String> {
         .map(|e| {
             let value = match (e.value, e.value_from) {
                 (Some(v), _) => v,
-                (None, Some(from)) => match from.field_ref.map(|f| f.field_path).as_deref() {
-                    Some("metadata.name") => "billing-workers-abc".into(),
-                    Some("metadata.namespace") => "shop".into(),
+                (None, Some(from)) => match (from.field_ref, from.secret_key_ref) {
+                    (Some(f), _) if f.field_path == "metadata.name" => "billing-workers-abc".into(),
+                    (Some(f), _) if f.field_path == "metadata.namespace" => "shop".into(),
+                    // A Secret's key, as the kubelet would give it: named after where it is.
+                    (None, Some(key)) => format!("{}.{}", key.name, key.key),
                     other => panic!("{}: an unexpected source {other:?}", e.name),
                 },
                 (None, None) => String::new(),
@@ -98,6 +100,8 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
         json!({"deliveryMode": "Stream", "startFrom": "Beginning", "app": {"port": 9000, "mode": "Pull"}}),
         // Pull workers come to the sidecar: no port of theirs.
         json!({"app": {"mode": "Pull"}}),
+        // Dapr's API tokens, from the group's Secret.
+        json!({"app": {"port": 9000, "apiTokenSecret": "billing-tokens"}}),
     ] {
         let environment = sidecar_environment(group.clone());
         let config = parse(&environment);
@@ -129,6 +133,21 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
             },
             "{group}"
         );
+        let token = |t: Option<&cosmosq_sidecar::config::Token>| t.map(|t| t.expose().to_owned());
+        if group["app"]["apiTokenSecret"].is_string() {
+            assert_eq!(
+                (
+                    token(config.api_token.as_ref()),
+                    token(config.app_api_token.as_ref())
+                ),
+                (
+                    Some("billing-tokens.dapr-api-token".to_owned()),
+                    Some("billing-tokens.app-api-token".to_owned())
+                )
+            );
+        } else {
+            assert!(config.api_token.is_none() && config.app_api_token.is_none());
+        }
         if group["app"]["timeout"] == "5m" {
             assert_eq!(config.app_timeout, std::time::Duration::from_secs(300));
             assert_eq!(config.grace_period, std::time::Duration::from_secs(310));

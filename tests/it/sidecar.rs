@@ -1664,7 +1664,7 @@ async fn the_api_and_the_app_are_told_apart_by_dapr_api_tokens() {
     );
     let refused = wrapped.validate().unwrap_err().to_string();
     assert!(
-        refused.contains("--api-token (DAPR_API_TOKEN)") && !refused.contains("s3cret"),
+        refused.contains("--api-token (COSMOSQ_API_TOKEN)") && !refused.contains("s3cret"),
         "{refused}"
     );
     let sidecar = start_sidecar(&fixture, config);
