@@ -297,12 +297,12 @@ pub async fn apply_group(
     }
     // One budgeted decision at a time, from the count to the apply: concurrent reconciles
     // would each see a free place and overshoot the budget (only the leader reconciles).
-    let _deciding = if rollout::counts(cause, &defaults.rollout) {
+    let deciding = if rollout::counts(cause, &defaults.rollout) {
         Some(defaults.rollout_lock.lock().await)
     } else {
         None
     };
-    let rolling = if _deciding.is_some() {
+    let rolling = if deciding.is_some() {
         Some(budgeted_rollouts(client, defaults, running.as_ref()).await?)
     } else {
         None
