@@ -278,6 +278,34 @@ pub fn cases() -> Vec<RuleCase> {
             Some("sidecar.env cannot set COSMOSQ_* variables, POD_NAME or POD_NAMESPACE"),
             true,
         ),
+        // A hostile subscription is bounded before the operator compiles it: at most 100
+        // rules of at most 4,096 characters (`spec::hostile_rules` runs the deepest of them).
+        case(
+            "subscription-rule-too-long",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 8080, "subscription": {"rules": [
+                {"match": format!("event.data.n == {}", "1".repeat(4090)), "path": "/x"}]}}})),
+            Some("spec.app.subscription.rules[0].match"),
+            false,
+        ),
+        case(
+            "subscription-too-many-rules",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 8080, "subscription": {"rules":
+                (0..101).map(|i| json!({"match": format!("event.data.n == {i}"), "path": "/x"}))
+                    .collect::<Vec<_>>()}}})),
+            Some("spec.app.subscription.rules"),
+            false,
+        ),
+        case(
+            "subscription-hundred-rules",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 8080, "subscription": {"rules":
+                (0..100).map(|i| json!({"match": format!("event.data.n == {i}"), "path": "/x"}))
+                    .collect::<Vec<_>>()}}})),
+            None,
+            false,
+        ),
         // Names that become label values.
         case(
             "group-label",
