@@ -65,6 +65,14 @@ fn merge(target: &mut Value, extra: Value) {
     }
 }
 
+/// A group whose subscription has `n` rules.
+fn subscription(n: usize) -> Value {
+    let rules: Vec<Value> = (0..n)
+        .map(|i| json!({"match": format!("event.data.n == {i}"), "path": "/x"}))
+        .collect();
+    group_spec(json!({"app": {"port": 8080, "subscription": {"rules": rules}}}))
+}
+
 pub fn cases() -> Vec<RuleCase> {
     let case = |id, kind, spec, refused_with, cel| RuleCase {
         id,
@@ -291,18 +299,14 @@ pub fn cases() -> Vec<RuleCase> {
         case(
             "subscription-too-many-rules",
             Kind::Group,
-            group_spec(json!({"app": {"port": 8080, "subscription": {"rules":
-                (0..101).map(|i| json!({"match": format!("event.data.n == {i}"), "path": "/x"}))
-                    .collect::<Vec<_>>()}}})),
+            subscription(101),
             Some("spec.app.subscription.rules"),
             false,
         ),
         case(
             "subscription-hundred-rules",
             Kind::Group,
-            group_spec(json!({"app": {"port": 8080, "subscription": {"rules":
-                (0..100).map(|i| json!({"match": format!("event.data.n == {i}"), "path": "/x"}))
-                    .collect::<Vec<_>>()}}})),
+            subscription(100),
             None,
             false,
         ),
