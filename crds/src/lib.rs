@@ -416,6 +416,7 @@ pub enum StartFrom {
 /// The app's endpoint in the pod, which the sidecar posts each message to.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[x_kube(validation = Rule::new("has(self.port) || (has(self.mode) && self.mode == 'Pull')").message("app.port is required: the sidecar posts messages to it (only Pull workers, which come to the sidecar, need none)"))]
+#[x_kube(validation = Rule::new("!has(self.apiTokenSecret) || !has(self.generateApiTokens) || !self.generateApiTokens").message("set apiTokenSecret (a Secret you keep) or generateApiTokens (one the operator makes), not both"))]
 #[serde(rename_all = "camelCase")]
 pub struct AppSpec {
     /// The port the app listens on (localhost in the pod); required unless `mode` is `Pull`.
@@ -462,6 +463,12 @@ pub struct AppSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"))]
     pub api_token_secret: Option<String>,
+    /// The operator makes the tokens: two random values in a Secret `<group>-api-tokens`
+    /// that the group owns (deleted with it), used as `apiTokenSecret` is. Deleting the
+    /// Secret rotates them: the operator makes a new one and rolls the group's workers onto
+    /// it. An existing Secret of that name that the group does not own is never taken over.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub generate_api_tokens: bool,
 }
 
 fn default_app_path() -> String {

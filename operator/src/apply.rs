@@ -193,9 +193,6 @@ async fn apply_binding(
 }
 
 /// The digest of the account key the queue's Secret holds now (`None` with workload identity).
-/// While the Secret or its key is missing (the queue's status reports that), the workers keep
-/// the digest they have: a Secret deleted and made again must not roll them twice, and new pods
-/// could not start without it anyway.
 async fn key_digest(
     client: &Client,
     namespace: &str,
@@ -208,11 +205,74 @@ async fn key_digest(
     let secret = Api::<Secret>::namespaced(client.clone(), namespace)
         .get_opt(&key_ref.name)
         .await?;
-    if let Some(digest) = secret
+    let digest = secret
         .and_then(|s| s.data)
-        .and_then(|d| d.get(&key_ref.key).map(|v| build::key_digest(&v.0)))
-    {
-        return Ok(Some(digest));
+        .and_then(|d| d.get(&key_ref.key).map(|v| build::key_digest(&v.0)));
+    or_running(
+        client,
+        namespace,
+        deployment,
+        build::KEY_DIGEST_ANNOTATION,
+        digest,
+    )
+    .await
+}
+
+/// The digest of the group's API tokens (`None` without tokens), and with
+/// `spec.app.generateApiTokens` the Secret to make when it is missing — only then: one of the
+/// name that the group does not control is refused, never written.
+async fn tokens_digest(
+    client: &Client,
+    namespace: &str,
+    qcg: &QueueConsumerGroup,
+    deployment: &str,
+) -> Result<(Option<String>, Option<Secret>), ApplyError> {
+    let Some(name) = build::api_token_secret(qcg) else {
+        return Ok((None, None));
+    };
+    let mut secret = Api::<Secret>::namespaced(client.clone(), namespace)
+        .get_opt(&name)
+        .await?;
+    let mut make = None;
+    if qcg.spec.app.generate_api_tokens {
+        match &secret {
+            Some(found) if !controlled_by(&found.metadata, qcg) => {
+                return Err(ApplyError::NotOwned {
+                    object: format!("Secret {namespace}/{name}"),
+                    holder: holder(&found.metadata),
+                })
+            }
+            Some(_) => {}
+            None => {
+                make = Some(build::generated_api_tokens(qcg)?);
+                secret = make.clone();
+            }
+        }
+    }
+    let digest = secret.as_ref().and_then(build::api_tokens_digest);
+    let digest = or_running(
+        client,
+        namespace,
+        deployment,
+        build::TOKENS_DIGEST_ANNOTATION,
+        digest,
+    )
+    .await?;
+    Ok((digest, make))
+}
+
+/// `digest`, or while its Secret or key is missing (the pods say so: they cannot start
+/// without it), the one the running workers carry: a Secret deleted and made again must not
+/// roll them twice.
+async fn or_running(
+    client: &Client,
+    namespace: &str,
+    deployment: &str,
+    annotation: &str,
+    digest: Option<String>,
+) -> Result<Option<String>, ApplyError> {
+    if digest.is_some() {
+        return Ok(digest);
     }
     let live = Api::<Deployment>::namespaced(client.clone(), namespace)
         .get_opt(deployment)
@@ -221,7 +281,7 @@ async fn key_digest(
         .and_then(|d| d.spec)
         .and_then(|s| s.template.metadata)
         .and_then(|m| m.annotations)
-        .and_then(|mut a| a.remove(build::KEY_DIGEST_ANNOTATION)))
+        .and_then(|mut a| a.remove(annotation)))
 }
 
 /// Validates, builds and applies the group's ServiceAccount, RoleBinding, Deployment and (HPA
@@ -238,9 +298,24 @@ pub async fn apply_group(
         .ok_or_else(|| ApplyError::NoNamespace(qcg.name_any()))?;
     let settings = spec::group(qcg)?;
     let mut deployment = build::deployment(qcg, &settings, queue, defaults)?;
-    let digest = key_digest(client, &namespace, queue, &deployment.name_any()).await?;
+    let name = build::workers_name(qcg);
+    let (digest, (tokens, make_tokens)) = tokio::try_join!(
+        key_digest(client, &namespace, queue, &name),
+        tokens_digest(client, &namespace, qcg, &name),
+    )?;
     if let Some(digest) = &digest {
-        build::with_key_digest(&mut deployment, digest.clone());
+        build::with_digest(
+            &mut deployment,
+            build::KEY_DIGEST_ANNOTATION,
+            digest.clone(),
+        );
+    }
+    if let Some(tokens) = &tokens {
+        build::with_digest(
+            &mut deployment,
+            build::TOKENS_DIGEST_ANNOTATION,
+            tokens.clone(),
+        );
     }
     let built_from = rollout::BuiltFrom {
         group: qcg.metadata.generation,
@@ -248,10 +323,10 @@ pub async fn apply_group(
         request: qcg.annotations().get(rollout::ROLLOUT_REQUESTED).cloned(),
         operator: rollout::operator(&defaults.sidecar_image),
         key: digest,
+        tokens,
     };
     let service_account = build::service_account(qcg, queue)?;
     // The pods run as that account (`build::deployment` refuses any other).
-    let name = build::workers_name(qcg);
     let binding = build::role_binding(qcg, &name, defaults)?;
     let hpa = build::hpa(qcg, &settings)?;
 
@@ -268,6 +343,14 @@ pub async fn apply_group(
             }
         },
     )?;
+    if let Some(tokens) = &make_tokens {
+        // Created, never applied: a Secret of the name made in between (by a former leader)
+        // is not overwritten; the conflict retries the reconcile, which reads that one.
+        Api::<Secret>::namespaced(client.clone(), &namespace)
+            .create(&Default::default(), tokens)
+            .await?;
+        tracing::info!(%namespace, secret = %tokens.name_any(), "made the group's API tokens");
+    }
     apply::<ServiceAccount>(client, &namespace, &service_account).await?;
     apply_binding(client, &namespace, &binding, qcg).await?;
     // The workers roll for the user's changes; for the operator's, as its policy allows.
@@ -551,6 +634,7 @@ mod tests {
             request: None,
             operator: format!("{}/cosmosq/sidecar:test", env!("CARGO_PKG_VERSION")),
             key: Some(build::key_digest(b"k1")),
+            tokens: None,
         };
         assert_eq!(
             applied,
@@ -657,6 +741,7 @@ mod tests {
                 request: None,
                 operator: rollout::operator("cosmosq/sidecar:test"),
                 key: Some("0123456789abcdef".into()),
+                tokens: None,
             }.annotation()});
             live["spec"] = json!({"selector": {}, "template": {"metadata": {"annotations":
                     {build::KEY_DIGEST_ANNOTATION: "0123456789abcdef"}}}});
@@ -811,6 +896,138 @@ mod tests {
                     "{kind} shop/billing-workers exists and is not this group's {holder}"
                 )),
                 "{text}"
+            );
+            let server = verifier.await.unwrap();
+            drop(client);
+            server.done().await; // nothing was written
+        }
+    }
+
+    /// A group whose operator makes its API tokens.
+    fn tokens_group() -> QueueConsumerGroup {
+        let mut g = group(json!({}));
+        g.spec.app.generate_api_tokens = true;
+        g
+    }
+
+    const TOKENS: &str = "/api/v1/namespaces/shop/secrets/billing-api-tokens";
+
+    #[tokio::test]
+    async fn generated_api_tokens_are_made_once_after_every_name_is_known_to_be_the_groups() {
+        let (client, mut server) = client();
+        let verifier = tokio::spawn(async move {
+            server.key_read("k1").await;
+            server
+                .answer(Method::GET, TOKENS, crate::testing::not_found())
+                .await;
+            // Nothing is written before the group's other names are known to be its own.
+            server.expect_reads([None, None, None, None], false).await;
+            let made = server
+                .echo(Method::POST, "/api/v1/namespaces/shop/secrets")
+                .await;
+            for (path, kind) in [
+                ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
+                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
+            ] {
+                server.expect_apply(path, kind).await;
+            }
+            let deployment = server
+                .expect_apply(
+                    "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                    "Deployment",
+                )
+                .await;
+            (server, made, deployment)
+        });
+        let applied = apply_group(&client, &tokens_group(), &queue(), &defaults())
+            .await
+            .unwrap();
+        let (server, made, deployment) = verifier.await.unwrap();
+        assert_eq!(made["metadata"]["name"], "billing-api-tokens");
+        assert_eq!(made["metadata"]["ownerReferences"][0]["uid"], "g1");
+        assert_eq!(made["metadata"]["ownerReferences"][0]["controller"], true);
+        assert_eq!(made["immutable"], true);
+        let made: Secret = serde_json::from_value(made).unwrap();
+        let digest = build::api_tokens_digest(&made).expect("both tokens");
+        // The pods carry the tokens' digest (a new Secret rolls them) and read them from it.
+        let template = &deployment["spec"]["template"];
+        assert_eq!(
+            template["metadata"]["annotations"][build::TOKENS_DIGEST_ANNOTATION],
+            digest.as_str()
+        );
+        assert!(template["spec"]["containers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["name"] == "DAPR_API_TOKEN"
+                && v["valueFrom"]["secretKeyRef"]["name"] == "billing-api-tokens"));
+        assert_eq!(applied.running.unwrap().tokens, Some(digest.clone()));
+        drop(client);
+        server.done().await;
+
+        // Next time the Secret is there, and the group's: read, not made again.
+        let (client, mut server) = crate::testing::client();
+        let mut stored = serde_json::to_value(&made).unwrap();
+        stored["data"] = json!({
+            "dapr-api-token": base64_of(&made, "dapr-api-token"),
+            "app-api-token": base64_of(&made, "app-api-token"),
+        });
+        stored.as_object_mut().unwrap().remove("stringData");
+        let verifier = tokio::spawn(async move {
+            server.key_read("k1").await;
+            server
+                .answer(Method::GET, TOKENS, json_response(StatusCode::OK, &stored))
+                .await;
+            server.expect_reads([None, None, None, None], false).await;
+            for (path, kind) in [
+                ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
+                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
+                ("/apis/apps/v1/namespaces/shop/deployments/billing-workers", "Deployment"),
+            ] {
+                server.expect_apply(path, kind).await;
+            }
+            server
+        });
+        let applied = apply_group(&client, &tokens_group(), &queue(), &defaults())
+            .await
+            .unwrap();
+        assert_eq!(
+            applied.running.unwrap().tokens,
+            Some(digest),
+            "the same tokens"
+        );
+        let server = verifier.await.unwrap();
+        drop(client);
+        server.done().await;
+    }
+
+    fn base64_of(secret: &Secret, key: &str) -> String {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(&secret.string_data.as_ref().unwrap()[key])
+    }
+
+    #[tokio::test]
+    async fn a_tokens_secret_of_the_name_that_is_not_the_groups_is_never_written() {
+        // A team's Secret, or one a deleted group of the same name made (another UID).
+        for controller in [None, Some("old-group")] {
+            let (client, mut server) = client();
+            let verifier = tokio::spawn(async move {
+                server.key_read("k1").await;
+                let mut theirs = existing("v1", "Secret", controller);
+                theirs["metadata"]["name"] = json!("billing-api-tokens");
+                theirs["data"] = json!({"dapr-api-token": "dGhlaXJz", "app-api-token": "dGhlaXJz"});
+                server
+                    .answer(Method::GET, TOKENS, json_response(StatusCode::OK, &theirs))
+                    .await;
+                server
+            });
+            let err = apply_group(&client, &tokens_group(), &queue(), &defaults())
+                .await
+                .unwrap_err();
+            assert!(
+                err.to_string()
+                    .starts_with("Secret shop/billing-api-tokens exists and is not this group's"),
+                "{err}"
             );
             let server = verifier.await.unwrap();
             drop(client);

@@ -19,8 +19,8 @@ use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
     DownwardAPIVolumeFile, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath, Lifecycle,
     LifecycleHandler, ObjectFieldSelector, PodTemplateSpec, Probe, ProjectedVolumeSource,
-    ResourceRequirements, SeccompProfile, SecretVolumeSource, SecurityContext, ServiceAccount,
-    ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
+    ResourceRequirements, SeccompProfile, Secret, SecretVolumeSource, SecurityContext,
+    ServiceAccount, ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -212,6 +212,67 @@ pub const APP_API_TOKEN_ENV: &str = "APP_API_TOKEN";
 pub const API_TOKEN_KEY: &str = "dapr-api-token";
 /// The key of `spec.app.apiTokenSecret` holding [`APP_API_TOKEN_ENV`].
 pub const APP_API_TOKEN_KEY: &str = "app-api-token";
+
+/// The Secret `spec.app.generateApiTokens` makes for a group.
+pub fn generated_api_tokens_name(qcg: &QueueConsumerGroup) -> String {
+    format!("{}-api-tokens", qcg.name_any())
+}
+
+/// The Secret the group's API tokens come from, if it has any (pure).
+pub fn api_token_secret(qcg: &QueueConsumerGroup) -> Option<String> {
+    match (
+        &qcg.spec.app.api_token_secret,
+        qcg.spec.app.generate_api_tokens,
+    ) {
+        (Some(name), _) => Some(name.clone()),
+        (None, true) => Some(generated_api_tokens_name(qcg)),
+        (None, false) => None,
+    }
+}
+
+/// A new Secret of two random tokens for `spec.app.generateApiTokens`, owned by the group (the
+/// garbage collector deletes it with the group). Immutable: the sidecar and the app of a pod
+/// read it at start, and a value changed under running pods would set a restarted container
+/// apart from the others; a rotation is a new Secret, and new pods.
+pub fn generated_api_tokens(qcg: &QueueConsumerGroup) -> Result<Secret, SpecError> {
+    use base64::Engine as _;
+    use rand::RngCore as _;
+    let token = || {
+        // 256 bits from a cryptographically secure generator, in URL-safe text (43 chars).
+        let mut bytes = [0u8; 32];
+        rand::rng().fill_bytes(&mut bytes);
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+    };
+    Ok(Secret {
+        metadata: ObjectMeta {
+            name: Some(generated_api_tokens_name(qcg)),
+            ..metadata(qcg)?
+        },
+        immutable: Some(true),
+        type_: Some("Opaque".into()),
+        string_data: Some(BTreeMap::from([
+            (API_TOKEN_KEY.into(), token()),
+            (APP_API_TOKEN_KEY.into(), token()),
+        ])),
+        ..Secret::default()
+    })
+}
+
+/// A digest of a Secret's two API tokens (both present), revealing nothing of them: it changes
+/// when they are rotated.
+pub fn api_tokens_digest(secret: &Secret) -> Option<String> {
+    // As read (`data`), or as made and not yet written (`stringData`).
+    let value = |key: &str| match (&secret.data, &secret.string_data) {
+        (Some(data), _) => data.get(key).map(|v| v.0.clone()),
+        (None, Some(text)) => text.get(key).map(|v| v.clone().into_bytes()),
+        (None, None) => None,
+    };
+    let mut both = value(API_TOKEN_KEY)?;
+    // A separator no token text holds: ("ab", "c") and ("a", "bc") differ.
+    both.push(0);
+    both.extend(value(APP_API_TOKEN_KEY)?);
+    Some(key_digest(&both))
+}
 
 /// `name` from `key` of the Secret `secret` (required: a pod without it does not start, and
 /// says so, rather than run unguarded).
@@ -505,7 +566,7 @@ pub fn deployment(
     for container in pod.containers.iter_mut() {
         // Dapr's two tokens, under Dapr's names, in every container: the sidecar checks and
         // sends them, the app's SDK sends and checks them.
-        if let Some(secret) = &qcg.spec.app.api_token_secret {
+        if let Some(secret) = &api_token_secret(qcg) {
             let sidecar = container.name == SIDECAR_CONTAINER;
             let vars = container.env.get_or_insert_with(Vec::new);
             for (app_name, sidecar_name, key) in [
@@ -660,16 +721,20 @@ pub fn key_digest(key: &[u8]) -> String {
     digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Marks the worker pods with the key's digest: a rotated key changes the template, and the
-/// Deployment rolls the workers onto it (the sidecar reads the key once, at start).
-pub fn with_key_digest(deployment: &mut Deployment, digest: String) {
+/// The pod template annotation that carries a digest of the group's API tokens.
+pub const TOKENS_DIGEST_ANNOTATION: &str = "cosmosq.io/api-tokens-digest";
+
+/// Marks the worker pods with a Secret's digest ([`KEY_DIGEST_ANNOTATION`],
+/// [`TOKENS_DIGEST_ANNOTATION`]): a rotated value changes the template, and the Deployment
+/// rolls the workers onto it (the containers read it once, at start).
+pub fn with_digest(deployment: &mut Deployment, annotation: &str, digest: String) {
     if let Some(template) = deployment.spec.as_mut().map(|s| &mut s.template) {
         template
             .metadata
             .get_or_insert_with(ObjectMeta::default)
             .annotations
             .get_or_insert_with(BTreeMap::new)
-            .insert(KEY_DIGEST_ANNOTATION.into(), digest);
+            .insert(annotation.into(), digest);
     }
 }
 
@@ -1041,6 +1106,57 @@ mod tests {
     }
 
     #[test]
+    fn generated_api_tokens_are_random_the_groups_and_used_as_a_named_secret_is() {
+        let mut g = group(json!({}));
+        g.spec.app.generate_api_tokens = true;
+        assert_eq!(api_token_secret(&g).as_deref(), Some("billing-api-tokens"));
+        let (one, two) = (
+            generated_api_tokens(&g).unwrap(),
+            generated_api_tokens(&g).unwrap(),
+        );
+        let tokens = one.string_data.as_ref().unwrap();
+        let (api, app) = (&tokens[API_TOKEN_KEY], &tokens[APP_API_TOKEN_KEY]);
+        assert_eq!((api.len(), app.len()), (43, 43), "256 bits each");
+        assert_ne!(api, app);
+        assert_ne!(
+            api_tokens_digest(&one),
+            api_tokens_digest(&two),
+            "drawn anew"
+        );
+        assert_eq!(one.immutable, Some(true));
+        let owner = &one.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.controller, owner.uid.as_str()),
+            (Some(true), "g-uid")
+        );
+        // As read back (`data`), the digest is the one of the values written (`stringData`).
+        let mut read = one.clone();
+        read.data = Some(
+            tokens
+                .iter()
+                .map(|(k, v)| (k.clone(), k8s_openapi::ByteString(v.clone().into_bytes())))
+                .collect(),
+        );
+        read.string_data = None;
+        assert_eq!(api_tokens_digest(&read), api_tokens_digest(&one));
+        assert!(!api_tokens_digest(&one).unwrap().contains(api.as_str()));
+        // The pods read them from it, as from a Secret the group names.
+        let d = build(&g, &key_queue(), &defaults()).unwrap();
+        let pod = d.spec.unwrap().template.spec.unwrap();
+        for container in &pod.containers {
+            assert!(
+                container.env.iter().flatten().any(|v| v
+                    .value_from
+                    .as_ref()
+                    .and_then(|f| f.secret_key_ref.as_ref())
+                    .is_some_and(|r| r.name == "billing-api-tokens")),
+                "{}",
+                container.name
+            );
+        }
+    }
+
+    #[test]
     fn invalid_templates_are_named() {
         let cases = [
             (
@@ -1123,7 +1239,7 @@ mod tests {
     #[test]
     fn a_rotated_key_changes_the_worker_template() {
         let mut d = build(&group(json!({})), &key_queue(), &defaults()).unwrap();
-        with_key_digest(&mut d, key_digest(b"primary"));
+        with_digest(&mut d, KEY_DIGEST_ANNOTATION, key_digest(b"primary"));
         let annotation = |d: &Deployment| {
             d.spec
                 .as_ref()
@@ -1140,9 +1256,9 @@ mod tests {
         let before = annotation(&d);
         assert_eq!(before.len(), 16);
         assert!(!before.contains("primary"));
-        with_key_digest(&mut d, key_digest(b"primary"));
+        with_digest(&mut d, KEY_DIGEST_ANNOTATION, key_digest(b"primary"));
         assert_eq!(annotation(&d), before, "the same key, the same template");
-        with_key_digest(&mut d, key_digest(b"secondary"));
+        with_digest(&mut d, KEY_DIGEST_ANNOTATION, key_digest(b"secondary"));
         assert_ne!(annotation(&d), before, "a new key, a new template");
     }
 

@@ -43,6 +43,9 @@ pub struct BuiltFrom {
     /// The account key's digest (key Secrets only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    /// The API tokens' digest (groups with tokens only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<String>,
 }
 
 impl BuiltFrom {
@@ -72,6 +75,9 @@ pub enum Cause {
     Spec,
     /// The group asked for it ([`ROLLOUT_REQUESTED`]).
     Request,
+    /// The group's API tokens were rotated: its own Secret, rolled at once (a container
+    /// restarted in an old pod would read the new tokens and its pod's others the old).
+    Tokens,
     /// The account key was rotated (the operator may have changed too).
     Key,
     /// The operator changed (an upgrade, another default sidecar image), or the running
@@ -93,6 +99,8 @@ pub fn cause(running: Option<&BuiltFrom>, desired: &BuiltFrom, spec_changed: boo
         Cause::Spec
     } else if running.request != desired.request {
         Cause::Request
+    } else if running.tokens != desired.tokens {
+        Cause::Tokens
     } else if running.key != desired.key {
         // Before the operator's own change: a rotated key must reach the workers even while
         // an upgrade waits (it brings the upgrade along, under the budget).
@@ -148,7 +156,9 @@ pub enum Decision {
 /// (other groups'), asked only for the causes that need it.
 pub fn decide(cause: Cause, policy: &Policy, rolling: impl FnOnce() -> usize) -> Decision {
     match cause {
-        Cause::Unchanged | Cause::Spec | Cause::Request => Decision::Apply { budgeted: false },
+        Cause::Unchanged | Cause::Spec | Cause::Request | Cause::Tokens => {
+            Decision::Apply { budgeted: false }
+        }
         Cause::Operator if policy.update == SidecarUpdate::Manual => Decision::Hold(
             "the operator changed; the workers take it at the group's next spec change or \
              rollout request (cosmosq.io/rollout-requested-at)",
@@ -272,6 +282,7 @@ mod tests {
             request: None,
             operator: operator.into(),
             key: key.map(Into::into),
+            tokens: None,
         }
     }
 
@@ -293,6 +304,13 @@ mod tests {
         assert_eq!(cause(Some(&running), &both, false), Cause::Key);
         assert_eq!(cause(Some(&running), &edited, false), Cause::Spec);
         assert_eq!(cause(Some(&running), &requested, false), Cause::Request);
+        // New API tokens roll the group at once, an upgrade held or not: a container
+        // restarted in an old pod would read them, and its pod's others the old ones.
+        let new_tokens = BuiltFrom {
+            tokens: Some("t2".into()),
+            ..upgraded.clone()
+        };
+        assert_eq!(cause(Some(&running), &new_tokens, false), Cause::Tokens);
         // Built before the record: the user's change if the spec moved, else the operator's.
         assert_eq!(cause(None, &upgraded, true), Cause::Spec);
         assert_eq!(cause(None, &upgraded, false), Cause::Operator);
@@ -303,7 +321,7 @@ mod tests {
             max_concurrent: 2,
         };
         let never = || -> usize { panic!("the budget is not asked for a user's change") };
-        for cause in [Cause::Unchanged, Cause::Spec, Cause::Request] {
+        for cause in [Cause::Unchanged, Cause::Spec, Cause::Request, Cause::Tokens] {
             assert!(!counts(cause, &rolling));
             assert_eq!(
                 decide(cause, &manual, never),

@@ -5,7 +5,7 @@
 //! selectors and resource versions), get, create, server-side apply (conditions merged by type,
 //! like a list-map), merge and JSON patches, the status and scale subresources, conditional
 //! replace, delete with finalizers, and garbage collection of owned objects, the immutable
-//! roleRef of RoleBindings, and TokenReviews and SubjectAccessReviews answered from tables a
+//! roleRef of RoleBindings, a Secret's `stringData` stored as `data`, and TokenReviews and SubjectAccessReviews answered from tables a
 //! test fills. It is not a general API server: no validation, admission or field ownership.
 
 use std::collections::BTreeMap;
@@ -23,6 +23,22 @@ use serde_json::{json, Value};
 use tokio::sync::broadcast;
 
 type ResponseBody = UnsyncBoxBody<Bytes, Infallible>;
+
+/// A Secret's `stringData` as the API server stores it: merged into `data` (base64), and gone.
+fn secret_string_data(secret: &mut Value) {
+    use base64::Engine as _;
+    let Some(Value::Object(text)) = secret.as_object_mut().and_then(|o| o.remove("stringData"))
+    else {
+        return;
+    };
+    if !secret["data"].is_object() {
+        secret["data"] = json!({});
+    }
+    for (key, value) in text {
+        let value = value.as_str().unwrap_or_default().as_bytes();
+        secret["data"][key] = json!(base64::engine::general_purpose::STANDARD.encode(value));
+    }
+}
 
 /// One change, as a watch sends it.
 #[derive(Clone, Debug)]
@@ -683,6 +699,9 @@ impl FakeApiServer {
         meta["uid"] = json!(uuid::Uuid::new_v4().to_string());
         meta["generation"] = json!(1);
         meta["creationTimestamp"] = json!(k8s_openapi::jiff::Timestamp::now().to_string());
+        if target.collection == "api/v1/secrets" {
+            secret_string_data(&mut object);
+        }
         let stored = Self::store(
             &mut state,
             &self.changes,

@@ -159,6 +159,32 @@ pub fn cases() -> Vec<RuleCase> {
             Some("app.timeout must be at most 1h"),
             true,
         ),
+        // API tokens: a Secret the user keeps, or one the operator makes; not both.
+        case(
+            "tokens-generated",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 8080, "generateApiTokens": true}})),
+            None,
+            true,
+        ),
+        case(
+            "tokens-named-or-generated",
+            Kind::Group,
+            group_spec(
+                json!({"app": {"port": 8080, "apiTokenSecret": "t", "generateApiTokens": true}}),
+            ),
+            Some("set apiTokenSecret (a Secret you keep) or generateApiTokens"),
+            true,
+        ),
+        case(
+            "tokens-named-not-generated",
+            Kind::Group,
+            group_spec(
+                json!({"app": {"port": 8080, "apiTokenSecret": "t", "generateApiTokens": false}}),
+            ),
+            None,
+            true,
+        ),
         RuleCase {
             name: Some(long_name.clone()),
             ..case(

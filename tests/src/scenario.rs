@@ -277,6 +277,159 @@ async fn an_upgrade_rolls_nothing_by_itself(
     (shutdown, operator)
 }
 
+/// `spec.app.generateApiTokens`: the operator makes a Secret of tokens the group owns, never
+/// takes a team's Secret of that name, and a deleted Secret is made anew and rolls the workers
+/// onto it.
+async fn api_tokens_are_made_for_the_group_and_never_taken(s: &Scenario) {
+    use k8s_openapi::api::core::v1::Secret;
+    let ns = s.namespace.as_str();
+    let groups: Api<QueueConsumerGroup> = Api::namespaced(s.client.clone(), ns);
+    let deployments: Api<Deployment> = Api::namespaced(s.client.clone(), ns);
+    let secrets: Api<Secret> = Api::namespaced(s.client.clone(), ns);
+    let group = |name: &str| {
+        let group = json!({
+            "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
+            "metadata": {"name": name},
+            "spec": {"queueRef": {"name": "orders"},
+                     "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
+                     "app": {"port": 8080, "generateApiTokens": true},
+                     "scaling": {"maxReplicas": 1}}
+        });
+        serde_json::from_value::<QueueConsumerGroup>(group).unwrap()
+    };
+
+    // A team's Secret has the name: the group is refused, and the Secret stays as it was.
+    let team = json!({"metadata": {"name": "receipts-api-tokens"},
+        "stringData": {"dapr-api-token": "the-teams", "app-api-token": "the-teams"}});
+    let team: Secret = secrets
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(team).unwrap(),
+        )
+        .await
+        .expect("create the team's Secret");
+    groups
+        .create(&PostParams::default(), &group("receipts"))
+        .await
+        .expect("create the group named like the team's Secret");
+    until(&groups, "receipts", "the group refused as NotOwned", |g| {
+        g.and_then(|g| g.status.as_ref()).is_some_and(|s| {
+            s.conditions.iter().any(|c| {
+                c.type_ == "Ready"
+                    && c.reason == "NotOwned"
+                    && c.message.contains("Secret")
+                    && c.message.contains("receipts-api-tokens")
+            })
+        })
+    })
+    .await;
+    let kept = secrets.get("receipts-api-tokens").await.unwrap();
+    assert_eq!(
+        (
+            kept.metadata.resource_version,
+            kept.data,
+            kept.metadata.owner_references
+        ),
+        (team.metadata.resource_version, team.data, None),
+        "the team's Secret was written"
+    );
+    assert!(deployments
+        .get_opt("receipts-workers")
+        .await
+        .unwrap()
+        .is_none());
+
+    // Made for the group, owned by it, and what its workers read.
+    let invoices = groups
+        .create(&PostParams::default(), &group("invoices"))
+        .await
+        .expect("create a group with generated tokens");
+    let digest_of =
+        |secret: &Secret| cosmosq_operator::build::api_tokens_digest(secret).expect("both tokens");
+    let made = |previous: Option<String>| {
+        let secrets = secrets.clone();
+        let uid = invoices.uid();
+        async move {
+            until(
+                &secrets,
+                "invoices-api-tokens",
+                "the group's API tokens",
+                |t| t.is_some_and(|t| t.metadata.uid != previous),
+            )
+            .await;
+            let made = secrets.get("invoices-api-tokens").await.unwrap();
+            let owner = &made.metadata.owner_references.as_ref().unwrap()[0];
+            assert_eq!(
+                (owner.controller, Some(&owner.uid)),
+                (Some(true), uid.as_ref())
+            );
+            assert_eq!(made.immutable, Some(true));
+            let data = made.data.as_ref().expect("the tokens");
+            assert!(data.values().all(|v| v.0.len() == 43), "256-bit tokens");
+            made
+        }
+    };
+    let first = made(None).await;
+    let carries = |digest: String| {
+        move |d: Option<&Deployment>| {
+            d.and_then(|d| d.spec.as_ref())
+                .and_then(|s| s.template.metadata.as_ref())
+                .and_then(|m| m.annotations.as_ref())
+                .and_then(|a| a.get("cosmosq.io/api-tokens-digest"))
+                == Some(&digest)
+        }
+    };
+    until(
+        &deployments,
+        "invoices-workers",
+        "workers carrying the tokens' digest",
+        carries(digest_of(&first)),
+    )
+    .await;
+
+    // Rotated by deleting it: made anew at the group's next reconcile (asked for here), and
+    // the workers roll onto it (a container restarted in an old pod would read the new tokens
+    // and its app the old ones).
+    secrets
+        .delete("invoices-api-tokens", &DeleteParams::default())
+        .await
+        .expect("delete the tokens");
+    let request = json!({"metadata": {"annotations": {
+        "cosmosq.io/reconcile-requested-at": "2026-12-03T17:00:00Z"}}});
+    change(&groups, "invoices", request).await;
+    let second = made(first.metadata.uid.clone()).await;
+    assert_ne!(digest_of(&second), digest_of(&first), "new tokens");
+    until(
+        &deployments,
+        "invoices-workers",
+        "workers rolled onto the new tokens",
+        carries(digest_of(&second)),
+    )
+    .await;
+
+    for name in ["invoices", "receipts"] {
+        groups
+            .delete(name, &DeleteParams::default())
+            .await
+            .expect("delete the group");
+    }
+    if s.controllers {
+        // The garbage collector takes the group's tokens with it, and leaves the team's.
+        until(
+            &secrets,
+            "invoices-api-tokens",
+            "the tokens to go with their group",
+            |t| t.is_none(),
+        )
+        .await;
+        assert!(secrets
+            .get_opt("receipts-api-tokens")
+            .await
+            .unwrap()
+            .is_some());
+    }
+}
+
 /// Runs the operator and the scenario; panics with what did not happen.
 pub async fn operator_scenario(mut s: Scenario) {
     let ns = s.namespace.as_str();
@@ -513,6 +666,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         Kstatus::Failed,
         "Degraded",
     );
+    Box::pin(api_tokens_are_made_for_the_group_and_never_taken(&s)).await;
     if s.controllers {
         // The Deployment is valid to the cluster's own controller: it observed the scaled
         // spec and made 3 Pods (Pending without nodes; the concurrency change above rolls out
