@@ -436,7 +436,7 @@ pub struct AppSpec {
     pub timeout: String,
     /// `Push` (default): the sidecar posts each message to the app; `Pull`: the app's workers
     /// receive and settle messages in batches through the sidecar's localhost API
-    /// (`/v1/receive`, see the README), and `port`, `path` and `format` are not used.
+    /// (`/v1/receive`, see docs/app-contract.md), and `port`, `path` and `format` are not used.
     #[serde(default)]
     pub mode: AppMode,
     /// `CloudEvents` (default: a structured CloudEvent, the message in `data`) or `Raw` (the body as is).
