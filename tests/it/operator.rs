@@ -51,13 +51,13 @@ const SCRAPER: &str = "metrics-scraper";
 const AUDIENCE: &str = "cosmosq";
 
 #[tokio::test]
+#[cfg_attr(
+    not(cosmosq_e2e),
+    ignore = "needs a cluster: set COSMOSQ_E2E_KUBECONFIG to a kubeconfig"
+)]
 async fn the_operator_on_a_real_cluster() {
-    let Some(path) = std::env::var_os("COSMOSQ_E2E_KUBECONFIG") else {
-        eprintln!(
-            "skipped: set COSMOSQ_E2E_KUBECONFIG to a kubeconfig to run the operator end to end on a cluster"
-        );
-        return;
-    };
+    let path = std::env::var_os("COSMOSQ_E2E_KUBECONFIG")
+        .expect("COSMOSQ_E2E_KUBECONFIG: the kubeconfig of the cluster to run on");
     cosmosq_operator::run::install_crypto_provider();
     let kubeconfig = Kubeconfig::read_from(&path).expect("a readable kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
