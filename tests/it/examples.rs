@@ -169,9 +169,7 @@ fn the_keda_example_scales_the_group_through_what_the_operator_serves() {
 
     // The host and the CA Secret the comments name are the chart's (release "cosmosq" in
     // namespace "cosmosq", kedaEndpoint on).
-    let Some(chart) = rendered_chart() else {
-        return;
-    };
+    let chart = rendered_chart();
     let (service, service_ns) = host
         .strip_suffix(".svc")
         .and_then(|h| h.split_once('.'))
@@ -205,11 +203,9 @@ fn the_keda_example_scales_the_group_through_what_the_operator_serves() {
     assert!(text.contains(&named), "the example says {named:?}");
 }
 
-/// The chart rendered as the example assumes, or `None` (with a line) without helm.
-fn rendered_chart() -> Option<Vec<Value>> {
-    let helm = std::env::var_os("COSMOSQ_HELM")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/helm"));
+/// The chart rendered as the example assumes.
+fn rendered_chart() -> Vec<Value> {
+    let helm = cosmosq_tests::helm();
     let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
     let output = Command::new(&helm)
         .args(["template", "cosmosq"])
@@ -224,20 +220,12 @@ fn rendered_chart() -> Option<Vec<Value>> {
     let output = match output {
         Ok(o) if o.status.success() => o.stdout,
         Ok(o) => panic!("helm template: {}", String::from_utf8_lossy(&o.stderr)),
-        Err(e) => {
-            eprintln!(
-                "SKIPPED the chart half: no helm at {} ({e}; .ci/run installs it)",
-                helm.display()
-            );
-            return None;
-        }
+        Err(e) => panic!("helm at {}: {e}", helm.display()),
     };
-    Some(
-        serde_yaml::Deserializer::from_slice(&output)
-            .filter_map(|d| serde::Deserialize::deserialize(d).ok())
-            .filter(|d: &Value| d.is_object())
-            .collect(),
-    )
+    serde_yaml::Deserializer::from_slice(&output)
+        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
+        .filter(|d: &Value| d.is_object())
+        .collect()
 }
 
 /// TypeScript over KEDA's models: an unknown or mistyped field is an error.
@@ -276,9 +264,7 @@ fn typecheck(models: &Path, name: &str, scaled_object: &Value, auth: &Value) -> 
 
 #[test]
 fn the_keda_example_matches_kedas_published_crd_schema() {
-    let Some(models) = cosmosq_tests::keda_models() else {
-        return;
-    };
+    let models = cosmosq_tests::keda_models();
     let docs = documents();
     let so = docs
         .iter()

@@ -51,9 +51,8 @@ pub fn kstatus(obj: &Value) -> Kstatus {
 /// The health check's script, as users install it into `argocd-cm`.
 pub const ARGOCD_HEALTH: &str = include_str!("../../docs/argocd-health.lua");
 
-/// Argo CD's `(status, message)` for `obj`: `None`, with a line saying so, when Python or
-/// `lupa` cannot be had.
-pub fn argocd(obj: &Value) -> Option<(String, String)> {
+/// Argo CD's `(status, message)` for `obj`, from the shipped script run by Lua (`lupa`).
+pub fn argocd(obj: &Value) -> (String, String) {
     // Argo CD hands the script the object as the global `obj` (JSON null is nil) and reads
     // the table it returns.
     const RUNNER: &str = r#"
@@ -71,7 +70,7 @@ lua.globals().obj = table(given["obj"])
 hs = lua.execute(given["script"])
 print(json.dumps({"status": hs["status"], "message": hs["message"]}))
 "#;
-    let python = crate::python_with("lupa==2.8", "lupa")?;
+    let python = crate::python_with("lupa");
     let mut child = Command::new(python)
         .args(["-c", RUNNER])
         .stdin(Stdio::piped())
@@ -93,19 +92,17 @@ print(json.dumps({"status": hs["status"], "message": hs["message"]}))
         String::from_utf8_lossy(&out.stderr)
     );
     let hs: Value = serde_json::from_slice(&out.stdout).unwrap();
-    Some((
+    (
         hs["status"].as_str().unwrap_or_default().to_owned(),
         hs["message"].as_str().unwrap_or_default().to_owned(),
-    ))
+    )
 }
 
-/// Asserts that kstatus and Argo CD read `obj` as `expected` and `argo_status` (the latter
-/// only when the health check can be run here).
+/// Asserts that kstatus and Argo CD read `obj` as `expected` and `argo_status`.
 pub fn assert_health(obj: &impl serde::Serialize, expected: Kstatus, argo_status: &str) {
     let obj = serde_json::to_value(obj).unwrap();
     let name = &obj["metadata"]["name"];
     assert_eq!(kstatus(&obj), expected, "kstatus of {name}: {obj}");
-    if let Some((status, message)) = argocd(&obj) {
-        assert_eq!(status, argo_status, "Argo CD health of {name}: {message}");
-    }
+    let (status, message) = argocd(&obj);
+    assert_eq!(status, argo_status, "Argo CD health of {name}: {message}");
 }

@@ -230,17 +230,46 @@ pub async fn physical_ranges(queue: &Queue) -> Vec<(String, String)> {
         .collect()
 }
 
-/// A Python interpreter with the official Cosmos DB SDK (`azure-cosmos`, version pinned), for
-/// tests of what other SDKs see. See [`python_with`].
-pub fn python_cosmos_sdk() -> Option<std::path::PathBuf> {
-    python_with("azure-cosmos==4.17.1", "azure.cosmos")
+/// Where `.ci/install-test-tools` installs what the tests drive besides Rust.
+pub fn tools_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools")
 }
 
-/// A Python interpreter that imports `module` (from `package`, version pinned):
-/// `COSMOSQ_PYTHON` when set, else a virtualenv under `target/tools/python` that `package` is
-/// installed into from PyPI on first use. `None`, with the reason printed, when PyPI cannot be
-/// reached.
-pub fn python_with(package: &str, module: &str) -> Option<std::path::PathBuf> {
+/// Runs `.ci/install-test-tools` (pinned helm, kubectl, Python packages and npm packages; it
+/// skips what is there) at most once per test process. A test that needs a tool fails when it
+/// cannot be had, naming why: it never passes without having run.
+pub fn install_test_tools() {
+    static INSTALLED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    let result = INSTALLED.get_or_init(|| {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.ci/install-test-tools");
+        std::process::Command::new(&script)
+            .output()
+            .map_err(|e| format!("{}: {e}", script.display()))
+            .and_then(|o| {
+                o.status.success().then_some(()).ok_or_else(|| {
+                    format!(
+                        "{} failed (it needs python3, npm and their registries): {}",
+                        script.display(),
+                        String::from_utf8_lossy(&o.stderr)
+                    )
+                })
+            })
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+}
+
+/// A Python interpreter with the official Cosmos DB SDK (`azure-cosmos`, pinned in
+/// `.ci/install-test-tools`), for tests of what other SDKs see. See [`python_with`].
+pub fn python_cosmos_sdk() -> std::path::PathBuf {
+    python_with("azure.cosmos")
+}
+
+/// A Python interpreter that imports `module`: `COSMOSQ_PYTHON` when set, else the virtualenv
+/// `.ci/install-test-tools` makes (made on first use when missing).
+pub fn python_with(module: &str) -> std::path::PathBuf {
     let imports = |python: &std::path::Path| {
         std::process::Command::new(python)
             .args(["-c", &format!("import {module}")])
@@ -251,107 +280,54 @@ pub fn python_with(package: &str, module: &str) -> Option<std::path::PathBuf> {
         let python = std::path::PathBuf::from(python);
         assert!(
             imports(&python),
-            "COSMOSQ_PYTHON={} does not import {module} (pip install {package})",
+            "COSMOSQ_PYTHON={} does not import {module}",
             python.display()
         );
-        return Some(python);
+        return python;
     }
-    // Tests run in parallel: one installs at a time (into one virtualenv).
-    static INSTALLING: Mutex<()> = Mutex::new(());
-    let _installing = INSTALLING.lock().unwrap_or_else(|e| e.into_inner());
-    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/python");
-    let python = venv.join("bin/python");
-    if imports(&python) {
-        return Some(python);
+    let python = tools_dir().join("python/bin/python");
+    if !imports(&python) {
+        install_test_tools();
     }
-    let run = |program: &std::ffi::OsStr, args: &[&std::ffi::OsStr]| {
-        std::process::Command::new(program)
-            .args(args)
-            .output()
-            .map_err(|e| e.to_string())
-            .and_then(|o| {
-                o.status
-                    .success()
-                    .then_some(())
-                    .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
-            })
-    };
-    let made = if python.exists() {
-        Ok(())
-    } else {
-        run(
-            "python3".as_ref(),
-            &["-m".as_ref(), "venv".as_ref(), venv.as_os_str()],
-        )
-    }
-    .and_then(|()| {
-        run(
-            python.as_os_str(),
-            &[
-                "-m".as_ref(),
-                "pip".as_ref(),
-                "install".as_ref(),
-                "--quiet".as_ref(),
-                package.as_ref(),
-            ],
-        )
-    });
-    match made {
-        Ok(()) if imports(&python) => Some(python),
-        Ok(()) => panic!(
-            "{package} installed into {} but does not import",
-            venv.display()
-        ),
-        Err(e) => {
-            eprintln!("SKIPPED: could not install {package} from PyPI (unreachable?): {e}");
-            None
-        }
-    }
+    assert!(
+        imports(&python),
+        "{} does not import {module} after .ci/install-test-tools",
+        python.display()
+    );
+    python
 }
 
 /// KEDA's CRD schema as its published models carry it (`@kubernetes-models/keda` from npm,
-/// generated from KEDA's CRDs, with TypeScript to check objects against them), installed into
-/// `target/tools/keda-models` on first use. `None`, with a line saying so, when node/npm or
-/// the registry is unreachable.
-pub fn keda_models() -> Option<std::path::PathBuf> {
-    const PACKAGES: [&str; 2] = ["@kubernetes-models/keda@2.0.0", "typescript@5.9.3"];
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/keda-models");
+/// generated from KEDA's CRDs, with TypeScript to check objects against them), as
+/// `.ci/install-test-tools` installs them (on first use when missing).
+pub fn keda_models() -> std::path::PathBuf {
+    let dir = tools_dir().join("keda-models");
     let installed = |dir: &std::path::Path| {
         dir.join("node_modules/typescript/bin/tsc").exists()
             && dir
                 .join("node_modules/@kubernetes-models/keda/package.json")
                 .exists()
     };
-    if installed(&dir) {
-        return Some(dir);
+    if !installed(&dir) {
+        install_test_tools();
     }
-    let made = std::fs::create_dir_all(&dir)
-        .map_err(|e| e.to_string())
-        .and_then(|()| {
-            std::process::Command::new("npm")
-                .arg("install")
-                .arg("--prefix")
-                .arg(&dir)
-                .args(["--no-audit", "--no-fund", "--loglevel=error"])
-                .args(PACKAGES)
-                .output()
-                .map_err(|e| format!("npm: {e}"))
-        })
-        .and_then(|o| {
-            o.status
-                .success()
-                .then_some(())
-                .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
-        });
-    match made {
-        Ok(()) if installed(&dir) => Some(dir),
-        Ok(()) => panic!(
-            "{PACKAGES:?} installed into {} but incomplete",
-            dir.display()
-        ),
-        Err(e) => {
-            eprintln!("SKIPPED: could not install {PACKAGES:?} from npm (unreachable?): {e}");
-            None
-        }
+    assert!(
+        installed(&dir),
+        "{} is incomplete after .ci/install-test-tools",
+        dir.display()
+    );
+    dir
+}
+
+/// helm: `COSMOSQ_HELM`, else the one `.ci/install-test-tools` installs (on first use when
+/// missing).
+pub fn helm() -> std::path::PathBuf {
+    if let Some(path) = std::env::var_os("COSMOSQ_HELM") {
+        return path.into();
     }
+    let helm = tools_dir().join("helm");
+    if !helm.exists() {
+        install_test_tools();
+    }
+    helm
 }

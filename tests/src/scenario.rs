@@ -897,9 +897,8 @@ pub async fn operator_scenario(mut s: Scenario) {
     .await;
     let paused = serde_json::to_value(groups.get("billing").await.unwrap()).unwrap();
     assert_ne!(kstatus(&paused), Kstatus::Failed, "{paused}");
-    if let Some((health, message)) = argocd(&paused) {
-        assert_eq!(health, "Suspended", "{message}");
-    }
+    let (health, message) = argocd(&paused);
+    assert_eq!(health, "Suspended", "{message}");
     annotate(None).await;
     until(
         &deployments,
