@@ -9,10 +9,10 @@
 
 use std::collections::VecDeque;
 
+use crate::host::recovery::Inherited;
 use crate::identity::IdentityFilter;
 use crate::lease::{Marker, Window, WINDOW_IDENTITIES};
 use crate::message::MessageKey;
-use crate::recovery::Inherited;
 
 /// What became of one message of a page, as the checkpoint counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use tokio::sync::{oneshot, watch, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::consumer::{Delivery, Handler, Outcome};
+use crate::handler::{Delivery, Handler, Outcome};
 
 /// Most messages one receive returns (Storage Queue's limit).
 pub const MAX_RECEIVE: usize = 32;

@@ -63,7 +63,7 @@ pub struct AppDelivery {
     pub cut: Option<u64>,
     /// Until when the engine told the app the delivery was its alone (by the holder's clock),
     /// as last renewed.
-    pub lock: Option<cosmosq_queue::consumer::LockedUntil>,
+    pub lock: Option<cosmosq_queue::handler::LockedUntil>,
     /// The same, as it was when the app got the delivery.
     pub lock_at_begin: Option<i64>,
 }

@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 
 use crate::buggify::{self, Bug};
 use crate::checkpoint::Settle;
-use crate::delivery::Path;
+use crate::host::deliver::Path;
 use crate::identity::IdentityFilter;
 use crate::lease::Window;
 

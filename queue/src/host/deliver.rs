@@ -1,7 +1,7 @@
 //! A message's delivery task: claim it (exclusive mode), hand it to the handler while the
 //! lock is renewed, and record the outcome — retrying writes until the lock runs out, so a
 //! Cosmos outage never loses a settled message. Ordered groups and waits (schedules, messages
-//! another holder has) are handled here too; the range's loop (`host.rs`) decides when a task
+//! another holder has) are handled here too; the range's loop (`range.rs`) decides when a task
 //! starts and what its fate means for the checkpoint.
 
 use std::future::Future;
@@ -15,9 +15,9 @@ use tracing::{debug, error, warn};
 
 use crate::backoff::RetryPolicy;
 use crate::buggify::{self, Bug};
-use crate::consumer::{ConsumerStats, Delivery, Handler, LockedUntil, Outcome};
 use crate::error::QueueError;
 use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome};
+use crate::handler::{ConsumerStats, Delivery, Handler, LockedUntil, Outcome};
 use crate::message::{Message, MessageKey};
 use crate::state::{StateDoc, REASON_PERMANENT_ERROR};
 
