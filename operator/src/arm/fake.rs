@@ -1,7 +1,7 @@
 //! An in-process Azure Resource Manager for tests, written from ARM's documentation (the
 //! `Microsoft.DocumentDB` "Sql Resources" REST reference, "Track asynchronous Azure
 //! operations"), not from the client in `arm`: it checks the bearer token, the api-version,
-//! the path's shape and the body, answers PUTs with 201/202 and an `Azure-AsyncOperation`
+//! the path's shape and the body, answers GETs from the emulator, PUTs with 201/202 and an `Azure-AsyncOperation`
 //! URL that reports `InProgress` then `Succeeded`, DELETEs with 202 and a `Location` URL, and
 //! carries out what succeeded on the in-memory Cosmos DB emulator, so the operator's
 //! data-plane verification afterwards sees real containers. Every error body it sends holds
@@ -269,6 +269,28 @@ async fn handle(
         return error(StatusCode::NOT_FOUND, "InvalidResourceType");
     };
     let action = match method {
+        // Read: 200 with the resource if the emulator has it, else 404.
+        Method::GET => {
+            let exists = match &container {
+                Some(c) => cosmosq_emulator::container_exists(&shared.cosmos, &database, c).await,
+                None => shared
+                    .cosmos
+                    .database_client(&database)
+                    .read(None)
+                    .await
+                    .is_ok(),
+            };
+            if !exists {
+                return error(StatusCode::NOT_FOUND, "NotFound");
+            }
+            let name = container.unwrap_or(database);
+            return (
+                StatusCode::OK,
+                json!({"id": path, "name": name, "properties": {"resource": {"id": name}}})
+                    .to_string(),
+            )
+                .into_response();
+        }
         Method::PUT => {
             if headers.get("content-type").and_then(|v| v.to_str().ok()) != Some("application/json")
             {

@@ -446,7 +446,9 @@ impl Arm {
     }
 
     /// Creates what `plan` says is missing, database first. Never sends a PUT for a resource
-    /// the plan does not name.
+    /// the plan does not name, nor for one ARM says exists: read just before (an admin may have
+    /// created it since the verification, or while an earlier operation ran), since ARM's PUT
+    /// would replace it.
     #[instrument(skip_all, fields(account = account.name(), database = %config.database))]
     pub async fn create(
         &self,
@@ -454,22 +456,24 @@ impl Arm {
         config: &QueueConfig,
         plan: Plan,
     ) -> Result<Provisioned, ArmError> {
-        const ACTIONS: &str = "Microsoft.DocumentDB/databaseAccounts/sqlDatabases/write and \
-                               Microsoft.DocumentDB/databaseAccounts/sqlDatabases/containers/write";
+        const ACTIONS: &str = "Microsoft.DocumentDB/databaseAccounts/sqlDatabases/write, \
+                               Microsoft.DocumentDB/databaseAccounts/sqlDatabases/containers/write \
+                               and their read";
         let mut budget = self.budget();
         let database = &config.database;
+        let mut provisioned = Provisioned::default();
         if plan.database {
             let url = resource_url(&self.endpoint, account, database, None);
             let what = format!("creating database {database}");
-            self.put(
-                &what,
-                account,
-                ACTIONS,
-                url,
-                &database_body(database),
-                &mut budget,
-            )
-            .await?;
+            if !self
+                .exists(&what, account, ACTIONS, url.clone(), &mut budget)
+                .await?
+            {
+                let body = database_body(database);
+                self.put(&what, account, ACTIONS, url, &body, &mut budget)
+                    .await?;
+                provisioned.created_database = true;
+            }
         }
         let containers = [
             (
@@ -479,22 +483,29 @@ impl Arm {
             ),
             (plan.leases, provision::lease_container(config), None),
         ];
-        for (wanted, container, throughput) in containers {
+        let mut created = [false; 2];
+        for ((wanted, container, throughput), created) in containers.into_iter().zip(&mut created) {
             if !wanted {
                 continue;
             }
             let name = container.id.to_string();
             let url = resource_url(&self.endpoint, account, database, Some(&name));
             let what = format!("creating container {database}/{name}");
+            if self
+                .exists(&what, account, ACTIONS, url.clone(), &mut budget)
+                .await?
+            {
+                continue;
+            }
             let body = container_body(&container, throughput);
             self.put(&what, account, ACTIONS, url, &body, &mut budget)
                 .await?;
+            *created = true;
         }
-        let provisioned = Provisioned {
-            created_database: plan.database,
-            created_messages_container: plan.messages,
-            created_lease_container: plan.leases,
-        };
+        [
+            provisioned.created_messages_container,
+            provisioned.created_lease_container,
+        ] = created;
         info!(?provisioned, "created through Azure Resource Manager");
         Ok(provisioned)
     }
@@ -537,6 +548,31 @@ impl Arm {
         Budget {
             left: self.timing.max_wait,
             waited: Duration::ZERO,
+        }
+    }
+
+    /// Whether ARM has the resource at `url` (200), or not (404).
+    async fn exists(
+        &self,
+        what: &str,
+        account: &AccountId,
+        actions: &'static str,
+        url: url::Url,
+        budget: &mut Budget,
+    ) -> Result<bool, ArmError> {
+        let answer = self
+            .send(what, account, actions, Method::GET, url, None, budget)
+            .await?;
+        match answer.status.as_u16() {
+            200 => {
+                info!(
+                    what,
+                    "exists in Azure Resource Manager already; not sent a PUT"
+                );
+                Ok(true)
+            }
+            404 => Ok(false),
+            status => Err(status_error(what, status, &answer.headers)),
         }
     }
 
@@ -983,8 +1019,9 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, ArmError::ForeignUrl { .. }), "{err:?}");
         assert!(!err.to_string().contains("attacker"), "{err}");
-        // The PUT, and no poll: the token went nowhere else.
-        assert_eq!(served.seen().len(), 1, "{:?}", served.seen());
+        // The read and the PUT, and no poll: the token went nowhere else.
+        let methods: Vec<Method> = served.seen().into_iter().map(|s| s.method).collect();
+        assert_eq!(methods, [Method::GET, Method::PUT]);
     }
 
     #[tokio::test]
@@ -1013,5 +1050,32 @@ mod tests {
             "{err:?}"
         );
         assert!(pauses.0.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_resource_arm_has_is_never_put_even_if_the_plan_names_it() {
+        // Created by an admin after the verification: the plan is out of date.
+        let (served, arm, cosmos) = served(Default::default()).await;
+        let config = config();
+        cosmos.create_database("shop", None).await.unwrap();
+        cosmos
+            .database_client("shop")
+            .create_container(provision::messages_container(&config), None)
+            .await
+            .unwrap();
+        let provisioned = arm
+            .create(&fake::scope().account, &config, everything())
+            .await
+            .unwrap();
+        assert_eq!(
+            provisioned,
+            Provisioned {
+                created_lease_container: true,
+                ..Provisioned::default()
+            }
+        );
+        let puts = served.puts();
+        assert_eq!(puts.len(), 1, "{puts:?}");
+        assert!(puts[0].ends_with("/containers/orders-leases"), "{puts:?}");
     }
 }
