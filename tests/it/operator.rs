@@ -325,7 +325,7 @@ async fn the_chart_keeps_its_certificate_across_upgrades(
 }
 
 /// helm: `COSMOSQ_HELM`, then `target/tools/helm` (where `.ci/run` installs it), then `PATH`.
-fn helm() -> PathBuf {
+pub(crate) fn helm() -> PathBuf {
     if let Some(path) = std::env::var_os("COSMOSQ_HELM") {
         return path.into();
     }
