@@ -369,15 +369,19 @@ impl Cosmos {
     pub async fn provision(&self, cq: &CosmosQueue) -> Result<(Queue, Provisioned), CosmosError> {
         let config = spec::queue(&cq.spec)?;
         let provisioning = self.provisioning(cq);
-        // The grant first: an ungranted namespace gets nothing, not even a data-plane read.
-        let arm = match provisioning {
-            Provisioning::Arm => Some(self.arm_for(cq)?),
-            _ => None,
-        };
+        if provisioning == Provisioning::Arm {
+            // The grant first: an ungranted namespace gets nothing, not even a data-plane read.
+            self.arm_for(cq)?;
+        }
         let client = self.connect(cq).await?;
-        let (queue, provisioned) = match (provisioning, arm) {
-            (Provisioning::Create, _) => provision::provision(&client, &config).await?,
-            (Provisioning::Arm, Some((arm, account))) => {
+        let (queue, provisioned) = match provisioning {
+            Provisioning::Create => provision::provision(&client, &config).await?,
+            Provisioning::Verify => (
+                verified(&client, &config, false).await?,
+                Provisioned::default(),
+            ),
+            Provisioning::Arm => {
+                let (arm, account) = self.arm_for(cq)?;
                 match provision::verify(&client, &config).await? {
                     Ok(queue) => (queue, Provisioned::default()),
                     Err(shortfalls) => {
@@ -390,27 +394,10 @@ impl Cosmos {
                             })?;
                         let provisioned = arm.create(account, &config, plan).await?;
                         // What ARM made, as the data plane sees it.
-                        match provision::verify(&client, &config).await? {
-                            Ok(queue) => (queue, provisioned),
-                            Err(shortfalls) => {
-                                return Err(CosmosError::NeedsProvisioning {
-                                    shortfalls,
-                                    through_arm: true,
-                                })
-                            }
-                        }
+                        (verified(&client, &config, true).await?, provisioned)
                     }
                 }
             }
-            (_, _) => match provision::verify(&client, &config).await? {
-                Ok(queue) => (queue, Provisioned::default()),
-                Err(shortfalls) => {
-                    return Err(CosmosError::NeedsProvisioning {
-                        shortfalls,
-                        through_arm: false,
-                    })
-                }
-            },
         };
         self.queues
             .lock()
@@ -440,6 +427,20 @@ impl Cosmos {
     }
 }
 
+/// The queue, opened, if its containers are there as the engine needs them.
+async fn verified(
+    client: &CosmosClient,
+    config: &cosmosq_queue::QueueConfig,
+    through_arm: bool,
+) -> Result<Queue, CosmosError> {
+    provision::verify(client, config)
+        .await?
+        .map_err(|shortfalls| CosmosError::NeedsProvisioning {
+            shortfalls,
+            through_arm,
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -450,5 +451,37 @@ mod tests {
         assert!(spec.is_spec_error());
         assert!(spec.to_string().starts_with("spec.retention:"), "{spec}");
         assert!(!CosmosError::SecretForbidden("shop/k".into()).is_spec_error());
+    }
+
+    #[test]
+    fn only_identity_queues_on_a_managed_account_go_through_arm() {
+        let queue = |credentials: serde_json::Value, endpoint: &str| -> CosmosQueue {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+                "metadata": {"name": "orders", "namespace": "shop"},
+                "spec": {"endpoint": endpoint, "credentials": credentials,
+                         "database": "shop", "container": "orders"}
+            }))
+            .unwrap()
+        };
+        let identity = serde_json::json!({"workloadIdentity": {}});
+        let key = serde_json::json!({"secretKeyRef": {"name": "k"}});
+        let scopes = [crate::arm::fake::scope()];
+        let managed = "https://ACCT.documents.azure.com/";
+        let other = "https://other.documents.azure.com:443/";
+        for (credentials, endpoint, scopes, expected) in [
+            (&identity, managed, &scopes[..], Provisioning::Arm),
+            (&identity, other, &scopes[..], Provisioning::Verify),
+            (&identity, managed, &[][..], Provisioning::Verify),
+            // A key may create, and never goes through the operator's identity.
+            (&key, managed, &scopes[..], Provisioning::Create),
+        ] {
+            let cq = queue(credentials.clone(), endpoint);
+            assert_eq!(
+                Provisioning::of(&cq, scopes),
+                expected,
+                "{credentials} {endpoint}"
+            );
+        }
     }
 }
