@@ -372,6 +372,9 @@ impl Pause for TokioPause {
     }
 }
 
+/// The shortest wait between two requests of one operation.
+const MIN_PAUSE: Duration = Duration::from_secs(1);
+
 /// How long the operator waits on ARM.
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
@@ -655,9 +658,10 @@ impl Arm {
         }
     }
 
-    /// Waits `delay` (at most `max_pause`) out of the budget.
+    /// Waits `delay` (at least a second, at most `max_pause`) out of the budget: a
+    /// `Retry-After: 0` cannot make the operator poll without pause.
     async fn wait(&self, what: &str, delay: Duration, budget: &mut Budget) -> Result<(), ArmError> {
-        let delay = delay.min(self.timing.max_pause);
+        let delay = delay.clamp(MIN_PAUSE, self.timing.max_pause.max(MIN_PAUSE));
         if delay > budget.left {
             return Err(ArmError::Timeout {
                 what: what.to_owned(),
@@ -1077,5 +1081,25 @@ mod tests {
         let puts = served.puts();
         assert_eq!(puts.len(), 1, "{puts:?}");
         assert!(puts[0].ends_with("/containers/orders-leases"), "{puts:?}");
+    }
+
+    #[tokio::test]
+    async fn a_retry_after_of_zero_still_pauses() {
+        let emulator = cosmosq_emulator::Emulator::in_process(Default::default()).unwrap();
+        let cosmos = emulator.client().await.unwrap();
+        let served = fake::FakeArm::start(
+            cosmos,
+            fake::Script {
+                throttle_first: Some(0),
+                ..Default::default()
+            },
+        )
+        .await;
+        let pauses = Arc::new(fake::Recorded::default());
+        let arm = fake::client(&served, pauses.clone());
+        arm.create(&fake::scope().account, &config(), everything())
+            .await
+            .unwrap();
+        assert_eq!(pauses.0.lock().unwrap()[0], Duration::from_secs(1));
     }
 }
