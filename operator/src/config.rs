@@ -136,6 +136,23 @@ pub struct Config {
         value_delimiter = ';'
     )]
     pub identity_grants: Vec<crate::grants::IdentityGrant>,
+    /// Accounts where the operator's identity creates what a granted workloadIdentity queue
+    /// is missing (and deletes its containers at `deletionPolicy: Delete`) through Azure
+    /// Resource Manager: `<endpoint>=<account resource id>`, e.g.
+    /// `https://acct.documents.azure.com:443/=/subscriptions/<id>/resourceGroups/<group>/providers/Microsoft.DocumentDB/databaseAccounts/acct`
+    /// (repeat the flag, or separate with `;` in the environment). The identity needs a role
+    /// there such as "Cosmos DB Operator" (docs/identity.md). None by default: an admin
+    /// creates the containers.
+    #[arg(
+        long = "identity-management",
+        env = "COSMOSQ_IDENTITY_MANAGEMENT",
+        value_delimiter = ';'
+    )]
+    pub identity_management: Vec<crate::arm::ManagementScope>,
+    /// The Azure Resource Manager endpoint (https; sovereign clouds have their own, e.g.
+    /// `https://management.usgovcloudapi.net`).
+    #[arg(long, env = "COSMOSQ_ARM_ENDPOINT", default_value = crate::arm::scope::DEFAULT_ENDPOINT)]
+    pub arm_endpoint: crate::arm::ArmEndpoint,
     /// Endpoints queues may name besides Azure's account endpoints
     /// (`https://<account>.documents.azure.{com,us,cn}:443`): `[scheme://]host[:port]`, with
     /// `*.` for one label, e.g. an emulator `http://cosmos-emulator.dev.svc:8081` (repeat the
@@ -203,6 +220,49 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("namespaces@endpoint"), "{err}");
+    }
+
+    #[test]
+    fn management_scopes_come_as_the_chart_renders_them() {
+        let id = "/subscriptions/0b1f6471-1bf0-4dda-aec3-cb9272f09590/resourceGroups/shop-rg/\
+                  providers/Microsoft.DocumentDB/databaseAccounts/shop";
+        let config = Config::try_parse_from([
+            "cosmosq-operator".to_owned(),
+            format!("--identity-management=https://shop.documents.azure.com:443/={id}"),
+            "--arm-endpoint=https://management.usgovcloudapi.net".to_owned(),
+        ])
+        .unwrap();
+        assert_eq!(config.identity_management.len(), 1);
+        assert_eq!(
+            config.identity_management[0].endpoint,
+            "https://shop.documents.azure.com:443"
+        );
+        assert_eq!(config.identity_management[0].account.to_string(), id);
+        assert_eq!(
+            config.arm_endpoint.token_scope(),
+            "https://management.usgovcloudapi.net/.default"
+        );
+        let none = Config::try_parse_from(["cosmosq-operator"]).unwrap();
+        assert!(
+            none.identity_management.is_empty(),
+            "nothing managed by default"
+        );
+        assert_eq!(none.arm_endpoint.origin(), "https://management.azure.com");
+        for (bad, says) in [
+            (
+                "--arm-endpoint=http://management.azure.com",
+                "--arm-endpoint",
+            ),
+            (
+                "--identity-management=https://shop.documents.azure.com/=/subscriptions/x",
+                "--identity-management",
+            ),
+        ] {
+            let err = Config::try_parse_from(["cosmosq-operator", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     #[test]

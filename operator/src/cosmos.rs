@@ -1,6 +1,8 @@
 //! The Cosmos DB side of the operator: the engine's settings from the resources (pure), and
 //! connections per queue — the account key read from the queue's Secret on demand (never
-//! cached on disk, never logged), or the operator's own Entra identity.
+//! cached on disk, never logged), or the operator's own Entra identity; where an admin gave
+//! the operator a management scope for the account, that identity creates and deletes an
+//! identity queue's containers through Azure Resource Manager (`arm`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,6 +14,8 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, ResourceExt};
 use tokio::sync::{Mutex, OnceCell};
 
+use crate::arm::{AccountId, Arm, ArmError, ManagementScope};
+use crate::grants::IdentityGrant;
 use crate::spec::{self, SpecError};
 
 /// What connecting to a queue's account can meet.
@@ -53,18 +57,30 @@ pub enum CosmosError {
         /// The database.
         database: String,
     },
-    /// The queue's identity may not create its containers, and they are not all there as
-    /// the engine needs them.
-    #[error(
-        "{}; the operator's Entra identity may not create or change databases and containers \
-         (Cosmos DB's data-plane roles do not cover them): an admin creates them as \
-         docs/identity.md shows, or the queue uses a key Secret",
-        shortfalls.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
-    )]
+    /// The queue's identity may not create its containers, or (through ARM) may create only
+    /// what is missing, and they are not all there as the engine needs them.
+    #[error("{}; {}", shortfalls.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "),
+        if *through_arm {
+            "the operator creates missing databases and containers through Azure Resource \
+             Manager but never changes existing ones: an admin changes them (docs/identity.md), \
+             or deletes them for the operator to create"
+        } else {
+            "the operator's Entra identity may not create or change databases and containers \
+             (Cosmos DB's data-plane roles do not cover them): an admin creates them as \
+             docs/identity.md shows, gives the operator a management scope for the account, \
+             or the queue uses a key Secret"
+        })]
     NeedsProvisioning {
         /// What is missing or unlike what the engine needs.
         shortfalls: Vec<Shortfall>,
+        /// Whether the operator provisions this account through ARM (what it could create,
+        /// it did).
+        through_arm: bool,
     },
+    /// Azure Resource Manager did not create or delete them. Said with ARM's status code and
+    /// request ids only.
+    #[error(transparent)]
+    Arm(#[from] ArmError),
     /// Reading the Secret failed.
     #[error("reading Secret {secret}: {source}")]
     Secret {
@@ -106,6 +122,19 @@ impl CosmosError {
                         ..
                     })
             )
+            || matches!(self, CosmosError::Arm(e) if e.is_denied())
+    }
+
+    /// Whether the account refuses the operator's credentials for this queue (401/403 from
+    /// the data plane or ARM): a deletion that no retry gets past.
+    pub fn is_refused(&self) -> bool {
+        matches!(
+            self,
+            CosmosError::Queue(QueueError::Cosmos {
+                status: 401 | 403,
+                ..
+            })
+        ) || matches!(self, CosmosError::Arm(e) if e.is_denied())
     }
 }
 
@@ -117,17 +146,36 @@ pub enum Provisioning {
     /// An admin creates them; the operator checks. An Entra identity has data-plane roles
     /// only, and those do not cover creating or deleting databases and containers.
     Verify,
+    /// The operator's identity creates what is missing through Azure Resource Manager (never
+    /// changing what exists) and deletes the containers there: an admin gave the operator a
+    /// management scope for the account (`--identity-management`).
+    Arm,
 }
 
 impl Provisioning {
-    /// The queue's provisioning, from its credentials (pure).
-    pub fn of(cq: &CosmosQueue) -> Self {
+    /// The queue's provisioning, from its credentials and the accounts the operator may
+    /// manage (pure). Whether the namespace may use the identity at all is the grants'.
+    pub fn of(cq: &CosmosQueue, scopes: &[ManagementScope]) -> Self {
         if cq.spec.credentials.secret_key_ref.is_some() {
             Provisioning::Create
+        } else if crate::arm::scope::account_for(scopes, &cq.spec.endpoint).is_some() {
+            Provisioning::Arm
         } else {
             Provisioning::Verify
         }
     }
+}
+
+/// Where and for whom the operator's identity works through Azure Resource Manager. Kept
+/// apart from [`Backend`]: tests pair it with the emulator's data plane.
+pub struct Management {
+    /// Who may use the operator's identity: checked here again, before any ARM request,
+    /// whatever the backend.
+    pub grants: Vec<IdentityGrant>,
+    /// The accounts the operator may manage, by endpoint.
+    pub scopes: Vec<ManagementScope>,
+    /// The client, as the operator's identity.
+    pub arm: Arm,
 }
 
 /// Where queues live.
@@ -157,6 +205,8 @@ pub struct Cosmos {
     /// account starting together would otherwise each build a client (its HTTP pools, its
     /// copy of the trust roots) and keep it in their queue's handle.
     clients: Mutex<HashMap<u64, Arc<OnceCell<CosmosClient>>>>,
+    /// Creating and deleting identity queues' containers through ARM, where configured.
+    management: Option<Management>,
 }
 
 impl Cosmos {
@@ -167,7 +217,44 @@ impl Cosmos {
             client,
             queues: Mutex::default(),
             clients: Mutex::default(),
+            management: None,
         }
+    }
+
+    /// Also provisions identity queues through ARM on the accounts `management` names.
+    pub fn with_management(mut self, management: Management) -> Self {
+        self.management = Some(management);
+        self
+    }
+
+    fn provisioning(&self, cq: &CosmosQueue) -> Provisioning {
+        let scopes = self.management.as_ref().map_or(&[][..], |m| &m.scopes[..]);
+        Provisioning::of(cq, scopes)
+    }
+
+    /// The ARM client and the account for a queue provisioned through ARM, once its namespace
+    /// is found granted the identity on its database.
+    fn arm_for(&self, cq: &CosmosQueue) -> Result<(&Arm, &AccountId), CosmosError> {
+        let management = self
+            .management
+            .as_ref()
+            .expect("Provisioning::Arm comes from a management scope");
+        let namespace = cq.namespace().unwrap_or_default();
+        if !crate::grants::identity_allowed(
+            &management.grants,
+            &namespace,
+            &cq.spec.endpoint,
+            &cq.spec.database,
+        ) {
+            return Err(CosmosError::IdentityNotGranted {
+                namespace,
+                endpoint: cq.spec.endpoint.clone(),
+                database: cq.spec.database.clone(),
+            });
+        }
+        let account = crate::arm::scope::account_for(&management.scopes, &cq.spec.endpoint)
+            .expect("Provisioning::Arm comes from a management scope");
+        Ok((&management.arm, account))
     }
 
     fn key(cq: &CosmosQueue) -> String {
@@ -277,16 +364,40 @@ impl Cosmos {
     }
 
     /// Creates what the queue needs (database, containers) and opens it; with the operator's
-    /// identity, which may not create them, checks that they are there as the engine needs.
+    /// identity, which may not create them, checks that they are there as the engine needs
+    /// (and, with a management scope, first creates what is missing through ARM).
     pub async fn provision(&self, cq: &CosmosQueue) -> Result<(Queue, Provisioned), CosmosError> {
         let config = spec::queue(&cq.spec)?;
+        let provisioning = self.provisioning(cq);
+        if provisioning == Provisioning::Arm {
+            // The grant first: an ungranted namespace gets nothing, not even a data-plane read.
+            self.arm_for(cq)?;
+        }
         let client = self.connect(cq).await?;
-        let (queue, provisioned) = match Provisioning::of(cq) {
+        let (queue, provisioned) = match provisioning {
             Provisioning::Create => provision::provision(&client, &config).await?,
-            Provisioning::Verify => match provision::verify(&client, &config).await? {
-                Ok(queue) => (queue, Provisioned::default()),
-                Err(shortfalls) => return Err(CosmosError::NeedsProvisioning { shortfalls }),
-            },
+            Provisioning::Verify => (
+                verified(&client, &config, false).await?,
+                Provisioned::default(),
+            ),
+            Provisioning::Arm => {
+                let (arm, account) = self.arm_for(cq)?;
+                match provision::verify(&client, &config).await? {
+                    Ok(queue) => (queue, Provisioned::default()),
+                    Err(shortfalls) => {
+                        let plan =
+                            crate::arm::plan(&shortfalls, &config).map_err(|shortfalls| {
+                                CosmosError::NeedsProvisioning {
+                                    shortfalls,
+                                    through_arm: true,
+                                }
+                            })?;
+                        let provisioned = arm.create(account, &config, plan).await?;
+                        // What ARM made, as the data plane sees it.
+                        (verified(&client, &config, true).await?, provisioned)
+                    }
+                }
+            }
         };
         self.queues
             .lock()
@@ -295,9 +406,15 @@ impl Cosmos {
         Ok((queue, provisioned))
     }
 
-    /// Deletes the queue's containers (deletion policy `Delete`).
+    /// Deletes the queue's containers (deletion policy `Delete`): through ARM where the
+    /// operator manages the account, else on the data plane.
     pub async fn deprovision(&self, cq: &CosmosQueue) -> Result<(), CosmosError> {
         let config = spec::queue(&cq.spec)?;
+        if self.provisioning(cq) == Provisioning::Arm {
+            let (arm, account) = self.arm_for(cq)?;
+            self.forget(cq).await;
+            return Ok(arm.delete(account, &config).await?);
+        }
         let client = self.connect(cq).await?;
         self.forget(cq).await;
         Ok(provision::deprovision(&client, &config).await?)
@@ -310,6 +427,20 @@ impl Cosmos {
     }
 }
 
+/// The queue, opened, if its containers are there as the engine needs them.
+async fn verified(
+    client: &CosmosClient,
+    config: &cosmosq_queue::QueueConfig,
+    through_arm: bool,
+) -> Result<Queue, CosmosError> {
+    provision::verify(client, config)
+        .await?
+        .map_err(|shortfalls| CosmosError::NeedsProvisioning {
+            shortfalls,
+            through_arm,
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -320,5 +451,37 @@ mod tests {
         assert!(spec.is_spec_error());
         assert!(spec.to_string().starts_with("spec.retention:"), "{spec}");
         assert!(!CosmosError::SecretForbidden("shop/k".into()).is_spec_error());
+    }
+
+    #[test]
+    fn only_identity_queues_on_a_managed_account_go_through_arm() {
+        let queue = |credentials: serde_json::Value, endpoint: &str| -> CosmosQueue {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+                "metadata": {"name": "orders", "namespace": "shop"},
+                "spec": {"endpoint": endpoint, "credentials": credentials,
+                         "database": "shop", "container": "orders"}
+            }))
+            .unwrap()
+        };
+        let identity = serde_json::json!({"workloadIdentity": {}});
+        let key = serde_json::json!({"secretKeyRef": {"name": "k"}});
+        let scopes = [crate::arm::fake::scope()];
+        let managed = "https://ACCT.documents.azure.com/";
+        let other = "https://other.documents.azure.com:443/";
+        for (credentials, endpoint, scopes, expected) in [
+            (&identity, managed, &scopes[..], Provisioning::Arm),
+            (&identity, other, &scopes[..], Provisioning::Verify),
+            (&identity, managed, &[][..], Provisioning::Verify),
+            // A key may create, and never goes through the operator's identity.
+            (&key, managed, &scopes[..], Provisioning::Create),
+        ] {
+            let cq = queue(credentials.clone(), endpoint);
+            assert_eq!(
+                Provisioning::of(&cq, scopes),
+                expected,
+                "{credentials} {endpoint}"
+            );
+        }
     }
 }

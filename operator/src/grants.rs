@@ -72,13 +72,20 @@ fn list(text: &str) -> Vec<String> {
 
 /// `https://host:port` in one spelling, so a grant matches however the queue writes it. Only
 /// https: the identity's token (scoped to every account it may reach) never goes in clear.
-fn normalize(url: &url::Url) -> Option<String> {
+pub(crate) fn normalize(url: &url::Url) -> Option<String> {
     if url.scheme() != "https" {
         return None;
     }
     let host = url.host_str()?.to_ascii_lowercase();
     let port = url.port_or_known_default()?;
     Some(format!("{}://{host}:{port}", url.scheme()))
+}
+
+/// [`normalize`] of an endpoint as a queue or a flag writes it; `None` unless https.
+pub(crate) fn normalize_text(endpoint: &str) -> Option<String> {
+    url::Url::parse(endpoint.trim())
+        .ok()
+        .and_then(|u| normalize(&u))
 }
 
 /// Whether a queue in `namespace` on `database` of the account at `endpoint` may use the
@@ -89,10 +96,7 @@ pub fn identity_allowed(
     endpoint: &str,
     database: &str,
 ) -> bool {
-    let Some(endpoint) = url::Url::parse(endpoint.trim())
-        .ok()
-        .and_then(|u| normalize(&u))
-    else {
+    let Some(endpoint) = normalize_text(endpoint) else {
         return false;
     };
     let names = |list: &[String], name: &str| list.iter().any(|n| n == "*" || n == name);

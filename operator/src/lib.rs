@@ -14,6 +14,7 @@
 #![recursion_limit = "256"]
 
 pub mod apply;
+pub mod arm;
 pub mod auth;
 pub mod build;
 pub mod certs;

@@ -6,7 +6,6 @@
 use std::sync::Arc;
 
 use cosmosq_crds::{CosmosQueue, CosmosQueueStatus, DeletionPolicy};
-use cosmosq_queue::QueueError;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
@@ -296,19 +295,20 @@ async fn cleanup(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconci
         }
         DeletionPolicy::Delete => match ctx.cosmos.deprovision(cq).await {
             Ok(()) => {}
-            Err(
-                e @ (CosmosError::SecretNotFound(_)
-                | CosmosError::SecretForbidden(_)
-                | CosmosError::SecretKeyMissing { .. }
-                | CosmosError::IdentityNotGranted { .. }
-                | CosmosError::Queue(QueueError::Cosmos {
-                    status: 401 | 403, ..
-                })),
-            ) => {
+            Err(e)
+                if e.is_refused()
+                    || matches!(
+                        e,
+                        CosmosError::SecretNotFound(_)
+                            | CosmosError::SecretForbidden(_)
+                            | CosmosError::SecretKeyMissing { .. }
+                            | CosmosError::IdentityNotGranted { .. }
+                    ) =>
+            {
                 // The credentials are gone or out of reach (a namespace being deleted takes its
                 // Secrets with it, and the operator's Role there with `watchNamespace`), or the
                 // account refuses them (an Entra identity's data-plane roles never cover
-                // deleting containers): retrying does not change that, and holding the queue
+                // deleting containers, nor ARM without a role that does): retrying does not change that, and holding the queue
                 // would hold its namespace for ever. Say so, and let it go.
                 let note = format!(
                     "deletionPolicy Delete: the containers of {what} were NOT deleted ({e}); \
@@ -861,5 +861,333 @@ mod tests {
                 "no secret material in status"
             );
         }
+    }
+
+    // Identity queues on an account the operator manages through ARM: the fake ARM
+    // (`arm::fake`, written from ARM's documentation) carries out on the emulator.
+
+    const GRANT: &str = "shop@https://acct.documents.azure.com:443/shop";
+
+    fn identity_queue(policy: &str, finalized: bool) -> Value {
+        queue(
+            json!({"credentials": {"workloadIdentity": {}}, "deletionPolicy": policy,
+                   "throughput": {"mode": "Autoscale", "requestUnits": 4000}}),
+            finalized,
+        )
+    }
+
+    const ACCOUNT_PATH: &str = "/subscriptions/0b1f6471-1bf0-4dda-aec3-cb9272f09590/\
+                                resourceGroups/shop-rg/providers/Microsoft.DocumentDB/\
+                                databaseAccounts/acct/sqlDatabases/shop";
+
+    #[tokio::test]
+    async fn a_managed_identity_queue_gets_what_is_missing_through_arm_and_becomes_ready() {
+        let crate::testing::ArmContext {
+            ctx,
+            mut server,
+            cosmos,
+            arm,
+            pauses,
+        } = crate::testing::arm_context(
+            crate::arm::fake::Script {
+                throttle_first: Some(7),
+                ..Default::default()
+            },
+            &[GRANT],
+        )
+        .await;
+        let input = identity_queue("Retain", false);
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            let status = server.status(STATUS, queue(json!({}), false)).await;
+            server.done().await;
+            (event, status)
+        });
+        let action = reconcile_queue(arc(&input), ctx).await.unwrap();
+        assert_eq!(action, Action::requeue(crate::context::RESYNC));
+        let (event, status) = verifier.await.unwrap();
+        assert_eq!(
+            (&event["type"], &event["reason"]),
+            (&json!("Normal"), &json!("Provisioned"))
+        );
+        assert_eq!(
+            event["note"],
+            "created the database, messages container, lease container of shop/orders"
+        );
+        assert_eq!(
+            condition(&status["status"], "Ready"),
+            ("True", "Provisioned")
+        );
+        // Database first, then the containers, each once (each read first: the first read
+        // was throttled, then sent again).
+        assert_eq!(
+            arm.puts(),
+            [
+                ACCOUNT_PATH.to_owned(),
+                format!("{ACCOUNT_PATH}/containers/orders"),
+                format!("{ACCOUNT_PATH}/containers/orders-leases"),
+            ]
+        );
+        // Real containers, as the engine defines them, on the data plane.
+        assert!(container_exists(&cosmos, "shop", "orders").await);
+        assert!(container_exists(&cosmos, "shop", "orders-leases").await);
+        // The 429's Retry-After (7 s), then each operation's (3 s, then 4 s between polls).
+        let waited = pauses.0.lock().unwrap().clone();
+        let secs: Vec<u64> = waited.iter().map(|d| d.as_secs()).collect();
+        assert_eq!(secs, [7, 3, 4, 3, 4, 3, 4]);
+    }
+
+    #[tokio::test]
+    async fn an_admins_container_is_never_put_only_the_missing_one_is_created() {
+        let crate::testing::ArmContext {
+            ctx,
+            mut server,
+            cosmos,
+            arm,
+            ..
+        } = crate::testing::arm_context(Default::default(), &[GRANT]).await;
+        let input = identity_queue("Retain", false);
+        // The admin made the database and the lease container (with its own throughput).
+        let config = crate::spec::queue(&arc(&input).spec).unwrap();
+        cosmos.create_database("shop", None).await.unwrap();
+        cosmos
+            .database_client("shop")
+            .create_container(
+                cosmosq_queue::cosmos::provision::lease_container(&config),
+                None,
+            )
+            .await
+            .unwrap();
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            server.status(STATUS, queue(json!({}), false)).await;
+            event
+        });
+        reconcile_queue(arc(&input), ctx).await.unwrap();
+        let event = verifier.await.unwrap();
+        assert_eq!(
+            event["note"],
+            "created the messages container of shop/orders"
+        );
+        assert_eq!(arm.puts(), [format!("{ACCOUNT_PATH}/containers/orders")]);
+        assert!(container_exists(&cosmos, "shop", "orders").await);
+    }
+
+    #[tokio::test]
+    async fn an_existing_container_unlike_the_engines_stays_the_admins_to_change() {
+        let crate::testing::ArmContext {
+            ctx,
+            mut server,
+            cosmos,
+            arm,
+            ..
+        } = crate::testing::arm_context(Default::default(), &[GRANT]).await;
+        let input = identity_queue("Retain", false);
+        cosmos.create_database("shop", None).await.unwrap();
+        let wrong = azure_data_cosmos::models::ContainerProperties::new(
+            "orders",
+            serde_json::from_value(json!({"paths": ["/tenant"], "kind": "Hash", "version": 2}))
+                .unwrap(),
+        );
+        cosmos
+            .database_client("shop")
+            .create_container(wrong, None)
+            .await
+            .unwrap();
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            let status = server.status(STATUS, queue(json!({}), false)).await;
+            (event, status)
+        });
+        reconcile_queue(arc(&input), ctx).await.unwrap();
+        let (event, status) = verifier.await.unwrap();
+        assert_eq!(event["reason"], "NeedsProvisioning");
+        assert_eq!(
+            condition(&status["status"], "Stalled"),
+            ("True", "NeedsProvisioning")
+        );
+        let message = status["status"]["conditions"][0]["message"]
+            .as_str()
+            .unwrap();
+        assert!(
+            message.contains("container orders is partitioned on /tenant")
+                && message.contains("never changes existing ones"),
+            "{message}"
+        );
+        // Not the wrong one, and not the missing lease container either: an admin decides.
+        assert!(arm.seen().is_empty(), "{:?}", arm.seen());
+    }
+
+    #[tokio::test]
+    async fn arm_refusing_the_identity_names_the_role_and_nothing_arm_said() {
+        let crate::testing::ArmContext {
+            ctx,
+            mut server,
+            cosmos,
+            arm,
+            ..
+        } = crate::testing::arm_context(
+            crate::arm::fake::Script {
+                deny: Some(403),
+                ..Default::default()
+            },
+            &[GRANT],
+        )
+        .await;
+        let input = identity_queue("Retain", false);
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            let status = server.status(STATUS, queue(json!({}), false)).await;
+            (event, status)
+        });
+        let action = reconcile_queue(arc(&input), ctx).await.unwrap();
+        assert_eq!(action, Action::requeue(crate::context::RECHECK));
+        let (event, status) = verifier.await.unwrap();
+        assert_eq!(event["type"], "Warning");
+        assert_eq!(condition(&status["status"], "Ready").0, "False");
+        assert_eq!(condition(&status["status"], "Stalled").0, "True");
+        let message = status["status"]["conditions"][0]["message"]
+            .as_str()
+            .unwrap();
+        assert!(
+            message.contains("status 403")
+                && message.contains("request id 0f1e2d3c-fake-request")
+                && message.contains("\"Cosmos DB Operator\"")
+                && message.contains("Microsoft.DocumentDB/databaseAccounts/sqlDatabases/write")
+                && message.contains("sqlDatabases/containers/write")
+                && message.contains(
+                    "--scope /subscriptions/0b1f6471-1bf0-4dda-aec3-cb9272f09590/resourceGroups/shop-rg"
+                ),
+            "{message}"
+        );
+        for said in [event.to_string(), status.to_string()] {
+            assert!(!said.contains(crate::arm::fake::SECRET), "{said}");
+        }
+        assert_eq!(arm.seen().len(), 1, "refused once, not retried");
+        assert!(!container_exists(&cosmos, "shop", "orders").await);
+    }
+
+    #[tokio::test]
+    async fn a_namespace_not_granted_never_reaches_arm() {
+        let crate::testing::ArmContext {
+            ctx,
+            mut server,
+            arm,
+            ..
+        } = crate::testing::arm_context(
+            Default::default(),
+            &["billing@https://acct.documents.azure.com:443/shop"],
+        )
+        .await;
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            assert_eq!(event["reason"], "InvalidSpec");
+            let status = server.status(STATUS, queue(json!({}), true)).await;
+            server.done().await;
+            status
+        });
+        let input = identity_queue("Delete", true);
+        let action = reconcile_queue(arc(&input), ctx.clone()).await.unwrap();
+        assert_eq!(action, Action::await_change());
+        // Nor at deletion.
+        let mut identity_deleting = identity_queue("Delete", true);
+        identity_deleting["metadata"]["deletionTimestamp"] = json!("2026-11-30T10:00:00Z");
+        assert!(matches!(
+            ctx.cosmos.deprovision(&arc(&identity_deleting)).await,
+            Err(CosmosError::IdentityNotGranted { .. })
+        ));
+        drop(ctx);
+        let status = verifier.await.unwrap();
+        let message = status["status"]["conditions"][0]["message"]
+            .as_str()
+            .unwrap();
+        assert!(
+            message.contains("namespace shop is not granted"),
+            "{message}"
+        );
+        assert!(arm.seen().is_empty(), "{:?}", arm.seen());
+    }
+
+    #[tokio::test]
+    async fn a_delete_queue_is_deleted_through_arm() {
+        let crate::testing::ArmContext {
+            ctx,
+            mut server,
+            cosmos,
+            arm,
+            ..
+        } = crate::testing::arm_context(Default::default(), &[GRANT]).await;
+        let mut input = identity_queue("Delete", true);
+        input["metadata"]["deletionTimestamp"] = json!("2026-11-30T10:00:00Z");
+        let config = crate::spec::queue(&arc(&input).spec).unwrap();
+        cosmosq_queue::provision(&cosmos, &config).await.unwrap();
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Normal"), &json!("Deleted"))
+            );
+            expect_finalizer_removed(&mut server, deleting("Delete")).await;
+        });
+        reconcile_queue(arc(&input), ctx).await.unwrap();
+        verifier.await.unwrap();
+        assert!(!container_exists(&cosmos, "shop", "orders").await);
+        assert!(!container_exists(&cosmos, "shop", "orders-leases").await);
+        let deletes: Vec<_> = arm
+            .seen()
+            .into_iter()
+            .filter(|s| s.method == Method::DELETE)
+            .map(|s| s.path)
+            .collect();
+        assert_eq!(
+            deletes,
+            [
+                format!("{ACCOUNT_PATH}/containers/orders"),
+                format!("{ACCOUNT_PATH}/containers/orders-leases"),
+            ]
+        );
+        // The database may hold other queues: it stays.
+        assert!(cosmos.database_client("shop").read(None).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_delete_arm_refuses_releases_the_queue_with_a_warning() {
+        let crate::testing::ArmContext {
+            ctx,
+            mut server,
+            cosmos,
+            arm: _served,
+            ..
+        } = crate::testing::arm_context(
+            crate::arm::fake::Script {
+                deny: Some(403),
+                ..Default::default()
+            },
+            &[GRANT],
+        )
+        .await;
+        let mut input = identity_queue("Delete", true);
+        input["metadata"]["deletionTimestamp"] = json!("2026-11-30T10:00:00Z");
+        let config = crate::spec::queue(&arc(&input).spec).unwrap();
+        cosmosq_queue::provision(&cosmos, &config).await.unwrap();
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            assert!(
+                !event.to_string().contains(crate::arm::fake::SECRET),
+                "{event}"
+            );
+            assert_eq!(event["reason"], "DeleteSkipped");
+            let note = event["note"].as_str().unwrap();
+            assert!(
+                note.contains("NOT deleted")
+                    && note.contains("status 403")
+                    && note.contains("containers/delete"),
+                "{note}"
+            );
+            expect_finalizer_removed(&mut server, deleting("Delete")).await;
+        });
+        reconcile_queue(arc(&input), ctx).await.unwrap();
+        verifier.await.unwrap();
+        assert!(container_exists(&cosmos, "shop", "orders").await);
     }
 }

@@ -22,12 +22,13 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::arm::Arm;
 use crate::auth::Authorizer;
 use crate::build::Defaults;
 use crate::certs::{self, Keeper};
 use crate::config::Config;
 use crate::context::{Context, ReconcileFailure};
-use crate::cosmos::{Backend, Cosmos};
+use crate::cosmos::{Backend, Cosmos, Management};
 use crate::group::reconcile_group;
 use crate::http::{self, HttpError, Shared};
 use crate::leader::{LeaderElection, LeaderError, Settings};
@@ -59,6 +60,9 @@ pub enum RunError {
     /// The span export settings are unusable.
     #[error(transparent)]
     Telemetry(#[from] cosmosq_queue::telemetry::TelemetryError),
+    /// The ARM client (--identity-management) cannot be set up.
+    #[error("--identity-management: {0}")]
+    Management(String),
 }
 
 /// Runs until `shutdown`, or until leadership is lost (an error: the process exits and
@@ -71,7 +75,30 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunE
         identity_grants: config.identity_grants.clone(),
         endpoints: crate::endpoint::EndpointPolicy::new(config.allowed_endpoints.clone()),
     };
-    run_with(client, backend, config, shutdown).await
+    let management = management(&config)?;
+    run_with_management(client, backend, management, config, shutdown).await
+}
+
+/// The ARM side, where an admin named accounts to manage: the same Entra credential as the
+/// data plane's.
+fn management(config: &Config) -> Result<Option<Management>, RunError> {
+    if config.identity_management.is_empty() {
+        return Ok(None);
+    }
+    let credential = cosmosq_queue::cosmos::connection::identity_credential()
+        .map_err(|e| RunError::Management(e.to_string()))?;
+    let arm = Arm::new(
+        config.arm_endpoint.clone(),
+        credential,
+        crate::arm::Timing::default(),
+        Arc::new(crate::arm::TokioPause),
+    )
+    .map_err(|e| RunError::Management(e.to_string()))?;
+    Ok(Some(Management {
+        grants: config.identity_grants.clone(),
+        scopes: config.identity_management.clone(),
+        arm,
+    }))
 }
 
 /// Both ring (kube) and aws-lc-rs (the Azure SDK's HTTP stack) are linked in, so rustls finds
@@ -88,6 +115,17 @@ pub async fn run_with(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
+    run_with_management(client, backend, None, config, shutdown).await
+}
+
+/// [`run_with`], identity queues also provisioned through ARM where `management` says.
+pub async fn run_with_management(
+    client: Client,
+    backend: Backend,
+    management: Option<Management>,
+    config: Config,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
     let identity = config.identity();
     let defaults = Defaults {
         sidecar_image: config.sidecar_image.clone(),
@@ -99,7 +137,10 @@ pub async fn run_with(
         rollout_scope: config.watch_namespace.clone(),
         rollout_lock: Default::default(),
     };
-    let cosmos = Cosmos::new(backend, client.clone());
+    let mut cosmos = Cosmos::new(backend, client.clone());
+    if let Some(management) = management {
+        cosmos = cosmos.with_management(management);
+    }
     let mut ctx = Context::new(client.clone(), defaults, cosmos, Some(identity.clone()));
     ctx.telemetry = Telemetry::start(&config.otlp, "cosmosq-operator")?;
     let (changed_tx, changed_rx) = mpsc::unbounded_channel();

@@ -223,3 +223,43 @@ pub async fn emulator_context() -> (
 }
 
 pub use cosmosq_emulator::container_exists;
+
+/// What an emulator context with a fake ARM holds.
+pub struct ArmContext {
+    pub ctx: std::sync::Arc<crate::context::Context>,
+    pub server: ApiServerVerifier,
+    pub cosmos: cosmosq_queue::CosmosClient,
+    pub arm: crate::arm::fake::FakeArm,
+    pub pauses: std::sync::Arc<crate::arm::fake::Recorded>,
+}
+
+/// A context whose data plane is a fresh in-process emulator and whose ARM is the fake
+/// (carrying out on that emulator), managing `testing::queue_json`'s account, the identity
+/// granted per `grants`.
+pub async fn arm_context(script: crate::arm::fake::Script, grants: &[&str]) -> ArmContext {
+    use cosmosq_emulator::{Emulator, EmulatorOptions};
+    let emulator = Emulator::in_process(EmulatorOptions::default()).expect("emulator");
+    let cosmos_client = emulator.client().await.expect("emulator client");
+    let arm = crate::arm::fake::FakeArm::start(cosmos_client.clone(), script).await;
+    let pauses = std::sync::Arc::new(crate::arm::fake::Recorded::default());
+    let management = crate::cosmos::Management {
+        grants: grants.iter().map(|g| g.parse().unwrap()).collect(),
+        scopes: vec![crate::arm::fake::scope()],
+        arm: crate::arm::fake::client(&arm, pauses.clone()),
+    };
+    let (client, server) = client();
+    let cosmos = crate::cosmos::Cosmos::new(
+        crate::cosmos::Backend::Fixed(cosmos_client.clone()),
+        client.clone(),
+    )
+    .with_management(management);
+    let defaults = crate::build::Defaults::new("s:t");
+    let ctx = crate::context::Context::new(client, defaults, cosmos, None);
+    ArmContext {
+        ctx: std::sync::Arc::new(ctx),
+        server,
+        cosmos: cosmos_client,
+        arm,
+        pauses,
+    }
+}

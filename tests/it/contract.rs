@@ -285,3 +285,72 @@ fn a_declared_subscription_reaches_the_sidecar_as_routes() {
     assert_eq!(s.pubsub_name, "pubsub");
     assert!(s.raw_payload);
 }
+
+/// The operator's container arguments as the chart renders them with `values`.
+fn rendered_operator_args(values: &[&str]) -> Vec<String> {
+    let chart = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
+    let mut command = std::process::Command::new(cosmosq_tests::helm());
+    command.args(["template", "cosmosq"]).arg(&chart).args([
+        "--namespace",
+        "cosmosq",
+        "--show-only",
+        "templates/deployment.yaml",
+    ]);
+    for value in values {
+        command.args(["--set", value]);
+    }
+    let output = command.output().expect("run helm");
+    assert!(
+        output.status.success(),
+        "helm template: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rendered = String::from_utf8(output.stdout).expect("UTF-8");
+    let deployment: serde_json::Value = serde_yaml::from_str(&rendered).expect("a Deployment");
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    container["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("a string").to_owned())
+        .collect()
+}
+
+#[test]
+fn the_operator_reads_the_identity_settings_the_chart_renders() {
+    use cosmosq_operator::config::Config;
+    let id = "/subscriptions/0b1f6471-1bf0-4dda-aec3-cb9272f09590/resourceGroups/shop-rg/\
+              providers/Microsoft.DocumentDB/databaseAccounts/shop-acct";
+    let management = format!("workloadIdentity.management[0].accountResourceId={id}");
+    let args = rendered_operator_args(&[
+        "workloadIdentity.grants[0].endpoint=https://shop-acct.documents.azure.com:443/",
+        "workloadIdentity.grants[0].namespaces={shop,billing}",
+        "workloadIdentity.grants[0].databases={shop}",
+        "workloadIdentity.management[0].endpoint=https://shop-acct.documents.azure.com:443/",
+        &management,
+        "workloadIdentity.armEndpoint=https://management.usgovcloudapi.net",
+    ]);
+    let config = <Config as clap::Parser>::try_parse_from(
+        std::iter::once("cosmosq-operator".to_owned()).chain(args),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.identity_grants.len(), 1);
+    assert_eq!(config.identity_management.len(), 1);
+    assert_eq!(
+        config.identity_management[0].endpoint,
+        "https://shop-acct.documents.azure.com:443"
+    );
+    assert_eq!(config.identity_management[0].account.to_string(), id);
+    assert_eq!(
+        config.arm_endpoint.origin(),
+        "https://management.usgovcloudapi.net"
+    );
+    // Without management, no ARM settings at all.
+    let args = rendered_operator_args(&[]);
+    assert!(
+        !args
+            .iter()
+            .any(|a| a.starts_with("--identity-management") || a.starts_with("--arm-endpoint")),
+        "{args:?}"
+    );
+}

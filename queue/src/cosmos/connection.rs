@@ -137,8 +137,9 @@ impl ConnectionArgs {
     }
 }
 
-/// Workload identity when the pod has a federated token, managed identity otherwise.
-fn identity_credential() -> Result<Arc<dyn TokenCredential>> {
+/// Workload identity when the pod has a federated token, managed identity otherwise (the
+/// operator's ARM client uses the same one).
+pub fn identity_credential() -> Result<Arc<dyn TokenCredential>> {
     let credential: Arc<dyn TokenCredential> =
         if std::env::var_os("AZURE_FEDERATED_TOKEN_FILE").is_some() {
             azure_identity::WorkloadIdentityCredential::new(None)
