@@ -465,8 +465,10 @@ pub struct AppSpec {
     pub api_token_secret: Option<String>,
     /// The operator makes the tokens: two random values in a Secret `<group>-api-tokens`
     /// that the group owns (deleted with it), used as `apiTokenSecret` is. Deleting the
-    /// Secret rotates them: the operator makes a new one and rolls the group's workers onto
-    /// it. An existing Secret of that name that the group does not own is never taken over.
+    /// Secret rotates them: at the group's next reconcile (at once with the annotation
+    /// `cosmosq.io/reconcile-requested-at`) the operator makes a new one and rolls the
+    /// group's workers onto it. An existing Secret of that name that the group does not own
+    /// is never taken over; one left by turning this off is used again when it is turned on.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub generate_api_tokens: bool,
 }

@@ -249,7 +249,17 @@ async fn tokens_digest(
             }
         }
     }
-    let digest = secret.as_ref().and_then(build::api_tokens_digest);
+    let digest = match &secret {
+        Some(made) if qcg.spec.app.generate_api_tokens => build::api_tokens_digest(made),
+        // A Secret the team keeps: told by its identity and version, not its content (its
+        // tokens may be guessable, and whoever may read pods reads the template).
+        Some(kept) => build::api_tokens_digest(kept).and_then(|_| {
+            let meta = &kept.metadata;
+            let (uid, version) = (meta.uid.as_ref()?, meta.resource_version.as_ref()?);
+            Some(build::key_digest(format!("{uid}/{version}").as_bytes()))
+        }),
+        None => None,
+    };
     let digest = or_running(
         client,
         namespace,

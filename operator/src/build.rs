@@ -258,8 +258,9 @@ pub fn generated_api_tokens(qcg: &QueueConsumerGroup) -> Result<Secret, SpecErro
     })
 }
 
-/// A digest of a Secret's two API tokens (both present), revealing nothing of them: it changes
-/// when they are rotated.
+/// A digest of a Secret's two API tokens (both present): it changes when they are rotated.
+/// Only for tokens the operator drew (256 bits each): a short digest of guessable ones would
+/// let whoever reads the pod template test guesses offline.
 pub fn api_tokens_digest(secret: &Secret) -> Option<String> {
     // As read (`data`), or as made and not yet written (`stringData`).
     let value = |key: &str| match (&secret.data, &secret.string_data) {
@@ -1139,7 +1140,6 @@ mod tests {
         );
         read.string_data = None;
         assert_eq!(api_tokens_digest(&read), api_tokens_digest(&one));
-        assert!(!api_tokens_digest(&one).unwrap().contains(api.as_str()));
         // The pods read them from it, as from a Secret the group names.
         let d = build(&g, &key_queue(), &defaults()).unwrap();
         let pod = d.spec.unwrap().template.spec.unwrap();

@@ -99,7 +99,10 @@ pub fn cause(running: Option<&BuiltFrom>, desired: &BuiltFrom, spec_changed: boo
         Cause::Spec
     } else if running.request != desired.request {
         Cause::Request
-    } else if running.tokens != desired.tokens {
+    } else if running.tokens.is_some() && running.tokens != desired.tokens {
+        // Only a change between two known digests: a record without one was written before
+        // tokens were recorded (or while their Secret was missing), and its digest arriving
+        // with an upgrade is the operator's change, held or budgeted like it.
         Cause::Tokens
     } else if running.key != desired.key {
         // Before the operator's own change: a rotated key must reach the workers even while
@@ -310,7 +313,14 @@ mod tests {
             tokens: Some("t2".into()),
             ..upgraded.clone()
         };
-        assert_eq!(cause(Some(&running), &new_tokens, false), Cause::Tokens);
+        let with_tokens = BuiltFrom {
+            tokens: Some("t1".into()),
+            ..running.clone()
+        };
+        assert_eq!(cause(Some(&with_tokens), &new_tokens, false), Cause::Tokens);
+        // Workers built before tokens were recorded: the digest arriving with an upgrade does
+        // not roll every such group at once.
+        assert_eq!(cause(Some(&running), &new_tokens, false), Cause::Operator);
         // Built before the record: the user's change if the spec moved, else the operator's.
         assert_eq!(cause(None, &upgraded, true), Cause::Spec);
         assert_eq!(cause(None, &upgraded, false), Cause::Operator);
