@@ -153,6 +153,11 @@ pub struct Config {
     /// `https://management.usgovcloudapi.net`).
     #[arg(long, env = "COSMOSQ_ARM_ENDPOINT", default_value = crate::arm::scope::DEFAULT_ENDPOINT)]
     pub arm_endpoint: crate::arm::ArmEndpoint,
+    /// The most request units per second a queue may ask for (`spec.throughput`) on a
+    /// container the operator creates through ARM: the account's admin pays for them. Unset,
+    /// a queue there may not ask for any; its containers get the account's default.
+    #[arg(long, env = "COSMOSQ_ARM_MAX_THROUGHPUT")]
+    pub arm_max_throughput: Option<u32>,
     /// Endpoints queues may name besides Azure's account endpoints
     /// (`https://<account>.documents.azure.{com,us,cn}:443`): `[scheme://]host[:port]`, with
     /// `*.` for one label, e.g. an emulator `http://cosmos-emulator.dev.svc:8081` (repeat the

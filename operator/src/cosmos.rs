@@ -89,6 +89,20 @@ pub enum CosmosError {
         /// The API server's error.
         source: kube::Error,
     },
+    /// The queue asks for more throughput than the admin lets the operator create through ARM.
+    #[error(
+        "spec.throughput: {requested} RU/s is more than the operator may create through Azure \
+         Resource Manager on this account ({}); the account's admin pays for it: lower it, \
+         remove it (the account's default), or ask the admin (--arm-max-throughput, the chart's \
+         workloadIdentity.maxThroughput) or to create the containers",
+        match .allowed { Some(ru) => format!("at most {ru} RU/s"), None => "none may be asked for".to_owned() }
+    )]
+    ThroughputNotAllowed {
+        /// What the queue asks for.
+        requested: u32,
+        /// The admin's ceiling.
+        allowed: Option<u32>,
+    },
     /// The engine failed. Said without what the endpoint answered: this text reaches the
     /// resource's status and Events.
     #[error("{}", .0.without_answer())]
@@ -105,6 +119,7 @@ impl CosmosError {
                 | CosmosError::SecretNotFound(_)
                 | CosmosError::SecretKeyMissing { .. }
                 | CosmosError::IdentityNotGranted { .. }
+                | CosmosError::ThroughputNotAllowed { .. }
         )
     }
 
@@ -134,7 +149,7 @@ impl CosmosError {
                 status: 401 | 403,
                 ..
             })
-        ) || matches!(self, CosmosError::Arm(e) if e.is_denied())
+        ) || matches!(self, CosmosError::Arm(e) if e.keeps_containers())
     }
 }
 
@@ -176,6 +191,10 @@ pub struct Management {
     pub scopes: Vec<ManagementScope>,
     /// The client, as the operator's identity.
     pub arm: Arm,
+    /// The most request units per second a queue may ask of a container the operator creates
+    /// through ARM (`spec.throughput`, manual or the autoscale maximum): the account's admin
+    /// pays for them. `None`: a queue there may not ask for any (the account's default).
+    pub max_throughput: Option<u32>,
 }
 
 /// Where queues live.
@@ -255,6 +274,22 @@ impl Cosmos {
         let account = crate::arm::scope::account_for(&management.scopes, &cq.spec.endpoint)
             .expect("Provisioning::Arm comes from a management scope");
         Ok((&management.arm, account))
+    }
+
+    /// Whether the queue's throughput is within what the admin lets the operator create
+    /// through ARM (pure but for the setting).
+    fn throughput_allowed(&self, config: &cosmosq_queue::QueueConfig) -> Result<(), CosmosError> {
+        let allowed = self.management.as_ref().and_then(|m| m.max_throughput);
+        let requested = match config.throughput {
+            None => return Ok(()),
+            Some(
+                cosmosq_queue::Throughput::Manual(ru) | cosmosq_queue::Throughput::Autoscale(ru),
+            ) => ru,
+        };
+        match allowed {
+            Some(ceiling) if requested <= ceiling => Ok(()),
+            _ => Err(CosmosError::ThroughputNotAllowed { requested, allowed }),
+        }
     }
 
     fn key(cq: &CosmosQueue) -> String {
@@ -392,7 +427,11 @@ impl Cosmos {
                                     through_arm: true,
                                 }
                             })?;
-                        let provisioned = arm.create(account, &config, plan).await?;
+                        if plan.messages {
+                            self.throughput_allowed(&config)?;
+                        }
+                        let owner = cq.metadata.uid.clone().unwrap_or_default();
+                        let provisioned = arm.create(account, &config, plan, &owner).await?;
                         // What ARM made, as the data plane sees it.
                         (verified(&client, &config, true).await?, provisioned)
                     }
@@ -413,7 +452,8 @@ impl Cosmos {
         if self.provisioning(cq) == Provisioning::Arm {
             let (arm, account) = self.arm_for(cq)?;
             self.forget(cq).await;
-            return Ok(arm.delete(account, &config).await?);
+            let owner = cq.metadata.uid.clone().unwrap_or_default();
+            return Ok(arm.delete(account, &config, &owner).await?);
         }
         let client = self.connect(cq).await?;
         self.forget(cq).await;

@@ -1121,6 +1121,10 @@ mod tests {
         input["metadata"]["deletionTimestamp"] = json!("2026-11-30T10:00:00Z");
         let config = crate::spec::queue(&arc(&input).spec).unwrap();
         cosmosq_queue::provision(&cosmos, &config).await.unwrap();
+        // Created through ARM for this queue (uid q1).
+        for container in ["orders", "orders-leases"] {
+            arm.tag("shop", container, json!({crate::arm::OWNER_TAG: "q1"}));
+        }
         let verifier = tokio::spawn(async move {
             let event = server.event().await;
             assert_eq!(
@@ -1148,6 +1152,97 @@ mod tests {
         );
         // The database may hold other queues: it stays.
         assert!(cosmos.database_client("shop").read(None).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn containers_a_queue_did_not_create_are_never_deleted_through_arm() {
+        // A queue naming containers of its granted database that an admin made (no tag), or
+        // that were made for another queue of the same names (another uid): its deletion
+        // deletes neither, and says so.
+        for tags in [None, Some(json!({crate::arm::OWNER_TAG: "another-queue"}))] {
+            let crate::testing::ArmContext {
+                ctx,
+                mut server,
+                cosmos,
+                arm,
+                ..
+            } = crate::testing::arm_context(Default::default(), &[GRANT]).await;
+            let mut input = identity_queue("Delete", true);
+            input["metadata"]["deletionTimestamp"] = json!("2026-11-30T10:00:00Z");
+            let config = crate::spec::queue(&arc(&input).spec).unwrap();
+            cosmosq_queue::provision(&cosmos, &config).await.unwrap();
+            if let Some(tags) = &tags {
+                arm.tag("shop", "orders", tags.clone());
+            }
+            // The lease container is this queue's: it goes.
+            arm.tag(
+                "shop",
+                "orders-leases",
+                json!({crate::arm::OWNER_TAG: "q1"}),
+            );
+            let verifier = tokio::spawn(async move {
+                let event = server.event().await;
+                assert_eq!(event["reason"], "DeleteSkipped");
+                let note = event["note"].as_str().unwrap();
+                assert!(
+                    note.contains("NOT deleted")
+                        && note.contains("shop/orders not created by this queue"),
+                    "{note}"
+                );
+                expect_finalizer_removed(&mut server, deleting("Delete")).await;
+            });
+            reconcile_queue(arc(&input), ctx).await.unwrap();
+            verifier.await.unwrap();
+            assert!(
+                container_exists(&cosmos, "shop", "orders").await,
+                "{tags:?}"
+            );
+            assert!(!container_exists(&cosmos, "shop", "orders-leases").await);
+            let deletes: Vec<_> = arm
+                .seen()
+                .into_iter()
+                .filter(|s| s.method == Method::DELETE)
+                .map(|s| s.path)
+                .collect();
+            assert_eq!(
+                deletes,
+                [format!("{ACCOUNT_PATH}/containers/orders-leases")]
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_queue_asking_more_throughput_than_the_admin_allows_creates_nothing() {
+        let crate::testing::ArmContext {
+            ctx,
+            mut server,
+            cosmos,
+            arm,
+            ..
+        } = crate::testing::arm_context(Default::default(), &[GRANT]).await;
+        // The context allows 4,000 RU/s; the queue asks for 10,000.
+        let mut input = identity_queue("Delete", true);
+        input["spec"]["throughput"] = json!({"mode": "Manual", "requestUnits": 10000});
+        let verifier = tokio::spawn(async move {
+            let event = server.event().await;
+            assert_eq!(event["reason"], "InvalidSpec");
+            let status = server.status(STATUS, queue(json!({}), true)).await;
+            let ready = crate::testing::condition(&status["status"], "Ready");
+            let message = ready["message"].as_str().unwrap();
+            assert!(
+                message.contains("10000 RU/s is more than")
+                    && message.contains("at most 4000 RU/s"),
+                "{message}"
+            );
+            assert_eq!(
+                crate::testing::condition(&status["status"], "Stalled")["status"],
+                "True"
+            );
+        });
+        reconcile_queue(arc(&input), ctx).await.unwrap();
+        verifier.await.unwrap();
+        assert!(arm.puts().is_empty(), "{:?}", arm.puts());
+        assert!(!container_exists(&cosmos, "shop", "orders").await);
     }
 
     #[tokio::test]

@@ -98,6 +98,7 @@ fn management(config: &Config) -> Result<Option<Management>, RunError> {
         grants: config.identity_grants.clone(),
         scopes: config.identity_management.clone(),
         arm,
+        max_throughput: config.arm_max_throughput,
     }))
 }
 

@@ -246,6 +246,7 @@ pub async fn arm_context(script: crate::arm::fake::Script, grants: &[&str]) -> A
         grants: grants.iter().map(|g| g.parse().unwrap()).collect(),
         scopes: vec![crate::arm::fake::scope()],
         arm: crate::arm::fake::client(&arm, pauses.clone()),
+        max_throughput: Some(4000),
     };
     let (client, server) = client();
     let cosmos = crate::cosmos::Cosmos::new(

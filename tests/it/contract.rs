@@ -329,6 +329,7 @@ fn the_operator_reads_the_identity_settings_the_chart_renders() {
         "workloadIdentity.management[0].endpoint=https://shop-acct.documents.azure.com:443/",
         &management,
         "workloadIdentity.armEndpoint=https://management.usgovcloudapi.net",
+        "workloadIdentity.maxThroughput=4000",
     ]);
     let config = <Config as clap::Parser>::try_parse_from(
         std::iter::once("cosmosq-operator".to_owned()).chain(args),
@@ -345,12 +346,13 @@ fn the_operator_reads_the_identity_settings_the_chart_renders() {
         config.arm_endpoint.origin(),
         "https://management.usgovcloudapi.net"
     );
+    assert_eq!(config.arm_max_throughput, Some(4000));
     // Without management, no ARM settings at all.
     let args = rendered_operator_args(&[]);
     assert!(
         !args
             .iter()
-            .any(|a| a.starts_with("--identity-management") || a.starts_with("--arm-endpoint")),
+            .any(|a| a.starts_with("--identity-management") || a.starts_with("--arm-")),
         "{args:?}"
     );
 }

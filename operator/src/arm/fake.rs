@@ -40,6 +40,9 @@ pub struct Script {
     pub throttle_first: Option<u64>,
     /// Operation URLs point at another host.
     pub foreign_operation_url: bool,
+    /// The first container PUT is throttled (429, Retry-After 1), and meanwhile "an admin"
+    /// creates that container on the emulator.
+    pub made_while_first_put_throttled: bool,
 }
 
 /// One request as the fake saw it.
@@ -77,6 +80,8 @@ struct Inner {
     operations: HashMap<String, Operation>,
     next: u32,
     base: String,
+    /// The tags each container was PUT with, by (database, container).
+    tags: HashMap<(String, String), Value>,
 }
 
 #[derive(Clone)]
@@ -111,6 +116,7 @@ impl FakeArm {
                 operations: HashMap::new(),
                 next: 0,
                 base: base.clone(),
+                tags: HashMap::new(),
             })),
             cosmos,
         };
@@ -130,6 +136,16 @@ impl FakeArm {
     /// Every request so far.
     pub fn seen(&self) -> Vec<Seen> {
         self.shared.inner.lock().unwrap().seen.clone()
+    }
+
+    /// Tags a container as if it had been PUT with them (one made through ARM before).
+    pub fn tag(&self, database: &str, container: &str, tags: Value) {
+        self.shared
+            .inner
+            .lock()
+            .unwrap()
+            .tags
+            .insert((database.to_owned(), container.to_owned()), tags);
     }
 
     /// The PUTs so far, by path.
@@ -283,11 +299,19 @@ async fn handle(
             if !exists {
                 return error(StatusCode::NOT_FOUND, "NotFound");
             }
+            let tags = container
+                .as_ref()
+                .and_then(|c| {
+                    let inner = shared.inner.lock().unwrap();
+                    inner.tags.get(&(database.clone(), c.clone())).cloned()
+                })
+                .unwrap_or_else(|| json!({}));
             let name = container.unwrap_or(database);
             return (
                 StatusCode::OK,
-                json!({"id": path, "name": name, "properties": {"resource": {"id": name}}})
-                    .to_string(),
+                json!({"id": path, "name": name, "tags": tags,
+                       "properties": {"resource": {"id": name}}})
+                .to_string(),
             )
                 .into_response();
         }
@@ -302,6 +326,34 @@ async fn handle(
             let name = container.as_deref().unwrap_or(&database);
             if let Some(_problem) = bad_body(&body, name, container.is_some()) {
                 return error(StatusCode::BAD_REQUEST, "BadRequest");
+            }
+            let admin_first = container.is_some() && {
+                let mut inner = shared.inner.lock().unwrap();
+                std::mem::take(&mut inner.script.made_while_first_put_throttled)
+            };
+            if admin_first {
+                let properties: ContainerProperties =
+                    serde_json::from_value(body["properties"]["resource"].clone()).unwrap();
+                shared
+                    .cosmos
+                    .database_client(&database)
+                    .create_container(properties, None)
+                    .await
+                    .unwrap();
+                return (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    [("retry-after", "1")],
+                    format!("{{\"error\":{{\"message\":\"{SECRET}\"}}}}"),
+                )
+                    .into_response();
+            }
+            if let (Some(container), Some(tags)) = (&container, body.get("tags")) {
+                shared
+                    .inner
+                    .lock()
+                    .unwrap()
+                    .tags
+                    .insert((database.clone(), container.clone()), tags.clone());
             }
             match container {
                 None => Action::CreateDatabase(database),

@@ -34,6 +34,11 @@ use tracing::{debug, info, instrument};
 
 pub use scope::{AccountId, ArmEndpoint, ManagementScope};
 
+/// The ARM tag a container the operator creates carries: the uid of the queue it was created
+/// for. Only containers with the deleting queue's uid are deleted (ARM tag names cannot hold
+/// `/`, so not `cosmosq.io/…`).
+pub const OWNER_TAG: &str = "cosmosq.io-queue-uid";
+
 /// The `Microsoft.DocumentDB` API version: a stable (not preview) one that has every field
 /// the queue's containers use, and that sovereign clouds serve too.
 pub const API_VERSION: &str = "2024-11-15";
@@ -125,6 +130,21 @@ pub enum ArmError {
         /// The kind of failure (not the identity provider's answer).
         kind: String,
     },
+    /// The queue's containers that ARM has were not created by this queue (no owner tag with
+    /// its uid): an admin's, or another queue's of the same names. Never deleted.
+    #[error(
+        "{what}: {} not created by this queue through Azure Resource Manager (no tag \
+         {OWNER_TAG}={owner}); the operator deletes only what it created",
+        containers.join(", ")
+    )]
+    NotCreatedHere {
+        /// The operation.
+        what: String,
+        /// The containers kept.
+        containers: Vec<String>,
+        /// The queue's uid.
+        owner: String,
+    },
     /// The request could not be sent or its answer read.
     #[error("{what}: {source}")]
     Transport {
@@ -139,6 +159,14 @@ impl ArmError {
     /// Whether ARM refused the identity: retrying does not help until a role is assigned.
     pub fn is_denied(&self) -> bool {
         matches!(self, ArmError::Denied { .. })
+    }
+
+    /// Whether the operator will not delete, whatever a retry sees: refused, or not its own.
+    pub fn keeps_containers(&self) -> bool {
+        matches!(
+            self,
+            ArmError::Denied { .. } | ArmError::NotCreatedHere { .. }
+        )
     }
 }
 
@@ -255,10 +283,12 @@ pub fn database_body(database: &str) -> Value {
 
 /// The body of a container PUT (pure): `properties.resource` is the container as the engine
 /// defines it (`provision::messages_container`/`lease_container`: id, partition key,
-/// indexing policy, default TTL), `properties.options` its throughput if any.
+/// indexing policy, default TTL), `properties.options` its throughput if any, `tags` the
+/// queue it is created for ([`OWNER_TAG`]).
 pub fn container_body(
     container: &azure_data_cosmos::models::ContainerProperties,
     throughput: Option<Throughput>,
+    owner: &str,
 ) -> Value {
     let defined = serde_json::to_value(container).expect("container properties serialize");
     let mut resource = serde_json::Map::new();
@@ -272,7 +302,7 @@ pub fn container_body(
         Some(Throughput::Manual(ru)) => json!({"throughput": ru}),
         Some(Throughput::Autoscale(ru)) => json!({"autoscaleSettings": {"maxThroughput": ru}}),
     };
-    json!({"properties": {"resource": resource, "options": options}})
+    json!({"tags": {OWNER_TAG: owner}, "properties": {"resource": resource, "options": options}})
 }
 
 /// How a long-running operation is followed.
@@ -419,6 +449,14 @@ struct Answer {
     body: bytes::Bytes,
 }
 
+/// What one try of a request came to.
+enum Attempt {
+    /// An answer to act on.
+    Answered(Answer),
+    /// Throttled, a server error or no connection: try again after this.
+    Again(Duration),
+}
+
 /// The waits left in one provisioning or deletion.
 struct Budget {
     left: Duration,
@@ -458,6 +496,7 @@ impl Arm {
         account: &AccountId,
         config: &QueueConfig,
         plan: Plan,
+        owner: &str,
     ) -> Result<Provisioned, ArmError> {
         const ACTIONS: &str = "Microsoft.DocumentDB/databaseAccounts/sqlDatabases/write, \
                                Microsoft.DocumentDB/databaseAccounts/sqlDatabases/containers/write \
@@ -473,9 +512,9 @@ impl Arm {
                 .await?
             {
                 let body = database_body(database);
-                self.put(&what, account, ACTIONS, url, &body, &mut budget)
+                provisioned.created_database = self
+                    .put(&what, account, ACTIONS, url, &body, &mut budget)
                     .await?;
-                provisioned.created_database = true;
             }
         }
         let containers = [
@@ -500,10 +539,10 @@ impl Arm {
             {
                 continue;
             }
-            let body = container_body(&container, throughput);
-            self.put(&what, account, ACTIONS, url, &body, &mut budget)
+            let body = container_body(&container, throughput, owner);
+            *created = self
+                .put(&what, account, ACTIONS, url, &body, &mut budget)
                 .await?;
-            *created = true;
         }
         [
             provisioned.created_messages_container,
@@ -516,13 +555,32 @@ impl Arm {
     /// Deletes the queue's two containers (the database may hold other queues and stays).
     /// One already gone counts as deleted.
     #[instrument(skip_all, fields(account = account.name(), database = %config.database))]
-    pub async fn delete(&self, account: &AccountId, config: &QueueConfig) -> Result<(), ArmError> {
+    pub async fn delete(
+        &self,
+        account: &AccountId,
+        config: &QueueConfig,
+        owner: &str,
+    ) -> Result<(), ArmError> {
         const ACTIONS: &str =
-            "Microsoft.DocumentDB/databaseAccounts/sqlDatabases/containers/delete";
+            "Microsoft.DocumentDB/databaseAccounts/sqlDatabases/containers/delete and read";
         let mut budget = self.budget();
+        let mut kept = Vec::new();
         for name in [config.container.clone(), config.lease_container_name()] {
             let url = resource_url(&self.endpoint, account, &config.database, Some(&name));
             let what = format!("deleting container {}/{name}", config.database);
+            // Only what was created for this queue: a queue may name any container of a
+            // granted database, and deleting one is not the data-plane access a grant gives.
+            match self
+                .read(&what, account, ACTIONS, url.clone(), &mut budget)
+                .await?
+            {
+                None => continue,
+                Some(found) if found["tags"][OWNER_TAG] == owner => {}
+                Some(_) => {
+                    kept.push(format!("{}/{name}", config.database));
+                    continue;
+                }
+            }
             let answer = self
                 .send(
                     &what,
@@ -544,7 +602,15 @@ impl Arm {
             }
             info!(container = %name, "container deleted through Azure Resource Manager");
         }
-        Ok(())
+        if kept.is_empty() {
+            Ok(())
+        } else {
+            Err(ArmError::NotCreatedHere {
+                what: format!("deleting the containers of database {}", config.database),
+                containers: kept,
+                owner: owner.to_owned(),
+            })
+        }
     }
 
     fn budget(&self) -> Budget {
@@ -563,23 +629,39 @@ impl Arm {
         url: url::Url,
         budget: &mut Budget,
     ) -> Result<bool, ArmError> {
+        let found = self.read(what, account, actions, url, budget).await?;
+        if found.is_some() {
+            info!(
+                what,
+                "exists in Azure Resource Manager already; not sent a PUT"
+            );
+        }
+        Ok(found.is_some())
+    }
+
+    /// The resource at `url` as ARM has it (an unreadable body reads as `{}`), or `None`.
+    async fn read(
+        &self,
+        what: &str,
+        account: &AccountId,
+        actions: &'static str,
+        url: url::Url,
+        budget: &mut Budget,
+    ) -> Result<Option<Value>, ArmError> {
         let answer = self
             .send(what, account, actions, Method::GET, url, None, budget)
             .await?;
         match answer.status.as_u16() {
-            200 => {
-                info!(
-                    what,
-                    "exists in Azure Resource Manager already; not sent a PUT"
-                );
-                Ok(true)
-            }
-            404 => Ok(false),
+            200 => Ok(Some(
+                serde_json::from_slice(&answer.body).unwrap_or_else(|_| json!({})),
+            )),
+            404 => Ok(None),
             status => Err(status_error(what, status, &answer.headers)),
         }
     }
 
-    /// PUT, then follow the operation to its end.
+    /// PUT, then follow the operation to its end. False when, before a PUT was tried again,
+    /// ARM turned out to have the resource: then it was not sent again.
     async fn put(
         &self,
         what: &str,
@@ -588,14 +670,44 @@ impl Arm {
         url: url::Url,
         body: &Value,
         budget: &mut Budget,
-    ) -> Result<(), ArmError> {
-        let body = serde_json::to_vec(body).expect("a JSON value serializes");
-        let answer = self
-            .send(what, account, actions, Method::PUT, url, Some(body), budget)
-            .await?;
+    ) -> Result<bool, ArmError> {
+        let body = Some(serde_json::to_vec(body).expect("a JSON value serializes"));
+        let mut backoff = self.timing.backoff;
+        let answer = loop {
+            match self
+                .attempt(
+                    what,
+                    account,
+                    actions,
+                    &Method::PUT,
+                    &url,
+                    &body,
+                    backoff,
+                    budget,
+                )
+                .await?
+            {
+                Attempt::Answered(answer) => break answer,
+                Attempt::Again(delay) => {
+                    self.wait(what, delay, budget).await?;
+                    // Read again before each new PUT: it replaces what exists, and an admin
+                    // (or this PUT, its answer lost) may have made the resource meanwhile.
+                    if self
+                        .exists(what, account, actions, url.clone(), budget)
+                        .await?
+                    {
+                        return Ok(false);
+                    }
+                }
+            }
+            backoff = (backoff * 2).min(self.timing.max_pause);
+        };
         match answer.status.as_u16() {
-            200 => Ok(()),
-            201 | 202 => self.follow(what, account, actions, answer, budget).await,
+            200 => Ok(true),
+            201 | 202 => self
+                .follow(what, account, actions, answer, budget)
+                .await
+                .map(|()| true),
             status => Err(status_error(what, status, &answer.headers)),
         }
     }
@@ -677,7 +789,6 @@ impl Arm {
     /// Sends one request with the identity's ARM token, retrying throttling (429), server
     /// errors (5xx) and failed connections within the budget. 401/403 are `Denied`.
     #[allow(clippy::too_many_arguments)]
-    #[instrument(skip_all, fields(method = %method, path = url.path()))]
     async fn send(
         &self,
         what: &str,
@@ -688,92 +799,109 @@ impl Arm {
         body: Option<Vec<u8>>,
         budget: &mut Budget,
     ) -> Result<Answer, ArmError> {
+        let mut backoff = self.timing.backoff;
+        loop {
+            match self
+                .attempt(
+                    what, account, actions, &method, &url, &body, backoff, budget,
+                )
+                .await?
+            {
+                Attempt::Answered(answer) => return Ok(answer),
+                Attempt::Again(delay) => self.wait(what, delay, budget).await?,
+            }
+            backoff = (backoff * 2).min(self.timing.max_pause);
+        }
+    }
+
+    /// One try of a request: its answer, or how long to wait before the next try (throttled,
+    /// a server error, a failed connection), or the error when the budget does not allow one.
+    #[allow(clippy::too_many_arguments)]
+    #[instrument(skip_all, fields(method = %method, path = url.path()))]
+    async fn attempt(
+        &self,
+        what: &str,
+        account: &AccountId,
+        actions: &'static str,
+        method: &Method,
+        url: &url::Url,
+        body: &Option<Vec<u8>>,
+        backoff: Duration,
+        budget: &Budget,
+    ) -> Result<Attempt, ArmError> {
         // Checked here too, whatever the caller: the token goes to the ARM endpoint only.
-        if !self.endpoint.owns(&url) {
+        if !self.endpoint.owns(url) {
             return Err(ArmError::ForeignUrl {
                 what: what.to_owned(),
                 endpoint: self.endpoint.origin(),
             });
         }
-        let mut backoff = self.timing.backoff;
-        loop {
-            let scope = self.endpoint.token_scope();
-            let token = self
-                .credential
-                .get_token(&[&scope], None)
-                .await
-                .map_err(|e| ArmError::Token {
+        let scope = self.endpoint.token_scope();
+        let token = self
+            .credential
+            .get_token(&[&scope], None)
+            .await
+            .map_err(|e| ArmError::Token {
+                what: what.to_owned(),
+                scope: scope.clone(),
+                kind: e.kind().to_string(),
+            })?;
+        let mut request = self
+            .http
+            .request(method.clone(), url.clone())
+            .bearer_auth(token.token.secret())
+            .header(http::header::ACCEPT, "application/json");
+        if let Some(body) = body {
+            request = request
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(body.clone());
+        }
+        let sent = async {
+            let response = request.send().await?;
+            let status = response.status();
+            let headers = response.headers().clone();
+            let body = response.bytes().await?;
+            Ok::<_, reqwest::Error>(Answer {
+                status,
+                headers,
+                body,
+            })
+        }
+        .await;
+        match sent {
+            Ok(answer) => match answer.status.as_u16() {
+                401 | 403 => Err(ArmError::Denied {
                     what: what.to_owned(),
-                    scope: scope.clone(),
-                    kind: e.kind().to_string(),
-                })?;
-            let mut request = self
-                .http
-                .request(method.clone(), url.clone())
-                .bearer_auth(token.token.secret())
-                .header(http::header::ACCEPT, "application/json");
-            if let Some(body) = &body {
-                request = request
-                    .header(http::header::CONTENT_TYPE, "application/json")
-                    .body(body.clone());
-            }
-            let sent = async {
-                let response = request.send().await?;
-                let status = response.status();
-                let headers = response.headers().clone();
-                let body = response.bytes().await?;
-                Ok::<_, reqwest::Error>(Answer {
-                    status,
-                    headers,
-                    body,
-                })
-            }
-            .await;
-            let delay = match sent {
-                Ok(answer) => match answer.status.as_u16() {
-                    401 | 403 => {
-                        return Err(ArmError::Denied {
-                            what: what.to_owned(),
-                            status: answer.status.as_u16(),
-                            ids: RequestIds::of(&answer.headers),
-                            account: account.to_string(),
-                            actions,
-                        })
+                    status: answer.status.as_u16(),
+                    ids: RequestIds::of(&answer.headers),
+                    account: account.to_string(),
+                    actions,
+                }),
+                429 | 500..=599 => {
+                    let delay = retry_after(&answer.headers).unwrap_or(backoff);
+                    debug!(status = answer.status.as_u16(), ?delay, "retrying");
+                    if delay.min(self.timing.max_pause) > budget.left {
+                        return Err(status_error(what, answer.status.as_u16(), &answer.headers));
                     }
-                    429 | 500..=599 => {
-                        let delay = retry_after(&answer.headers).unwrap_or(backoff);
-                        debug!(status = answer.status.as_u16(), ?delay, "retrying");
-                        if delay.min(self.timing.max_pause) > budget.left {
-                            return Err(status_error(
-                                what,
-                                answer.status.as_u16(),
-                                &answer.headers,
-                            ));
-                        }
-                        delay
-                    }
-                    _ => return Ok(answer),
-                },
-                Err(e) if e.is_connect() || e.is_timeout() => {
-                    let e = e.without_url();
-                    debug!(error = %e, "retrying");
-                    if backoff > budget.left {
-                        return Err(ArmError::Transport {
-                            what: what.to_owned(),
-                            source: e,
-                        });
-                    }
-                    backoff
+                    Ok(Attempt::Again(delay))
                 }
-                Err(e) => {
+                _ => Ok(Attempt::Answered(answer)),
+            },
+            Err(e) if e.is_connect() || e.is_timeout() => {
+                let e = e.without_url();
+                debug!(error = %e, "retrying");
+                if backoff > budget.left {
                     return Err(ArmError::Transport {
                         what: what.to_owned(),
-                        source: e.without_url(),
-                    })
+                        source: e,
+                    });
                 }
-            };
-            self.wait(what, delay, budget).await?;
-            backoff = (backoff * 2).min(self.timing.max_pause);
+                Ok(Attempt::Again(backoff))
+            }
+            Err(e) => Err(ArmError::Transport {
+                what: what.to_owned(),
+                source: e.without_url(),
+            }),
         }
     }
 }
@@ -818,7 +946,9 @@ mod tests {
         let mut config = config();
         config.throughput = Some(Throughput::Autoscale(4000));
         let messages = provision::messages_container(&config);
-        let body = container_body(&messages, config.throughput);
+        let body = container_body(&messages, config.throughput, "q-uid");
+        // The queue it is created for: only that queue deletes it.
+        assert_eq!(body["tags"], json!({OWNER_TAG: "q-uid"}));
         let resource = &body["properties"]["resource"];
         assert_eq!(resource["id"], "orders");
         assert_eq!(
@@ -838,10 +968,10 @@ mod tests {
             body["properties"]["options"],
             json!({"autoscaleSettings": {"maxThroughput": 4000}})
         );
-        let leases = container_body(&provision::lease_container(&config), None);
+        let leases = container_body(&provision::lease_container(&config), None, "q-uid");
         assert_eq!(leases["properties"]["resource"]["defaultTtl"], -1);
         assert_eq!(leases["properties"]["options"], json!({}));
-        let manual = container_body(&messages, Some(Throughput::Manual(400)));
+        let manual = container_body(&messages, Some(Throughput::Manual(400)), "q-uid");
         assert_eq!(manual["properties"]["options"], json!({"throughput": 400}));
     }
 
@@ -989,7 +1119,7 @@ mod tests {
         })
         .await;
         let err = arm
-            .create(&fake::scope().account, &config(), everything())
+            .create(&fake::scope().account, &config(), everything(), "q-uid")
             .await
             .unwrap_err();
         assert!(
@@ -1018,7 +1148,7 @@ mod tests {
         })
         .await;
         let err = arm
-            .create(&fake::scope().account, &config(), everything())
+            .create(&fake::scope().account, &config(), everything(), "q-uid")
             .await
             .unwrap_err();
         assert!(matches!(err, ArmError::ForeignUrl { .. }), "{err:?}");
@@ -1046,7 +1176,7 @@ mod tests {
         arm.timing.max_wait = Duration::from_secs(30);
         arm.timing.max_pause = Duration::from_secs(60);
         let err = arm
-            .create(&fake::scope().account, &config(), everything())
+            .create(&fake::scope().account, &config(), everything(), "q-uid")
             .await
             .unwrap_err();
         assert!(
@@ -1068,7 +1198,7 @@ mod tests {
             .await
             .unwrap();
         let provisioned = arm
-            .create(&fake::scope().account, &config, everything())
+            .create(&fake::scope().account, &config, everything(), "q-uid")
             .await
             .unwrap();
         assert_eq!(
@@ -1081,6 +1211,46 @@ mod tests {
         let puts = served.puts();
         assert_eq!(puts.len(), 1, "{puts:?}");
         assert!(puts[0].ends_with("/containers/orders-leases"), "{puts:?}");
+    }
+
+    #[tokio::test]
+    async fn a_put_is_not_sent_again_over_a_resource_made_while_it_was_throttled() {
+        let emulator = cosmosq_emulator::Emulator::in_process(Default::default()).unwrap();
+        let cosmos = emulator.client().await.unwrap();
+        cosmos.create_database("shop", None).await.unwrap();
+        let served = fake::FakeArm::start(
+            cosmos.clone(),
+            fake::Script {
+                made_while_first_put_throttled: true,
+                ..Default::default()
+            },
+        )
+        .await;
+        let arm = fake::client(&served, Arc::new(fake::Recorded::default()));
+        let plan = Plan {
+            messages: true,
+            ..Plan::default()
+        };
+        let provisioned = arm
+            .create(&fake::scope().account, &config(), plan, "q-uid")
+            .await
+            .unwrap();
+        // Read, PUT (throttled: an admin made it meanwhile), read again: not PUT again, and
+        // not reported as made.
+        let seen: Vec<_> = served
+            .seen()
+            .into_iter()
+            .map(|s| (s.method, s.path.rsplit('/').next().unwrap().to_owned()))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (Method::GET, "orders".to_owned()),
+                (Method::PUT, "orders".to_owned()),
+                (Method::GET, "orders".to_owned()),
+            ]
+        );
+        assert_eq!(provisioned, Provisioned::default());
     }
 
     #[tokio::test]
@@ -1097,7 +1267,7 @@ mod tests {
         .await;
         let pauses = Arc::new(fake::Recorded::default());
         let arm = fake::client(&served, pauses.clone());
-        arm.create(&fake::scope().account, &config(), everything())
+        arm.create(&fake::scope().account, &config(), everything(), "q-uid")
             .await
             .unwrap();
         assert_eq!(pauses.0.lock().unwrap()[0], Duration::from_secs(1));
