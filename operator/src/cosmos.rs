@@ -153,6 +153,19 @@ impl CosmosError {
     }
 }
 
+/// Whether the queue's namespace is granted the operator's identity on its database (pure).
+fn granted(grants: &[crate::grants::IdentityGrant], cq: &CosmosQueue) -> Result<(), CosmosError> {
+    let namespace = cq.namespace().unwrap_or_default();
+    if crate::grants::identity_allowed(grants, &namespace, &cq.spec.endpoint, &cq.spec.database) {
+        return Ok(());
+    }
+    Err(CosmosError::IdentityNotGranted {
+        namespace,
+        endpoint: cq.spec.endpoint.clone(),
+        database: cq.spec.database.clone(),
+    })
+}
+
 /// How a queue's database and containers come to exist.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Provisioning {
@@ -258,19 +271,7 @@ impl Cosmos {
             .management
             .as_ref()
             .expect("Provisioning::Arm comes from a management scope");
-        let namespace = cq.namespace().unwrap_or_default();
-        if !crate::grants::identity_allowed(
-            &management.grants,
-            &namespace,
-            &cq.spec.endpoint,
-            &cq.spec.database,
-        ) {
-            return Err(CosmosError::IdentityNotGranted {
-                namespace,
-                endpoint: cq.spec.endpoint.clone(),
-                database: cq.spec.database.clone(),
-            });
-        }
+        granted(&management.grants, cq)?;
         let account = crate::arm::scope::account_for(&management.scopes, &cq.spec.endpoint)
             .expect("Provisioning::Arm comes from a management scope");
         Ok((&management.arm, account))
@@ -309,20 +310,8 @@ impl Cosmos {
                 (region.clone(), identity_grants)
             }
         };
-        let namespace = cq.namespace().unwrap_or_default();
-        if cq.spec.credentials.secret_key_ref.is_none()
-            && !crate::grants::identity_allowed(
-                grants,
-                &namespace,
-                &cq.spec.endpoint,
-                &cq.spec.database,
-            )
-        {
-            return Err(CosmosError::IdentityNotGranted {
-                namespace,
-                endpoint: cq.spec.endpoint.clone(),
-                database: cq.spec.database.clone(),
-            });
+        if cq.spec.credentials.secret_key_ref.is_none() {
+            granted(grants, cq)?;
         }
         let mut args = ConnectionArgs {
             endpoint: cq.spec.endpoint.clone(),
