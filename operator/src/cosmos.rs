@@ -124,8 +124,9 @@ impl CosmosError {
     }
 
     /// Errors retrying does not get past: the spec's, a Secret the operator may not read, and
-    /// an account refusing the credentials (401/403) until a key or a role assignment changes.
-    /// The operator still retries the latter now and then; kstatus readers see `Stalled`.
+    /// an account refusing the credentials (401/403) until a key or a role assignment changes,
+    /// and ARM's answers no retry gets past (a bad request, a failed operation). The operator
+    /// still retries these now and then; kstatus readers see `Stalled`.
     pub fn is_stalled(&self) -> bool {
         self.is_spec_error()
             || matches!(
@@ -137,7 +138,7 @@ impl CosmosError {
                         ..
                     })
             )
-            || matches!(self, CosmosError::Arm(e) if e.is_denied())
+            || matches!(self, CosmosError::Arm(e) if e.is_permanent())
     }
 
     /// Whether the account refuses the operator's credentials for this queue (401/403 from

@@ -194,6 +194,12 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
                     reasons::NEEDS_PROVISIONING,
                     Action::requeue(crate::context::RECHECK),
                 ),
+                // ARM's GET and PUT every 30 s would not get past it: at the resync, or at
+                // once on a spec change or a reconcile request.
+                CosmosError::Arm(arm) if arm.is_permanent() => (
+                    reasons::PROVISIONING_FAILED,
+                    Action::requeue(crate::context::RESYNC),
+                ),
                 _ => (
                     reasons::PROVISIONING_FAILED,
                     Action::requeue(crate::context::RECHECK),
@@ -1041,7 +1047,9 @@ mod tests {
             (event, status)
         });
         let action = reconcile_queue(arc(&input), ctx).await.unwrap();
-        assert_eq!(action, Action::requeue(crate::context::RECHECK));
+        // No retry gets past a refusal until a role is assigned: looked at again at the
+        // resync (or on a reconcile request), not every 30 s.
+        assert_eq!(action, Action::requeue(crate::context::RESYNC));
         let (event, status) = verifier.await.unwrap();
         assert_eq!(event["type"], "Warning");
         assert_eq!(condition(&status["status"], "Ready").0, "False");

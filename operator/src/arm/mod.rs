@@ -161,6 +161,27 @@ impl ArmError {
         matches!(self, ArmError::Denied { .. })
     }
 
+    /// Whether retrying the same request cannot help until someone changes something: a
+    /// refusal, an operation that failed, a request ARM calls bad (4xx but a timeout, a
+    /// conflict with an operation in progress, throttling), an answer the operator will not
+    /// follow. Throttling, server errors, timeouts and transport failures pass.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            ArmError::Denied { .. }
+            | ArmError::NotCreatedHere { .. }
+            | ArmError::Failed { .. }
+            | ArmError::ForeignUrl { .. }
+            | ArmError::NoOperationUrl { .. } => true,
+            ArmError::Status { status, .. } => {
+                (400..500).contains(status) && !matches!(status, 408 | 409 | 429)
+            }
+            ArmError::Unreadable { .. }
+            | ArmError::Timeout { .. }
+            | ArmError::Token { .. }
+            | ArmError::Transport { .. } => false,
+        }
+    }
+
     /// Whether the operator will not delete, whatever a retry sees: refused, or not its own.
     pub fn keeps_containers(&self) -> bool {
         matches!(
@@ -1251,6 +1272,31 @@ mod tests {
             ]
         );
         assert_eq!(provisioned, Provisioned::default());
+    }
+
+    #[test]
+    fn what_no_retry_gets_past_is_told_from_what_may_pass() {
+        let status = |status| ArmError::Status {
+            what: "creating".into(),
+            status,
+            ids: RequestIds::default(),
+        };
+        for permanent in [400, 404, 422] {
+            assert!(status(permanent).is_permanent(), "{permanent}");
+        }
+        for passing in [408, 409, 429, 500, 503] {
+            assert!(!status(passing).is_permanent(), "{passing}");
+        }
+        let failed = ArmError::Failed {
+            what: "creating".into(),
+            outcome: "Failed",
+            ids: RequestIds::default(),
+        };
+        let timeout = ArmError::Timeout {
+            what: "creating".into(),
+            waited: Duration::from_secs(300),
+        };
+        assert!(failed.is_permanent() && !timeout.is_permanent());
     }
 
     #[tokio::test]
