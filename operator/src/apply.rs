@@ -1017,6 +1017,70 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_teams_token_secret_is_told_by_its_version_not_by_its_tokens() {
+        // The template is readable by whoever may read pods: a digest of a team's (perhaps
+        // guessable) tokens must not be in it; a new version of the Secret still rolls.
+        let mut g = group(json!({}));
+        g.spec.app.api_token_secret = Some("billing-tokens".into());
+        let mut digests = Vec::new();
+        for version in ["41", "42"] {
+            let (client, mut server) = client();
+            let g = g.clone();
+            let verifier = tokio::spawn(async move {
+                server.key_read("k1").await;
+                let theirs = json!({"apiVersion": "v1", "kind": "Secret",
+                    "metadata": {"name": "billing-tokens", "namespace": "shop",
+                                 "uid": "s1", "resourceVersion": version},
+                    "data": {"dapr-api-token": "czNjcjN0", "app-api-token": "czNjcjN0"}});
+                server
+                    .answer(
+                        Method::GET,
+                        "/api/v1/namespaces/shop/secrets/billing-tokens",
+                        json_response(StatusCode::OK, &theirs),
+                    )
+                    .await;
+                server.expect_reads([None, None, None, None], false).await;
+                for (path, kind) in [
+                    ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
+                    ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
+                ] {
+                    server.expect_apply(path, kind).await;
+                }
+                let deployment = server
+                    .expect_apply(
+                        "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                        "Deployment",
+                    )
+                    .await;
+                (server, deployment)
+            });
+            apply_group(&client, &g, &queue(), &defaults())
+                .await
+                .unwrap();
+            let (server, deployment) = verifier.await.unwrap();
+            drop(client);
+            server.done().await;
+            let digest = deployment["spec"]["template"]["metadata"]["annotations"]
+                [build::TOKENS_DIGEST_ANNOTATION]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            let content = Secret {
+                data: Some(
+                    [("dapr-api-token", "s3cr3t"), ("app-api-token", "s3cr3t")]
+                        .into_iter()
+                        .map(|(k, v)| (k.to_owned(), k8s_openapi::ByteString(v.into())))
+                        .collect(),
+                ),
+                ..Secret::default()
+            };
+            assert_ne!(Some(&digest), build::api_tokens_digest(&content).as_ref());
+            digests.push(digest);
+        }
+        assert_ne!(digests[0], digests[1], "a new version rolls the workers");
+    }
+
+    #[tokio::test]
     async fn a_tokens_secret_of_the_name_that_is_not_the_groups_is_never_written() {
         // A team's Secret, or one a deleted group of the same name made (another UID).
         for controller in [None, Some("old-group")] {
