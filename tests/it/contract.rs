@@ -288,25 +288,11 @@ fn a_declared_subscription_reaches_the_sidecar_as_routes() {
 
 /// The operator's container arguments as the chart renders them with `values`.
 fn rendered_operator_args(values: &[&str]) -> Vec<String> {
-    let chart = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
-    let mut command = std::process::Command::new(cosmosq_tests::helm());
-    command.args(["template", "cosmosq"]).arg(&chart).args([
-        "--namespace",
-        "cosmosq",
-        "--show-only",
-        "templates/deployment.yaml",
-    ]);
+    let mut args = vec!["--show-only", "templates/deployment.yaml"];
     for value in values {
-        command.args(["--set", value]);
+        args.extend(["--set", value]);
     }
-    let output = command.output().expect("run helm");
-    assert!(
-        output.status.success(),
-        "helm template: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let rendered = String::from_utf8(output.stdout).expect("UTF-8");
-    let deployment: serde_json::Value = serde_yaml::from_str(&rendered).expect("a Deployment");
+    let deployment = cosmosq_tests::helm_template("cosmosq", "cosmosq", &args).remove(0);
     let container = &deployment["spec"]["template"]["spec"]["containers"][0];
     container["args"]
         .as_array()

@@ -205,27 +205,14 @@ fn the_keda_example_scales_the_group_through_what_the_operator_serves() {
 
 /// The chart rendered as the example assumes.
 fn rendered_chart() -> Vec<Value> {
-    let helm = cosmosq_tests::helm();
-    let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
-    let output = Command::new(&helm)
-        .args(["template", "cosmosq"])
-        .arg(&chart)
-        .args([
-            "--namespace",
-            "cosmosq",
-            "--set",
-            "kedaEndpoint.enabled=true",
-        ])
-        .output();
-    let output = match output {
-        Ok(o) if o.status.success() => o.stdout,
-        Ok(o) => panic!("helm template: {}", String::from_utf8_lossy(&o.stderr)),
-        Err(e) => panic!("helm at {}: {e}", helm.display()),
-    };
-    serde_yaml::Deserializer::from_slice(&output)
-        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
-        .filter(|d: &Value| d.is_object())
-        .collect()
+    cosmosq_tests::helm_template(
+        "cosmosq",
+        "cosmosq",
+        &["--set", "kedaEndpoint.enabled=true"],
+    )
+    .into_iter()
+    .filter(Value::is_object)
+    .collect()
 }
 
 /// TypeScript over KEDA's models: an unknown or mistyped field is an error.

@@ -165,43 +165,37 @@ async fn the_operator_on_a_real_cluster() {
 /// Renders the chart's ServiceAccount and RBAC for `release` in `namespace` with helm and
 /// applies them; returns the ServiceAccount's name.
 async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> String {
-    let chart = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
-    let output = std::process::Command::new(cosmosq_tests::helm())
-        .args(["template", release])
-        .arg(&chart)
-        .args(["--namespace", namespace])
-        // The TLS listener's grants too (delegated authentication and authorization), and
-        // the least of them: only the test namespace is watched, so only it is granted.
-        .args([
+    let watched = format!("watchNamespace={namespace}");
+    let scraper =
+        format!("metrics.readers[0].name={SCRAPER},metrics.readers[0].namespace={namespace}");
+    let rendered = cosmosq_tests::helm_template(
+        release,
+        namespace,
+        &[
+            // The TLS listener's grants too (delegated authentication and authorization),
+            // and the least of them: only the test namespace is watched, so only it is
+            // granted.
             "--set",
             "externalMetrics.enabled=true,kedaEndpoint.enabled=true",
-        ])
-        .args(["--set", &format!("watchNamespace={namespace}")])
-        // The scraper this test plays is bound to the metrics-reader ClusterRole.
-        .args([
             "--set",
-            &format!("metrics.readers[0].name={SCRAPER},metrics.readers[0].namespace={namespace}"),
-        ])
-        .args(["--show-only", "templates/serviceaccount.yaml"])
-        .args(["--show-only", "templates/metrics-reader.yaml"])
-        .args(["--show-only", "templates/rbac.yaml"])
-        .args(["--show-only", "templates/workers.yaml"])
-        .output()
-        .expect("run helm");
-    assert!(
-        output.status.success(),
-        "helm template: {}",
-        String::from_utf8_lossy(&output.stderr)
+            &watched,
+            // The scraper this test plays is bound to the metrics-reader ClusterRole.
+            "--set",
+            &scraper,
+            "--show-only",
+            "templates/serviceaccount.yaml",
+            "--show-only",
+            "templates/metrics-reader.yaml",
+            "--show-only",
+            "templates/rbac.yaml",
+            "--show-only",
+            "templates/workers.yaml",
+        ],
     );
-    let rendered = String::from_utf8(output.stdout).expect("UTF-8");
     let apply = PatchParams::apply(MANAGER).force();
     let mut account = None;
     let mut kinds = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&rendered) {
-        let object: Value = serde::Deserialize::deserialize(doc).expect("a YAML document");
-        if object.is_null() {
-            continue;
-        }
+    for object in rendered {
         let kind = object["kind"].as_str().expect("a kind").to_owned();
         let name = object["metadata"]["name"]
             .as_str()
@@ -379,31 +373,18 @@ async fn the_api_server_enforces_the_crd_rules(client: &Client, namespace: &str)
 /// The chart's templates `show` rendered for `release` in `namespace` as the suite installs
 /// it (the TLS listener on, only `namespace` watched), one JSON value per document.
 fn chart_documents(release: &str, namespace: &str, show: &[&str]) -> Vec<Value> {
-    let chart = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
-    let mut command = std::process::Command::new(cosmosq_tests::helm());
-    command
-        .args(["template", release])
-        .arg(&chart)
-        .args(["--namespace", namespace])
-        .args([
-            "--set",
-            "externalMetrics.enabled=true,kedaEndpoint.enabled=true",
-        ])
-        .args(["--set", &format!("watchNamespace={namespace}")]);
-    for template in show {
-        command.args(["--show-only", &format!("templates/{template}")]);
+    let watched = format!("watchNamespace={namespace}");
+    let templates: Vec<String> = show.iter().map(|t| format!("templates/{t}")).collect();
+    let mut args = vec![
+        "--set",
+        "externalMetrics.enabled=true,kedaEndpoint.enabled=true",
+        "--set",
+        &watched,
+    ];
+    for template in &templates {
+        args.extend(["--show-only", template]);
     }
-    let output = command.output().expect("run helm");
-    assert!(
-        output.status.success(),
-        "helm template: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let rendered = String::from_utf8(output.stdout).expect("UTF-8");
-    serde_yaml::Deserializer::from_str(&rendered)
-        .map(|doc| serde::Deserialize::deserialize(doc).expect("a YAML document"))
-        .filter(|object: &Value| !object.is_null())
-        .collect()
+    cosmosq_tests::helm_template(release, namespace, &args)
 }
 
 /// The operator's TLS listener for this run: a port, and the chart's settings of the

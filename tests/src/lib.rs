@@ -319,6 +319,29 @@ pub fn keda_models() -> std::path::PathBuf {
     dir
 }
 
+/// The repository's chart rendered by `helm template <release>` in `namespace` with `args`
+/// (`--set …`, `--show-only …`), one JSON value per document (empty documents left out).
+pub fn helm_template(release: &str, namespace: &str, args: &[&str]) -> Vec<serde_json::Value> {
+    let chart = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq");
+    let helm = helm();
+    let output = std::process::Command::new(&helm)
+        .args(["template", release])
+        .arg(&chart)
+        .args(["--namespace", namespace])
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("helm at {}: {e}", helm.display()));
+    assert!(
+        output.status.success(),
+        "helm template: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_yaml::Deserializer::from_slice(&output.stdout)
+        .map(|doc| serde::Deserialize::deserialize(doc).expect("a YAML document"))
+        .filter(|object: &serde_json::Value| !object.is_null())
+        .collect()
+}
+
 /// helm: `COSMOSQ_HELM`, else the one `.ci/install-test-tools` installs (on first use when
 /// missing).
 pub fn helm() -> std::path::PathBuf {
