@@ -1114,12 +1114,16 @@ mod tests {
     }
 
     /// The fake ARM (carrying out on a fresh emulator) and a client for it.
-    async fn served(script: fake::Script) -> (fake::FakeArm, Arm, CosmosClientHandle) {
+    /// The fake ARM on an emulator, and a client of it whose waits are recorded.
+    async fn served(
+        script: fake::Script,
+    ) -> (fake::FakeArm, Arm, CosmosClientHandle, Arc<fake::Recorded>) {
         let emulator = cosmosq_emulator::Emulator::in_process(Default::default()).unwrap();
         let cosmos = emulator.client().await.unwrap();
         let arm = fake::FakeArm::start(cosmos.clone(), script).await;
-        let client = fake::client(&arm, Arc::new(fake::Recorded::default()));
-        (arm, client, cosmos)
+        let pauses = Arc::new(fake::Recorded::default());
+        let client = fake::client(&arm, pauses.clone());
+        (arm, client, cosmos, pauses)
     }
 
     type CosmosClientHandle = cosmosq_queue::CosmosClient;
@@ -1134,7 +1138,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_operation_is_an_error_without_what_arm_said() {
-        let (served, arm, cosmos) = served(fake::Script {
+        let (served, arm, cosmos, _) = served(fake::Script {
             fail: true,
             ..Default::default()
         })
@@ -1163,7 +1167,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_operation_url_on_another_host_is_not_followed() {
-        let (served, arm, _cosmos) = served(fake::Script {
+        let (served, arm, _cosmos, _) = served(fake::Script {
             foreign_operation_url: true,
             ..Default::default()
         })
@@ -1182,18 +1186,11 @@ mod tests {
     #[tokio::test]
     async fn throttling_is_waited_out_within_the_bound() {
         // Throttled for longer than the whole bound: given up, not waited for.
-        let emulator = cosmosq_emulator::Emulator::in_process(Default::default()).unwrap();
-        let cosmos = emulator.client().await.unwrap();
-        let served = fake::FakeArm::start(
-            cosmos,
-            fake::Script {
-                throttle_first: Some(3600),
-                ..Default::default()
-            },
-        )
+        let (_served, mut arm, _cosmos, pauses) = served(fake::Script {
+            throttle_first: Some(3600),
+            ..Default::default()
+        })
         .await;
-        let pauses = Arc::new(fake::Recorded::default());
-        let mut arm = fake::client(&served, pauses.clone());
         arm.timing.max_wait = Duration::from_secs(30);
         arm.timing.max_pause = Duration::from_secs(60);
         let err = arm
@@ -1210,7 +1207,7 @@ mod tests {
     #[tokio::test]
     async fn a_resource_arm_has_is_never_put_even_if_the_plan_names_it() {
         // Created by an admin after the verification: the plan is out of date.
-        let (served, arm, cosmos) = served(Default::default()).await;
+        let (served, arm, cosmos, _) = served(Default::default()).await;
         let config = config();
         cosmos.create_database("shop", None).await.unwrap();
         cosmos
@@ -1236,18 +1233,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_put_is_not_sent_again_over_a_resource_made_while_it_was_throttled() {
-        let emulator = cosmosq_emulator::Emulator::in_process(Default::default()).unwrap();
-        let cosmos = emulator.client().await.unwrap();
-        cosmos.create_database("shop", None).await.unwrap();
-        let served = fake::FakeArm::start(
-            cosmos.clone(),
-            fake::Script {
-                made_while_first_put_throttled: true,
-                ..Default::default()
-            },
-        )
+        let (served, arm, cosmos, _pauses) = served(fake::Script {
+            made_while_first_put_throttled: true,
+            ..Default::default()
+        })
         .await;
-        let arm = fake::client(&served, Arc::new(fake::Recorded::default()));
+        cosmos.create_database("shop", None).await.unwrap();
         let plan = Plan {
             messages: true,
             ..Plan::default()
@@ -1301,18 +1292,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_retry_after_of_zero_still_pauses() {
-        let emulator = cosmosq_emulator::Emulator::in_process(Default::default()).unwrap();
-        let cosmos = emulator.client().await.unwrap();
-        let served = fake::FakeArm::start(
-            cosmos,
-            fake::Script {
-                throttle_first: Some(0),
-                ..Default::default()
-            },
-        )
+        let (_served, arm, _cosmos, pauses) = served(fake::Script {
+            throttle_first: Some(0),
+            ..Default::default()
+        })
         .await;
-        let pauses = Arc::new(fake::Recorded::default());
-        let arm = fake::client(&served, pauses.clone());
         arm.create(&fake::scope().account, &config(), everything(), "q-uid")
             .await
             .unwrap();
