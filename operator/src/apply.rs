@@ -542,17 +542,27 @@ mod tests {
             }
         }
 
-        /// The group's ServiceAccount, RoleBinding and Deployment, applied in order.
+        /// The key read, the reads of the group's names, then its objects applied.
         async fn expect_workers_applied(&mut self, hpa: bool) {
             self.key_read("k1").await;
             self.expect_reads([None, None, None, None], hpa).await;
+            self.expect_applies().await;
+        }
+
+        /// The group's ServiceAccount, RoleBinding and Deployment, applied in order; returns
+        /// the Deployment as applied.
+        async fn expect_applies(&mut self) -> Value {
             for (path, kind) in [
                 ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
                 ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
-                ("/apis/apps/v1/namespaces/shop/deployments/billing-workers", "Deployment"),
             ] {
                 self.expect_apply(path, kind).await;
             }
+            self.expect_apply(
+                "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
+                "Deployment",
+            )
+            .await
         }
     }
 
@@ -935,18 +945,7 @@ mod tests {
             let made = server
                 .echo(Method::POST, "/api/v1/namespaces/shop/secrets")
                 .await;
-            for (path, kind) in [
-                ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
-                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
-            ] {
-                server.expect_apply(path, kind).await;
-            }
-            let deployment = server
-                .expect_apply(
-                    "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
-                    "Deployment",
-                )
-                .await;
+            let deployment = server.expect_applies().await;
             (server, made, deployment)
         });
         let applied = apply_group(&client, &tokens_group(), &queue(), &defaults())
@@ -989,13 +988,7 @@ mod tests {
                 .answer(Method::GET, TOKENS, json_response(StatusCode::OK, &stored))
                 .await;
             server.expect_reads([None, None, None, None], false).await;
-            for (path, kind) in [
-                ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
-                ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
-                ("/apis/apps/v1/namespaces/shop/deployments/billing-workers", "Deployment"),
-            ] {
-                server.expect_apply(path, kind).await;
-            }
+            server.expect_applies().await;
             server
         });
         let applied = apply_group(&client, &tokens_group(), &queue(), &defaults())
@@ -1040,18 +1033,7 @@ mod tests {
                     )
                     .await;
                 server.expect_reads([None, None, None, None], false).await;
-                for (path, kind) in [
-                    ("/api/v1/namespaces/shop/serviceaccounts/billing-workers", "ServiceAccount"),
-                    ("/apis/rbac.authorization.k8s.io/v1/namespaces/shop/rolebindings/billing-workers", "RoleBinding"),
-                ] {
-                    server.expect_apply(path, kind).await;
-                }
-                let deployment = server
-                    .expect_apply(
-                        "/apis/apps/v1/namespaces/shop/deployments/billing-workers",
-                        "Deployment",
-                    )
-                    .await;
+                let deployment = server.expect_applies().await;
                 (server, deployment)
             });
             apply_group(&client, &g, &queue(), &defaults())
