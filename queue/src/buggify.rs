@@ -36,11 +36,20 @@ pub enum Bug {
     /// Counts: a range's next owner delivers what the window lists started as first
     /// deliveries, so the app sees a count again that a lease write had recorded.
     ListedStartForgotten,
+    /// Estimates: a range's feed is taken to end at its first empty page when the
+    /// continuation lists one part, so a group at zero whose messages sit in another split
+    /// child estimates no backlog and is never woken.
+    EstimateTrustsTheToken,
+    /// A completion its range's lease could not record is written late as a state document
+    /// while the range's next owner, unsure whether it started, delivers it lease-fenced (no
+    /// document of its own to collide with), and a late write whose answer was lost takes
+    /// any completed document for its own: the completion is recorded twice.
+    LateCompletionRace,
 }
 
 impl Bug {
     /// Every defect, in the order of the scenarios, then the checks' own.
-    pub const ALL: [Bug; 9] = [
+    pub const ALL: [Bug; 11] = [
         Bug::IdentityById,
         Bug::OrderedMoveForgetsPredecessor,
         Bug::RestartRetakesLease,
@@ -50,6 +59,23 @@ impl Bug {
         Bug::RecordedClaimHoldsRange,
         Bug::RecoveryWaitsForLeaseExpiry,
         Bug::ListedStartForgotten,
+        Bug::EstimateTrustsTheToken,
+        Bug::LateCompletionRace,
+    ];
+
+    /// Those the random search must find by itself (the mutation test): the others line up
+    /// only in a written history (`scenarios.rs`), which pins each.
+    pub const SEARCHED: [Bug; 10] = [
+        Bug::IdentityById,
+        Bug::OrderedMoveForgetsPredecessor,
+        Bug::RestartRetakesLease,
+        Bug::StartUnderExpiredLease,
+        Bug::PositionalWindow,
+        Bug::PromoteRefusalForgotten,
+        Bug::RecordedClaimHoldsRange,
+        Bug::RecoveryWaitsForLeaseExpiry,
+        Bug::ListedStartForgotten,
+        Bug::EstimateTrustsTheToken,
     ];
 
     #[cfg(feature = "simulation")]

@@ -25,6 +25,7 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::buggify::{self, Bug};
 use crate::config::StartFrom;
 use crate::cosmos::feed;
 use crate::cosmos::sql;
@@ -207,17 +208,23 @@ impl Group {
         // The SDK routes each page by its cached topology: after a split or a merge it would
         // serve a first page from a partition that no longer holds the range (empty, which is
         // no end of the feed). Reading the ranges afresh is a metadata read, no request units.
-        self.queue()
+        let partitions: Vec<(String, String)> = self
+            .queue()
             .messages()
             .read_feed_ranges(Some(
                 azure_data_cosmos::options::ReadFeedRangesOptions::default()
                     .with_force_refresh(true),
             ))
             .await
-            .map_err(QueueError::cosmos("read feed ranges"))?;
+            .map_err(QueueError::cosmos("read feed ranges"))?
+            .iter()
+            .map(crate::range::range_bounds)
+            .collect();
         let mut ranges = Vec::with_capacity(leases.len());
         for (i, lease) in leases.iter().enumerate() {
-            let mut feed = self.feed_lag(lease).await?;
+            let spanned =
+                crate::range::partitions_spanned(&partitions, &lease.min_epk, &lease.max_epk);
+            let mut feed = self.feed_lag(lease, spanned).await?;
             feed.lag = feed
                 .lag
                 .map(|lag| lag.saturating_sub(accounted(&lease.window)));
@@ -309,7 +316,8 @@ impl Group {
         Ok(buckets)
     }
 
-    async fn feed_lag(&self, lease: &Lease) -> Result<FeedLag> {
+    /// `spanned`: the physical partitions the lease's range covers (see [`Self::next_items`]).
+    async fn feed_lag(&self, lease: &Lease, spanned: usize) -> Result<FeedLag> {
         if lease.continuation.is_none() && self.config().start_from == StartFrom::Now {
             return Ok(FeedLag::default());
         }
@@ -322,7 +330,7 @@ impl Group {
             "estimate lag",
         )
         .await?;
-        let Some(page) = self.next_items(&mut pages).await? else {
+        let Some(page) = self.next_items(&mut pages, spanned).await? else {
             return Ok(FeedLag {
                 lag: Some(0),
                 ..FeedLag::default()
@@ -345,7 +353,7 @@ impl Group {
             LsnLag::Estimated(n) => Some(n),
             LsnLag::CountExactly => {
                 let (session, first) = (partition_lsn.unwrap_or(0), item_lsn.unwrap_or(0));
-                Some(self.count_unread(lease, first, session).await?)
+                Some(self.count_unread(lease, first, session, spanned).await?)
             }
             LsnLag::Unknown => None,
         };
@@ -360,7 +368,13 @@ impl Group {
     /// up to [`EXACT_COUNT_PAGES`] pages, until an empty one (exact); past them the rest is
     /// extrapolated from the items per LSN they showed (see [`extrapolated_lag`]), so an
     /// estimate costs the same however many messages a few large batches wrote.
-    async fn count_unread(&self, lease: &Lease, first_lsn: u64, session_lsn: u64) -> Result<u64> {
+    async fn count_unread(
+        &self,
+        lease: &Lease,
+        first_lsn: u64,
+        session_lsn: u64,
+        spanned: usize,
+    ) -> Result<u64> {
         let mut pages = feed::open(
             self.queue().messages(),
             FeedScope::range(lease.feed_range()?),
@@ -372,7 +386,7 @@ impl Group {
         .await?;
         let (mut items, mut last) = (0u64, None);
         for _ in 0..EXACT_COUNT_PAGES {
-            let Some(page) = self.next_items(&mut pages).await? else {
+            let Some(page) = self.next_items(&mut pages, spanned).await? else {
                 return Ok(items);
             };
             if page.items().is_empty() {
@@ -395,8 +409,19 @@ impl Group {
     /// partition the scope spans answered empty. One page comes from one partition: a lease
     /// whose range spans several (it split, and the lease did not yet), or a topology the SDK
     /// has not refreshed since a split or merge, answers empty for one while another has
-    /// items, which is no end of the feed. `None` when the feed ended.
-    async fn next_items(&self, pages: &mut feed::Pages) -> Result<Option<feed::PageOf>> {
+    /// items, which is no end of the feed. How many it spans is the larger of `spanned` (the
+    /// partitions read fresh) and what the continuation lists: a read that starts after a
+    /// split lists only the part it is on until it moves to the next. `None` when the feed
+    /// ended.
+    async fn next_items(
+        &self,
+        pages: &mut feed::Pages,
+        spanned: usize,
+    ) -> Result<Option<feed::PageOf>> {
+        let spanned = match buggify::on(Bug::EstimateTrustsTheToken) {
+            true => 1, // the defect: only the continuation's parts count
+            false => spanned,
+        };
         let mut looked = 0;
         loop {
             let Some(page) = pages.next().await else {
@@ -411,7 +436,8 @@ impl Group {
                 .to_continuation_token()
                 .ok()
                 .and_then(|t| crate::range::continuation_ranges(t.as_str()))
-                .map_or(1, |ranges| ranges.len());
+                .map_or(1, |ranges| ranges.len())
+                .max(spanned);
             if !page.items().is_empty() || looked >= spans {
                 return Ok(Some(page));
             }

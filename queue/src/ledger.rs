@@ -17,10 +17,10 @@ pub(crate) fn dead_lettered(group: &str, id: &str, key: &MessageKey, reason: &st
     tracing::debug!(target: TARGET, event = "dead-lettered", group, id, key = %key.canonical(), reason, "dead letter recorded");
 }
 
-/// A lease write landed that lists these deliveries (identities) as started: the group's next
-/// owner of the range counts each as delivered.
-pub(crate) fn starts_listed(group: &str, identities: &[String]) {
-    tracing::debug!(target: TARGET, event = "started", group, id = %identities.join(","), "starts listed");
+/// A lease write of `owner` landed that lists these deliveries (identities) as started: the
+/// group's next owner of the range counts each as delivered.
+pub(crate) fn starts_listed(group: &str, identities: &[String], owner: &str) {
+    tracing::debug!(target: TARGET, event = "started", group, id = %identities.join(","), owner, "starts listed");
 }
 
 /// A host asked another for a lease (a hand-over, for balance).

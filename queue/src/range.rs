@@ -35,6 +35,15 @@ pub fn epk_in(epk: &str, min: &str, max: &str) -> bool {
     epk_cmp(epk, min).is_ge() && epk_cmp(epk, max).is_lt()
 }
 
+/// How many of the physical `partitions` (EPK bounds) hold part of `[min, max)`: the pages a
+/// read of that range must see before an empty one is the end of its feed. Pure.
+pub fn partitions_spanned(partitions: &[(String, String)], min: &str, max: &str) -> usize {
+    partitions
+        .iter()
+        .filter(|(lo, hi)| epk_cmp(lo, max).is_lt() && epk_cmp(min, hi).is_lt())
+        .count()
+}
+
 /// Narrows a continuation token of a parent range to one of its sub-ranges (a split child),
 /// keeping the parent's position: the child partition continues the parent's LSNs, as the
 /// change feed processor's child leases do. `None` if the token's format is not understood
@@ -235,6 +244,25 @@ mod tests {
         list.iter()
             .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
             .collect()
+    }
+
+    #[test]
+    fn a_range_spans_the_partitions_it_overlaps() {
+        let four = pairs(&[("", "10"), ("10", "20"), ("20", "30"), ("30", "FF")]);
+        for (min, max, spanned) in [
+            ("", "FF", 4),   // a lease made before the split
+            ("", "10", 1),   // a child's own
+            ("10", "30", 2), // two children
+            ("18", "28", 2), // inside two
+            ("30", "FF", 1),
+            ("FF", "FF", 0), // empty
+        ] {
+            assert_eq!(
+                partitions_spanned(&four, min, max),
+                spanned,
+                "[{min}, {max})"
+            );
+        }
     }
 
     #[test]

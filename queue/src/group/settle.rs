@@ -6,6 +6,7 @@ use std::time::Duration;
 use tracing::{debug, warn};
 
 use super::{Claim, Group, Write};
+use crate::buggify::{self, Bug};
 use crate::clock::duration_ms;
 use crate::error::Result;
 use crate::message::{Message, MessageKey};
@@ -225,14 +226,23 @@ impl Group {
         doc.attempts = 1;
         doc.first_attempt_at = Some(now);
         doc.last_attempt_at = Some(now);
+        // Tells this write from another holder's completion when its answer is lost.
+        doc.lock_token = Some(crate::state::new_lock_token());
         doc.settle(MessageState::Completed, now);
         doc.refresh_ttl(now, self.retention_secs());
         match self.create(&doc, "complete").await {
             Ok(Write::Done(_)) => Ok(true),
             Ok(_) => Ok(false),
-            // Its answer lost: recorded if the document says so.
+            // Its answer lost: recorded if the document is this write. A completion by the
+            // range's next owner (it delivered the message again meanwhile) is its own.
             Err(e) => match self.read_doc(key, id).await {
-                Ok(Some(current)) if current.state == MessageState::Completed => Ok(true),
+                Ok(Some(current))
+                    if current.state == MessageState::Completed
+                        && (current.lock_token == doc.lock_token
+                            || buggify::on(Bug::LateCompletionRace)) =>
+                {
+                    Ok(true)
+                }
                 _ => Err(e),
             },
         }

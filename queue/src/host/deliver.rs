@@ -106,6 +106,11 @@ pub(crate) enum Path {
     Checked,
     /// Its range's last owner handed it out and recorded no outcome: a redelivery.
     Recovered,
+    /// A lock of its own (a state document) whatever the group's path: its range's last owner
+    /// may have started it unlisted and may yet record its completion by a state document
+    /// (see `RangeProcessor::complete_by_documents`). The two creates exclude each other, so
+    /// the message is completed once: by the one, or delivered by the other.
+    Locked,
 }
 
 /// Long work stops holding its range (exclusive groups): a delivery still under way after
@@ -273,9 +278,23 @@ impl<H: Handler> Deliverer<H> {
                         .claim_recovered(&message, &self.owner, &token, 1)
                         .await
                 }
+                // The defect: as any message its owner may have left a state of.
+                Path::Locked if buggify::on(Bug::LateCompletionRace) => {
+                    self.group
+                        .claim_checked_as(&message, &self.owner, &token, fenced)
+                        .await
+                }
+                Path::Locked => {
+                    self.group
+                        .claim_as(&message, &self.owner, &token, false)
+                        .await
+                }
             };
             match claimed {
-                Ok(ClaimOutcome::Claimed(claim)) => {
+                Ok(ClaimOutcome::Claimed(mut claim)) => {
+                    if let Some(fate) = self.fresh_lock(&mut claim, give_up).await {
+                        return fate;
+                    }
                     if claim.is_recorded() {
                         watch.lease = None;
                     }
@@ -410,6 +429,47 @@ impl<H: Handler> Deliverer<H> {
     /// permanent error, when `give_up` fires or at `deadline` (epoch ms). The first failure of
     /// a message is a warning with its context; repeats are debug, so a storm of errors logs
     /// once per message.
+    /// A claim whose write took longer than much of its lock (the SDK retried a throttled
+    /// create for seconds) holds a lock about to run out, or already run out, before the app
+    /// has the message: it is renewed first. `Some(fate)` when it cannot be: the state document
+    /// brings the message back (to whoever holds it now).
+    async fn fresh_lock(&self, claim: &mut Claim, give_up: &CancellationToken) -> Option<Fate> {
+        let half = crate::clock::duration_ms(self.group.config().lock_duration) / 2;
+        let stale = |claim: &Claim| {
+            let now = self.group.queue().clock().now_ms();
+            claim.is_recorded() && claim.locked_until.is_some_and(|until| until - now < half)
+        };
+        if !stale(claim) {
+            return None;
+        }
+        let mut failures = 0;
+        loop {
+            match self.group.renew(claim).await {
+                Ok(()) => return None,
+                Err(e @ QueueError::LockLost { .. }) => {
+                    debug!(group = self.group.name(), message_id = %claim.message_id, error = %e, "its lock ran out while it was written; left to its state document");
+                    return Some(Fate::Pending);
+                }
+                Err(e) => {
+                    let deadline = claim.locked_until;
+                    if !self
+                        .keep_trying(
+                            "renew",
+                            &claim.message_id,
+                            e,
+                            &mut failures,
+                            deadline,
+                            give_up,
+                        )
+                        .await
+                    {
+                        return Some(Fate::Pending);
+                    }
+                }
+            }
+        }
+    }
+
     async fn keep_trying(
         &self,
         step: &str,

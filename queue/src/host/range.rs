@@ -116,6 +116,16 @@ impl<H: Handler> RangeProcessor<H> {
             };
             if let Some(exit) = step {
                 abandon(&r.stops, &mut r.deliveries, &self.leftovers);
+                // Completions no lease write recorded (they came while a failing write was
+                // retried, or the lease was found lost): kept as state documents, as
+                // `write_record` keeps its own.
+                while let Ok(report) = r.done_rx.try_recv() {
+                    r.delivered(report);
+                }
+                let left = r.checkpoint.take_unwritten();
+                if r.windowed && !left.is_empty() {
+                    self.complete_by_documents(left).await;
+                }
                 return exit;
             }
         }
@@ -746,7 +756,11 @@ impl<H: Handler> RangeProcessor<H> {
         let (written, result) = self.try_record(r).await;
         if written {
             if !r.lease.window.started.is_empty() {
-                crate::ledger::starts_listed(self.group.name(), &r.lease.window.started);
+                crate::ledger::starts_listed(
+                    self.group.name(),
+                    &r.lease.window.started,
+                    &self.options.holder(),
+                );
             }
             self.stats
                 .completed

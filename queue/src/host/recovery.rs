@@ -115,7 +115,7 @@ impl Inherited {
             // A window a `claims` host wrote last is looked up as well (`check`): its
             // claims are not in the window.
             Some(match (self.starts_lag, ordered || self.check > 0) {
-                (true, _) => Handling::Unsure(Path::Checked),
+                (true, _) => Handling::Unsure(Path::Locked),
                 (false, true) => Handling::Deliver(Path::Checked),
                 (false, false) => Handling::Deliver(Path::Feed),
             })
@@ -251,7 +251,7 @@ mod tests {
         let mut inherited = Inherited::new(&w, 0);
         assert_eq!(
             inherited.next("u", "id", false),
-            Handling::Unsure(Path::Checked),
+            Handling::Unsure(Path::Locked),
             "the previous owner may have started it: its state may exist"
         );
         assert_eq!(
@@ -289,7 +289,7 @@ mod tests {
         );
         assert_eq!(
             inherited.next("u", "id", false),
-            Handling::Unsure(Path::Checked)
+            Handling::Unsure(Path::Locked)
         );
     }
 
@@ -321,7 +321,7 @@ mod tests {
         let mut inherited = Inherited::new(&w, 0);
         assert_eq!(
             inherited.next("u", "id", false),
-            Handling::Unsure(Path::Checked)
+            Handling::Unsure(Path::Locked)
         );
         let mut record = Window::default();
         inherited.carry_into(&mut record);

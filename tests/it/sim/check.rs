@@ -529,16 +529,23 @@ fn not_before_visible(shared: &Shared, m: usize, seen: &[AppDelivery]) -> Result
 }
 
 /// The delivery counts the app saw are 1, 2, 3, …: none skipped, none repeated — except that
-/// a count may come again when its holder was disrupted (killed, cut off, its call cut)
-/// before any lease write listed that start (starts are listed with the range's next write:
+/// a count may come again when its holder was disrupted (killed, cut off, its call cut, or
+/// its success never recorded: its writes failed until it let the range go) before any lease
+/// write listed that start (starts are listed with the range's next write:
 /// `Window::starts_lag`). A start a landed write listed counts, whatever happened after.
 fn counts_exact(shared: &Shared, g: usize, m: usize, seen: &[AppDelivery]) -> Result<(), String> {
+    let settles = recorded_settles(shared);
+    let recorded = settles.get(&(g, m)).map(Vec::as_slice).unwrap_or_default();
     let mut expected = 1;
     for (i, d) in seen.iter().enumerate() {
         let again = i > 0 && d.count + 1 == expected && {
             let before = &seen[i - 1];
-            disrupted(shared, before).is_some()
-                && !start_listed(shared, g, m, before.begin, d.begin)
+            let success_lost = matches!(before.answered, Some((_, AnswerKind::Complete)))
+                && !recorded.iter().any(|(at, event)| {
+                    event == "completed" && (before.begin..d.begin).contains(at)
+                });
+            (disrupted(shared, before).is_some() || success_lost)
+                && !start_listed(shared, g, m, before, d.begin)
         };
         if d.count != expected && !again {
             return Err(format!(
@@ -553,9 +560,11 @@ fn counts_exact(shared: &Shared, g: usize, m: usize, seen: &[AppDelivery]) -> Re
     Ok(())
 }
 
-/// Whether a lease write of group `g` that landed within `[from, to)` listed message `m` as
-/// started.
-fn start_listed(shared: &Shared, g: usize, m: usize, from: u64, to: u64) -> bool {
+/// Whether a lease write of `d`'s holder (group `g`) that landed after `d` began and before
+/// `to` listed message `m` as started.
+fn start_listed(shared: &Shared, g: usize, m: usize, d: &AppDelivery, to: u64) -> bool {
+    let holder = format!("g{g}-p{}#{}", d.pod, d.incarnation);
+    let from = d.begin;
     let spec = &shared.plan.messages[m];
     let Ok(key) = MessageKey::from_json(spec.key.clone()) else {
         return false;
@@ -567,7 +576,12 @@ fn start_listed(shared: &Shared, g: usize, m: usize, from: u64, to: u64) -> bool
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .iter()
-        .filter(|r| r.event == "started" && r.group == group && (from..to).contains(&r.at))
+        .filter(|r| {
+            r.event == "started"
+                && r.group == group
+                && r.owner == holder
+                && (from..to).contains(&r.at)
+        })
         .any(|r| r.id.split(',').any(|listed| listed == identity))
 }
 

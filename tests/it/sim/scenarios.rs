@@ -349,6 +349,69 @@ fn estimates_see_long_work_and_split_children() {
     }
 }
 
+/// A group at zero workers is woken by its estimate, also after a split: its one lease
+/// (made by the estimate at 5 s) spans four partitions from 7 s, and its only message is not
+/// in the first.
+#[test]
+fn a_group_at_zero_sees_its_backlog_across_a_split() {
+    let plan = plan(
+        9010,
+        group(),
+        1,
+        // "tenant-b" hashes into the second of four children.
+        vec![message("m0", json!("tenant-b"), 0, 10)],
+        // Nobody reads until the estimates at 5 s and 10 s have been taken.
+        vec![pod(12_000)],
+        vec![at(7_000, Event::Split { partitions: 4 })],
+    );
+    pins(&plan, Bug::EstimateTrustsTheToken, "backlog unseen");
+}
+
+/// A completion its range's lease could not record is written late, as a state document,
+/// and the overload holds that write for seconds; meanwhile the range's next owner, unsure
+/// whether m1 was started, delivers it again. The message is completed once: that delivery
+/// takes a lock of its own, which the late write collides with (whichever lands first wins).
+#[test]
+fn a_late_completion_and_a_redelivery_record_one_success() {
+    let plan = plan(
+        9011,
+        group(),
+        1,
+        vec![
+            message("m0", json!(0), 0, 190),
+            // Read in a page of its own, started at once; its start waits for the next write.
+            message("m1", json!(1), 300, 10),
+        ],
+        vec![pod(0), pod(0)],
+        vec![
+            // Every lease write from just after m1 started (its start is not listed yet)
+            // until after the lease ran out.
+            at(
+                350,
+                Event::Fault {
+                    fault: Fault::Unavailable,
+                    op: Op::Replace,
+                    for_ms: 7_000,
+                },
+            ),
+            // Then a sustained overload: the SDK holds each create for seconds.
+            at(
+                3_500,
+                Event::Fault {
+                    fault: Fault::Overloaded,
+                    op: Op::Create,
+                    for_ms: 9_000,
+                },
+            ),
+        ],
+    );
+    pins(
+        &plan,
+        Bug::LateCompletionRace,
+        "delivered after its success",
+    );
+}
+
 /// Scenario 9: a dead holder's first deliveries are picked up again within the lock, not
 /// at the lease's expiry.
 #[test]

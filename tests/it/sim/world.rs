@@ -82,6 +82,7 @@ pub struct Ledger {
     pub stored_seq: BTreeMap<usize, u64>,
     /// (ms, pod, incarnation) of each kill.
     pub kills: Vec<(u64, usize, u32)>,
+
     /// Deliveries of messages no producer stored.
     pub strays: Vec<String>,
     /// The operator's estimates, taken as the history runs: (began at ms, group, backlog).
@@ -315,6 +316,11 @@ impl Faults {
                     Fault::Throttled => FaultInjectionResultBuilder::new().with_custom_response(
                         CustomResponseBuilder::new(azure_core::http::StatusCode::TooManyRequests)
                             .with_header("x-ms-retry-after-ms", "40")
+                            .build(),
+                    ),
+                    Fault::Overloaded => FaultInjectionResultBuilder::new().with_custom_response(
+                        CustomResponseBuilder::new(azure_core::http::StatusCode::TooManyRequests)
+                            .with_header("x-ms-retry-after-ms", "2000")
                             .build(),
                     ),
                     Fault::Unavailable => FaultInjectionResultBuilder::new()
