@@ -230,21 +230,23 @@ impl Group {
         doc.lock_token = Some(crate::state::new_lock_token());
         doc.settle(MessageState::Completed, now);
         doc.refresh_ttl(now, self.retention_secs());
-        match self.create(&doc, "complete").await {
-            Ok(Write::Done(_)) => Ok(true),
-            Ok(_) => Ok(false),
-            // Its answer lost: recorded if the document is this write. A completion by the
-            // range's next owner (it delivered the message again meanwhile) is its own.
-            Err(e) => match self.read_doc(key, id).await {
-                Ok(Some(current))
-                    if current.state == MessageState::Completed
-                        && (current.lock_token == doc.lock_token
-                            || buggify::on(Bug::LateCompletionRace)) =>
-                {
-                    Ok(true)
-                }
-                _ => Err(e),
-            },
+        let written = self.create(&doc, "complete").await;
+        if let Ok(Write::Done(_)) = written {
+            return Ok(true);
+        }
+        // Its answer lost (or the SDK sent it again after a lost answer and was told it
+        // exists): recorded if the document is this write. A completion by the range's next
+        // owner (it delivered the message again meanwhile) is its own.
+        match self.read_doc(key, id).await {
+            Ok(Some(current))
+                if current.state == MessageState::Completed
+                    && (current.lock_token == doc.lock_token
+                        || buggify::on(Bug::LateCompletionRace)) =>
+            {
+                Ok(true)
+            }
+            Ok(_) => written.map(|_| false),
+            Err(e) => Err(written.err().unwrap_or(e)),
         }
     }
 

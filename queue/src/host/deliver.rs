@@ -97,7 +97,7 @@ impl Fate {
 
 /// How a delivery task claims its message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Path {
+pub(crate) enum Route {
     /// Read from the feed for the first time: lease-fenced where the group's path is, a
     /// claim otherwise.
     Feed,
@@ -253,7 +253,7 @@ impl<H: Handler> Deliverer<H> {
         message: Message,
         give_up: &CancellationToken,
         permit: &mut Permit,
-        mut path: Path,
+        mut path: Route,
         mut watch: Watch,
     ) -> Fate {
         let mut failures = 0;
@@ -263,38 +263,35 @@ impl<H: Handler> Deliverer<H> {
         let fenced = self.group.config().lease_fenced();
         loop {
             let claimed = match path {
-                Path::Checked => {
+                Route::Checked => {
                     self.group
                         .claim_checked_as(&message, &self.owner, &token, fenced)
                         .await
                 }
-                Path::Feed => {
+                Route::Feed => {
                     self.group
                         .claim_as(&message, &self.owner, &token, fenced)
                         .await
                 }
-                Path::Recovered => {
+                Route::Recovered => {
                     self.group
                         .claim_recovered(&message, &self.owner, &token, 1)
                         .await
                 }
                 // The defect: as any message its owner may have left a state of.
-                Path::Locked if buggify::on(Bug::LateCompletionRace) => {
+                Route::Locked if buggify::on(Bug::LateCompletionRace) => {
                     self.group
                         .claim_checked_as(&message, &self.owner, &token, fenced)
                         .await
                 }
-                Path::Locked => {
+                Route::Locked => {
                     self.group
                         .claim_as(&message, &self.owner, &token, false)
                         .await
                 }
             };
             match claimed {
-                Ok(ClaimOutcome::Claimed(mut claim)) => {
-                    if let Some(fate) = self.fresh_lock(&mut claim, give_up).await {
-                        return fate;
-                    }
+                Ok(ClaimOutcome::Claimed(claim)) => {
                     if claim.is_recorded() {
                         watch.lease = None;
                     }
@@ -313,7 +310,7 @@ impl<H: Handler> Deliverer<H> {
                 // holder's lock): the next attempt goes through it, in stream mode too, or a
                 // stream claim would deliver past it and the document deliver it again.
                 Ok(ClaimOutcome::Held { until, .. }) if ordered => {
-                    path = Path::Checked;
+                    path = Route::Checked;
                     held_polls += 1;
                     let poll = look_again_after(held_polls);
                     let wait = self.until(until.unwrap_or(0)).min(poll);
@@ -322,7 +319,7 @@ impl<H: Handler> Deliverer<H> {
                     }
                 }
                 Ok(ClaimOutcome::NotYetDue { due }) if ordered => {
-                    path = Path::Checked;
+                    path = Route::Checked;
                     if !self.wait(permit, self.until(due), give_up).await {
                         return Fate::Pending; // its schedule brings it back
                     }
@@ -429,47 +426,6 @@ impl<H: Handler> Deliverer<H> {
     /// permanent error, when `give_up` fires or at `deadline` (epoch ms). The first failure of
     /// a message is a warning with its context; repeats are debug, so a storm of errors logs
     /// once per message.
-    /// A claim whose write took longer than much of its lock (the SDK retried a throttled
-    /// create for seconds) holds a lock about to run out, or already run out, before the app
-    /// has the message: it is renewed first. `Some(fate)` when it cannot be: the state document
-    /// brings the message back (to whoever holds it now).
-    async fn fresh_lock(&self, claim: &mut Claim, give_up: &CancellationToken) -> Option<Fate> {
-        let half = crate::clock::duration_ms(self.group.config().lock_duration) / 2;
-        let stale = |claim: &Claim| {
-            let now = self.group.queue().clock().now_ms();
-            claim.is_recorded() && claim.locked_until.is_some_and(|until| until - now < half)
-        };
-        if !stale(claim) {
-            return None;
-        }
-        let mut failures = 0;
-        loop {
-            match self.group.renew(claim).await {
-                Ok(()) => return None,
-                Err(e @ QueueError::LockLost { .. }) => {
-                    debug!(group = self.group.name(), message_id = %claim.message_id, error = %e, "its lock ran out while it was written; left to its state document");
-                    return Some(Fate::Pending);
-                }
-                Err(e) => {
-                    let deadline = claim.locked_until;
-                    if !self
-                        .keep_trying(
-                            "renew",
-                            &claim.message_id,
-                            e,
-                            &mut failures,
-                            deadline,
-                            give_up,
-                        )
-                        .await
-                    {
-                        return Some(Fate::Pending);
-                    }
-                }
-            }
-        }
-    }
-
     async fn keep_trying(
         &self,
         step: &str,

@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 
 use crate::buggify::{self, Bug};
 use crate::handler::{Handler, LockedUntil};
-use crate::host::deliver::{Deliverer, Fate, LeaseLock, Path, Permit, Promotion, Watch};
+use crate::host::deliver::{Deliverer, Fate, LeaseLock, Permit, Promotion, Route, Watch};
 use crate::message::{Message, MessageKey};
 
 use super::{Leftovers, UNRECORDED_AGAIN};
@@ -122,14 +122,14 @@ pub(super) struct RangeDelivery<H> {
     /// fate (exclusive groups): a drained range lists what never started, and its next owner
     /// delivers just those, so nothing waits for a permit once the range drains.
     pub(super) page_started: Option<Arc<AtomicBool>>,
-    /// How the message is claimed. [`Path::Checked`] in an ordered stream group's first window
+    /// How the message is claimed. [`Route::Checked`] in an ordered stream group's first window
     /// read after taking a range: its previous owner may have left messages there that it was
     /// retrying in place (it died), that wait for their schedule, or that it settled in a page
     /// it could not checkpoint whole (it drained or handed the range over while a message of
     /// that page waited): those are waited for, or skipped, not delivered past. One point read
     /// per message of that window; none after it, none in other groups. Exclusive groups
     /// learn the same from the lease's window ([`Inherited`]).
-    pub(super) path: Path,
+    pub(super) path: Route,
     /// Exclusive groups: when long work stops holding the range.
     pub(super) promotion: Option<Promotion>,
     /// The lease write path: the lease as the lock of a first delivery.
@@ -157,7 +157,7 @@ impl<H: Handler> RangeDelivery<H> {
                     Wait::GoChecked => {
                         // It waited on its predecessors' state: a state of its own may exist
                         // too (its schedule, or a park whose answer was lost).
-                        self.path = Path::Checked;
+                        self.path = Route::Checked;
                         self.start_when_granted(message, follows).await
                     }
                     Wait::Park(ids) => self.park(message, ids).await,
@@ -256,7 +256,7 @@ impl<H: Handler> RangeDelivery<H> {
                     _ = self.stop.draining.cancelled() => return Fate::Unstarted,
                     _ = self.deliverer.all_settled(&message.partition_key, &ids) => {}
                 }
-                self.path = Path::Checked;
+                self.path = Route::Checked;
                 self.start_when_granted(message, false).await
             }
         }
@@ -390,10 +390,12 @@ impl<H: Handler> RangeDelivery<H> {
             if !waited {
                 break;
             }
-            // A redelivery stays one, as does a delivery whose call may have reached the app.
-            let path = match first_path == Path::Recovered || reached.load(Ordering::SeqCst) {
-                true => Path::Recovered,
-                false => Path::Checked,
+            // A redelivery stays one, as does a delivery whose call may have reached the app;
+            // one that had to take a lock of its own still does.
+            let path = match (first_path, reached.load(Ordering::SeqCst)) {
+                (Route::Recovered, _) | (_, true) => Route::Recovered,
+                (Route::Locked, false) => Route::Locked,
+                _ => Route::Checked,
             };
             // Each delivery the app gets has its own lock to watch.
             lock = LockedUntil::default();

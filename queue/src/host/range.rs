@@ -21,7 +21,7 @@ use crate::cosmos::feed::FeedReader;
 use crate::error::Result;
 use crate::group::Group;
 use crate::handler::{ConsumerStats, Handler, LockedUntil};
-use crate::host::deliver::{Deliverer, Fate, LeaseLock, Path, Promotion};
+use crate::host::deliver::{Deliverer, Fate, LeaseLock, Promotion, Route};
 use crate::host::recovery::{Handling, Inherited};
 use crate::lease::{Lease, LeaseError, LeaseStore, Marker};
 use crate::message::{Message, MessageKey};
@@ -60,7 +60,7 @@ pub(super) type Step = Option<RangeExit>;
 pub(super) struct Handed {
     pub(super) message: Message,
     pub(super) identity: String,
-    pub(super) path: Path,
+    pub(super) path: Route,
     /// The previous owner may have started it without listing it ([`Handling::Unsure`]).
     pub(super) unsure: bool,
 }
@@ -581,9 +581,9 @@ impl<H: Handler> RangeProcessor<H> {
             let handling = match r.checkpoint.inherited() {
                 Some(inherited) => inherited.next(&identity, &message.id, config.ordered),
                 None if check_stream && r.read < self.options.max_in_flight_per_range => {
-                    Handling::Deliver(Path::Checked)
+                    Handling::Deliver(Route::Checked)
                 }
-                None => Handling::Deliver(Path::Feed),
+                None => Handling::Deliver(Route::Feed),
             };
             r.read += 1;
             match handling {

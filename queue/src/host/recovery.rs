@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 
 use crate::buggify::{self, Bug};
 use crate::checkpoint::Settle;
-use crate::host::deliver::Path;
+use crate::host::deliver::Route;
 use crate::identity::IdentityFilter;
 use crate::lease::Window;
 
@@ -20,10 +20,10 @@ use crate::lease::Window;
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Handling {
     /// Deliver it this way.
-    Deliver(Path),
+    Deliver(Route),
     /// Deliver it this way, its start listed on the lease before it starts: the previous
     /// owner may have started it without listing it (see [`Window::starts_lag`]).
-    Unsure(Path),
+    Unsure(Route),
     /// Hand nothing out: the window says it is already this.
     Known(Settle),
 }
@@ -94,14 +94,14 @@ impl Inherited {
             Some(Handling::Known(Settle::Done))
         } else if self.pending.remove(name) {
             Some(match ordered {
-                true => Handling::Deliver(Path::Checked),
+                true => Handling::Deliver(Route::Checked),
                 false => Handling::Known(Settle::Pending),
             })
         } else if self.started.remove(name) {
             Some(Handling::Deliver(
                 match buggify::on(Bug::ListedStartForgotten) {
-                    true => Path::Feed, // the defect: a listed start is not counted
-                    false => Path::Recovered,
+                    true => Route::Feed, // the defect: a listed start is not counted
+                    false => Route::Recovered,
                 },
             ))
         } else if self.unstarted.remove(name)
@@ -115,9 +115,9 @@ impl Inherited {
             // A window a `claims` host wrote last is looked up as well (`check`): its
             // claims are not in the window.
             Some(match (self.starts_lag, ordered || self.check > 0) {
-                (true, _) => Handling::Unsure(Path::Locked),
-                (false, true) => Handling::Deliver(Path::Checked),
-                (false, false) => Handling::Deliver(Path::Feed),
+                (true, _) => Handling::Unsure(Route::Locked),
+                (false, true) => Handling::Deliver(Route::Checked),
+                (false, false) => Handling::Deliver(Route::Feed),
             })
         } else {
             None
@@ -131,13 +131,13 @@ impl Inherited {
         if within {
             // Older windows: handed out, no outcome listed.
             self.check = self.check.saturating_sub(1);
-            return Handling::Deliver(Path::Recovered);
+            return Handling::Deliver(Route::Recovered);
         }
         if self.check > 0 {
             self.check -= 1;
-            return Handling::Deliver(Path::Checked);
+            return Handling::Deliver(Route::Checked);
         }
-        Handling::Deliver(Path::Feed)
+        Handling::Deliver(Route::Feed)
     }
 
     /// A document that is not a message was read (skipped with its reason): older windows
@@ -223,21 +223,21 @@ mod tests {
                 "pending holds an ordered key",
                 "p",
                 true,
-                Deliver(Path::Checked),
+                Deliver(Route::Checked),
             ),
             (
                 "unstarted is a first delivery",
                 "u",
                 false,
-                Deliver(Path::Feed),
+                Deliver(Route::Feed),
             ),
             (
                 "started is a redelivery",
                 "s",
                 false,
-                Deliver(Path::Recovered),
+                Deliver(Route::Recovered),
             ),
-            ("anything else is new", "n", false, Deliver(Path::Feed)),
+            ("anything else is new", "n", false, Deliver(Route::Feed)),
         ] {
             let mut inherited = Inherited::new(&w, 0);
             assert_eq!(inherited.next(identity, "id", ordered), expected, "{name}");
@@ -251,12 +251,12 @@ mod tests {
         let mut inherited = Inherited::new(&w, 0);
         assert_eq!(
             inherited.next("u", "id", false),
-            Handling::Unsure(Path::Locked),
+            Handling::Unsure(Route::Locked),
             "the previous owner may have started it: its state may exist"
         );
         assert_eq!(
             inherited.next("s", "id", false),
-            Handling::Deliver(Path::Recovered),
+            Handling::Deliver(Route::Recovered),
             "a listed start is a redelivery"
         );
         let mut record = Window::default();
@@ -269,7 +269,7 @@ mod tests {
         // A holder's last write lists every start: its unstarted never started.
         w.starts_lag = false;
         let mut exact = Inherited::new(&w, 0);
-        assert_eq!(exact.next("u", "id", false), Handling::Deliver(Path::Feed));
+        assert_eq!(exact.next("u", "id", false), Handling::Deliver(Route::Feed));
     }
 
     #[test]
@@ -285,11 +285,11 @@ mod tests {
         );
         assert_eq!(
             inherited.next("s", "id", false),
-            Handling::Deliver(Path::Recovered)
+            Handling::Deliver(Route::Recovered)
         );
         assert_eq!(
             inherited.next("u", "id", false),
-            Handling::Unsure(Path::Locked)
+            Handling::Unsure(Route::Locked)
         );
     }
 
@@ -301,15 +301,15 @@ mod tests {
         let mut inherited = Inherited::new(&w, 2);
         assert_eq!(
             inherited.next("u", "id", false),
-            Handling::Deliver(Path::Checked)
+            Handling::Deliver(Route::Checked)
         );
         assert_eq!(
             inherited.next("n", "id", false),
-            Handling::Deliver(Path::Checked)
+            Handling::Deliver(Route::Checked)
         );
         assert_eq!(
             inherited.next("m", "id", false),
-            Handling::Deliver(Path::Feed)
+            Handling::Deliver(Route::Feed)
         );
     }
 
@@ -321,7 +321,7 @@ mod tests {
         let mut inherited = Inherited::new(&w, 0);
         assert_eq!(
             inherited.next("u", "id", false),
-            Handling::Unsure(Path::Locked)
+            Handling::Unsure(Route::Locked)
         );
         let mut record = Window::default();
         inherited.carry_into(&mut record);
@@ -342,7 +342,7 @@ mod tests {
         );
         assert_eq!(
             child.next("mine-new", "y", false),
-            Handling::Deliver(Path::Feed)
+            Handling::Deliver(Route::Feed)
         );
         let mut record = Window::default();
         child.carry_into(&mut record);
@@ -369,15 +369,15 @@ mod tests {
         );
         assert_eq!(
             inherited.next("fb", "b", false),
-            Handling::Deliver(Path::Recovered)
+            Handling::Deliver(Route::Recovered)
         );
         assert_eq!(
             inherited.next("fc", "c", false),
-            Handling::Deliver(Path::Recovered)
+            Handling::Deliver(Route::Recovered)
         );
         assert_eq!(
             inherited.next("fd", "d", false),
-            Handling::Deliver(Path::Feed),
+            Handling::Deliver(Route::Feed),
             "past `read`"
         );
         let mut record = Window::default();
@@ -390,15 +390,15 @@ mod tests {
         let mut inherited = Inherited::new(&Window::default(), 2);
         assert_eq!(
             inherited.next("a", "a", false),
-            Handling::Deliver(Path::Checked)
+            Handling::Deliver(Route::Checked)
         );
         assert_eq!(
             inherited.next("b", "b", false),
-            Handling::Deliver(Path::Checked)
+            Handling::Deliver(Route::Checked)
         );
         assert_eq!(
             inherited.next("c", "c", false),
-            Handling::Deliver(Path::Feed)
+            Handling::Deliver(Route::Feed)
         );
     }
 }
