@@ -404,7 +404,7 @@ pub async fn apply_group(
         rolling.expect("counted when the decision needs it")
     });
     let (workers, running_from, held, stands) = match decision {
-        rollout::Decision::Apply { budgeted } => {
+        rollout::RolloutDecision::Apply { budgeted } => {
             let annotations = deployment
                 .metadata
                 .annotations
@@ -424,7 +424,7 @@ pub async fn apply_group(
             let stands = rollout::rollout(&applied);
             (applied.status, Some(built_from), None, stands)
         }
-        rollout::Decision::Hold(why) => {
+        rollout::RolloutDecision::Hold(why) => {
             tracing::info!(group = %qcg.name_any(), ?cause, "{why}");
             let live = match live {
                 Some(live) => live,

@@ -109,7 +109,7 @@ pub struct Defaults {
     /// own pod's deletion cost).
     pub worker_cluster_role: String,
     /// When the operator's own changes roll the workers.
-    pub rollout: crate::rollout::Policy,
+    pub rollout: crate::rollout::RolloutPolicy,
     /// Where the groups are (the watched namespace), for counting rollouts.
     pub rollout_scope: Option<String>,
     /// Held from counting the rollouts in progress to applying one.
@@ -125,7 +125,7 @@ impl Defaults {
         Self {
             sidecar_image: sidecar_image.into(),
             worker_cluster_role: WORKER_CLUSTER_ROLE.into(),
-            rollout: crate::rollout::Policy::default(),
+            rollout: crate::rollout::RolloutPolicy::default(),
             rollout_scope: None,
             rollout_lock: Default::default(),
         }

@@ -163,7 +163,7 @@ pub struct Facts {
 
 /// What to change; empty when nothing is due.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Plan {
+pub struct Rotation {
     /// Start over with a new CA and serving certificate: nothing usable is stored, or the CA
     /// expired (no overlap is possible then).
     pub issue: bool,
@@ -177,7 +177,7 @@ pub struct Plan {
     pub drop_retired: bool,
 }
 
-impl Plan {
+impl Rotation {
     /// Nothing to change.
     pub fn is_empty(&self) -> bool {
         *self == Self::default()
@@ -185,20 +185,20 @@ impl Plan {
 }
 
 /// What to change at `now`, given what is stored (`None`: nothing usable).
-pub fn decide(facts: Option<&Facts>, now: SystemTime) -> Plan {
+pub fn decide(facts: Option<&Facts>, now: SystemTime) -> Rotation {
     let Some(f) = facts else {
-        return Plan {
+        return Rotation {
             issue: true,
-            ..Plan::default()
+            ..Rotation::default()
         };
     };
     if now >= f.issuer.not_after {
-        return Plan {
+        return Rotation {
             issue: true,
-            ..Plan::default()
+            ..Rotation::default()
         };
     }
-    let mut plan = Plan::default();
+    let mut plan = Rotation::default();
     match f.next {
         None => plan.add_next = now >= f.issuer.renew_at(),
         Some(next) => {
@@ -240,7 +240,7 @@ impl Pki {
     /// These certificates with `plan` carried out.
     pub fn rotate(
         mut self,
-        plan: Plan,
+        plan: Rotation,
         settings: &Settings,
         now: SystemTime,
     ) -> Result<Self, CertsError> {
@@ -721,21 +721,21 @@ mod tests {
 
     #[test]
     fn renewals_are_due_at_two_thirds_of_a_life() {
-        let none = Plan::default();
-        let issue = Plan {
+        let none = Rotation::default();
+        let issue = Rotation {
             issue: true,
             ..none
         };
-        let renew = Plan {
+        let renew = Rotation {
             renew: true,
             ..none
         };
-        let add_next = Plan {
+        let add_next = Rotation {
             add_next: true,
             ..none
         };
         // (what is stored, when, what is due)
-        let cases: Vec<(&str, Option<Facts>, SystemTime, Plan)> = vec![
+        let cases: Vec<(&str, Option<Facts>, SystemTime, Rotation)> = vec![
             ("nothing stored", None, at(0), issue),
             ("all fresh", Some(facts(0)), at(1), none),
             (
@@ -764,7 +764,7 @@ mod tests {
                 "the CA at 2/3 and the serving certificate due",
                 Some(facts(40)),
                 at(60),
-                Plan {
+                Rotation {
                     add_next: true,
                     renew: true,
                     ..none
@@ -792,13 +792,13 @@ mod tests {
             }),
             ..facts(50)
         };
-        let promote = Plan {
+        let promote = Rotation {
             promote: true,
             renew: true,
-            ..Plan::default()
+            ..Rotation::default()
         };
         // Not in the APIService's bundle yet: it waits, however long.
-        assert_eq!(decide(Some(&pending), added + 5 * DAY), Plan::default());
+        assert_eq!(decide(Some(&pending), added + 5 * DAY), Rotation::default());
         let published = Facts {
             next_published: true,
             ..pending
@@ -808,7 +808,7 @@ mod tests {
                 Some(&published),
                 added + PROPAGATION - Duration::from_secs(1)
             ),
-            Plan::default(),
+            Rotation::default(),
             "published, but the aggregators may not have it yet"
         );
         assert_eq!(decide(Some(&published), added + PROPAGATION), promote);
@@ -831,14 +831,14 @@ mod tests {
         };
         assert_eq!(
             decide(Some(&after_promotion), promoted + PROPAGATION / 2),
-            Plan::default(),
+            Rotation::default(),
             "replicas may still serve the certificate the retired CA signed"
         );
         assert_eq!(
             decide(Some(&after_promotion), promoted + PROPAGATION),
-            Plan {
+            Rotation {
                 drop_retired: true,
-                ..Plan::default()
+                ..Rotation::default()
             }
         );
     }
@@ -879,7 +879,11 @@ mod tests {
         assert!(facts.serving_current);
         assert_eq!(facts.serving.not_after, at(30));
         assert_eq!(facts.issuer.not_after, at(90));
-        assert_eq!(decide(Some(&facts), at(1)), Plan::default(), "reused as is");
+        assert_eq!(
+            decide(Some(&facts), at(1)),
+            Rotation::default(),
+            "reused as is"
+        );
         trusts(&read.bundle(), &read.serving.cert, at(1)).unwrap();
         assert_eq!(
             pki.to_data()[keys::TRUSTED].0,
@@ -950,7 +954,7 @@ mod tests {
         let mut now = at(0);
         let mut pki = Pki::issue(&s, now).unwrap();
         let mut published = pki.bundle();
-        let mut seen = Plan::default();
+        let mut seen = Rotation::default();
         let (mut promotions, mut renewals, mut drops) = (0, 0, 0);
         while now < at(200) {
             now += step;

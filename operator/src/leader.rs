@@ -42,12 +42,11 @@ pub enum LeaderError {
 
 /// What a candidate should do with the lease it read (pure).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Verdict {
+pub enum LeaseAction {
     /// Free, released or expired: take it.
     Acquire,
     /// Ours: renew it.
     Renew,
-    /// Someone else holds it and it is fresh.
     /// Someone else holds it and it is fresh.
     Wait {
         /// The Lease's `holderIdentity`.
@@ -73,7 +72,7 @@ pub fn verdict(
     me: &str,
     now: Instant,
     default_duration: Duration,
-) -> (Verdict, Observed) {
+) -> (LeaseAction, Observed) {
     let at = match observed {
         Some(o) if o.record.as_ref() == read => o.at,
         _ => now,
@@ -86,18 +85,18 @@ pub fn verdict(
         .and_then(|r| r.holder_identity.clone())
         .unwrap_or_default();
     let verdict = if holder.is_empty() {
-        Verdict::Acquire
+        LeaseAction::Acquire
     } else if holder == me {
-        Verdict::Renew
+        LeaseAction::Renew
     } else {
         let duration = read
             .and_then(|r| r.lease_duration_seconds)
             .and_then(|s| u64::try_from(s).ok())
             .map_or(default_duration, Duration::from_secs);
         if now >= at + duration {
-            Verdict::Acquire
+            LeaseAction::Acquire
         } else {
-            Verdict::Wait { holder }
+            LeaseAction::Wait { holder }
         }
     };
     (verdict, seen)
@@ -113,7 +112,7 @@ fn post_params() -> PostParams {
 
 /// How leader election runs.
 #[derive(Clone, Debug)]
-pub struct Settings {
+pub struct ElectionSettings {
     /// The coordination Lease's name.
     pub lease_name: String,
     /// This replica's identity in it.
@@ -126,7 +125,7 @@ pub struct Settings {
     pub retry_period: Duration,
 }
 
-impl Settings {
+impl ElectionSettings {
     /// Settings with client-go's timings.
     pub fn new(lease_name: impl Into<String>, identity: impl Into<String>) -> Self {
         Self {
@@ -142,13 +141,13 @@ impl Settings {
 /// Leader election on a coordination Lease, as client-go does it.
 pub struct LeaderElection {
     api: Api<Lease>,
-    settings: Settings,
+    settings: ElectionSettings,
     observed: Mutex<Option<Observed>>,
 }
 
 impl LeaderElection {
     /// Election on the Lease `api` holds.
-    pub fn new(api: Api<Lease>, settings: Settings) -> Self {
+    pub fn new(api: Api<Lease>, settings: ElectionSettings) -> Self {
         Self {
             api,
             settings,
@@ -197,8 +196,8 @@ impl LeaderElection {
         };
         *self.observed.lock().expect("observed lease") = Some(seen);
         let result = match verdict {
-            Verdict::Wait { .. } => return Ok(false),
-            Verdict::Acquire | Verdict::Renew => match existing {
+            LeaseAction::Wait { .. } => return Ok(false),
+            LeaseAction::Acquire | LeaseAction::Renew => match existing {
                 None => {
                     let lease = Lease {
                         metadata: ObjectMeta {
@@ -340,16 +339,16 @@ mod tests {
         let t0 = Instant::now();
         let secs = |s: u64| t0 + Duration::from_secs(s);
         let default = Duration::from_secs(15);
-        let wait = Verdict::Wait { holder: "b".into() };
+        let wait = LeaseAction::Wait { holder: "b".into() };
         let seen = |record: LeaseSpec, at: u64| Observed {
             record: Some(record),
             at: secs(at),
         };
         // (observed before, read now, now) -> verdict, and when the read was first seen.
         for (observed, read, now, expected, first_seen) in [
-            (None, None, 0, Verdict::Acquire, 0),
-            (None, Some(LeaseSpec::default()), 0, Verdict::Acquire, 0), // released
-            (None, Some(held_by("a", 0)), 100, Verdict::Renew, 100),    // ours, even if late
+            (None, None, 0, LeaseAction::Acquire, 0),
+            (None, Some(LeaseSpec::default()), 0, LeaseAction::Acquire, 0), // released
+            (None, Some(held_by("a", 0)), 100, LeaseAction::Renew, 100),    // ours, even if late
             // First sight of someone else's record: fresh, whatever its renewTime says (a
             // holder whose clock runs an hour behind is not taken over).
             (None, Some(held_by("b", -3600)), 5, wait.clone(), 5),
@@ -365,7 +364,7 @@ mod tests {
                 Some(seen(held_by("b", 0), 5)),
                 Some(held_by("b", 0)),
                 20,
-                Verdict::Acquire,
+                LeaseAction::Acquire,
                 5,
             ),
             // Renewed (changed) since: the clock restarts, whatever renewTime says.
@@ -407,7 +406,7 @@ mod tests {
     fn election(client: kube::Client) -> LeaderElection {
         LeaderElection::new(
             Api::namespaced(client, "cosmosq"),
-            Settings::new("cosmosq-operator", "pod-a"),
+            ElectionSettings::new("cosmosq-operator", "pod-a"),
         )
     }
 

@@ -127,14 +127,14 @@ pub enum SidecarUpdate {
 
 /// The operator's rollout policy.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Policy {
+pub struct RolloutPolicy {
     /// Whether operator changes roll by themselves.
     pub update: SidecarUpdate,
     /// How many groups may roll for the operator's reasons (and rotated keys) at once.
     pub max_concurrent: usize,
 }
 
-impl Default for Policy {
+impl Default for RolloutPolicy {
     fn default() -> Self {
         Self {
             update: SidecarUpdate::Manual,
@@ -145,7 +145,7 @@ impl Default for Policy {
 
 /// What to do with a group's Deployment.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Decision {
+pub enum RolloutDecision {
     /// Apply what was built; `budgeted` when the rollout counts against the budget.
     Apply {
         /// It counts until it completes.
@@ -157,27 +157,31 @@ pub enum Decision {
 
 /// What to do for `cause` (pure); `rolling` is the number of budgeted rollouts in progress
 /// (other groups'), asked only for the causes that need it.
-pub fn decide(cause: Cause, policy: &Policy, rolling: impl FnOnce() -> usize) -> Decision {
+pub fn decide(
+    cause: Cause,
+    policy: &RolloutPolicy,
+    rolling: impl FnOnce() -> usize,
+) -> RolloutDecision {
     match cause {
         Cause::Unchanged | Cause::Spec | Cause::Request | Cause::Tokens => {
-            Decision::Apply { budgeted: false }
+            RolloutDecision::Apply { budgeted: false }
         }
-        Cause::Operator if policy.update == SidecarUpdate::Manual => Decision::Hold(
+        Cause::Operator if policy.update == SidecarUpdate::Manual => RolloutDecision::Hold(
             "the operator changed; the workers take it at the group's next spec change or \
              rollout request (cosmosq.io/rollout-requested-at)",
         ),
         Cause::Operator | Cause::Key => {
             if rolling() < policy.max_concurrent {
-                Decision::Apply { budgeted: true }
+                RolloutDecision::Apply { budgeted: true }
             } else {
-                Decision::Hold("waiting for a place among the groups rolling at a time")
+                RolloutDecision::Hold("waiting for a place among the groups rolling at a time")
             }
         }
     }
 }
 
 /// Whether [`decide`] needs the number of rollouts in progress for `cause` (pure).
-pub fn counts(cause: Cause, policy: &Policy) -> bool {
+pub fn counts(cause: Cause, policy: &RolloutPolicy) -> bool {
     cause == Cause::Key || (cause == Cause::Operator && policy.update == SidecarUpdate::Rolling)
 }
 
@@ -325,8 +329,8 @@ mod tests {
         assert_eq!(cause(None, &upgraded, true), Cause::Spec);
         assert_eq!(cause(None, &upgraded, false), Cause::Operator);
 
-        let manual = Policy::default();
-        let rolling = Policy {
+        let manual = RolloutPolicy::default();
+        let rolling = RolloutPolicy {
             update: SidecarUpdate::Rolling,
             max_concurrent: 2,
         };
@@ -335,31 +339,31 @@ mod tests {
             assert!(!counts(cause, &rolling));
             assert_eq!(
                 decide(cause, &manual, never),
-                Decision::Apply { budgeted: false }
+                RolloutDecision::Apply { budgeted: false }
             );
         }
         assert!(!counts(Cause::Operator, &manual));
         assert!(matches!(
             decide(Cause::Operator, &manual, never),
-            Decision::Hold(_)
+            RolloutDecision::Hold(_)
         ));
         assert!(counts(Cause::Operator, &rolling) && counts(Cause::Key, &manual));
         assert_eq!(
             decide(Cause::Operator, &rolling, || 1),
-            Decision::Apply { budgeted: true }
+            RolloutDecision::Apply { budgeted: true }
         );
         assert!(matches!(
             decide(Cause::Operator, &rolling, || 2),
-            Decision::Hold(_)
+            RolloutDecision::Hold(_)
         ));
         // A rotated key rolls under the budget even when upgrades wait for the user.
         assert_eq!(
             decide(Cause::Key, &manual, || 4),
-            Decision::Apply { budgeted: true }
+            RolloutDecision::Apply { budgeted: true }
         );
         assert!(matches!(
             decide(Cause::Key, &manual, || 5),
-            Decision::Hold(_)
+            RolloutDecision::Hold(_)
         ));
     }
 

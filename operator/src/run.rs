@@ -31,7 +31,7 @@ use crate::context::{Context, ReconcileFailure};
 use crate::cosmos::{Backend, Cosmos, Management};
 use crate::group::reconcile_group;
 use crate::http::{self, HttpError, Shared};
-use crate::leader::{LeaderElection, LeaderError, Settings};
+use crate::leader::{ElectionSettings, LeaderElection, LeaderError};
 use crate::queue::reconcile_queue;
 use crate::scaler::Scaler;
 use crate::tls::{ServingTls, Source, TlsError};
@@ -131,7 +131,7 @@ pub async fn run_with_management(
     let defaults = Defaults {
         sidecar_image: config.sidecar_image.clone(),
         worker_cluster_role: config.worker_cluster_role.clone(),
-        rollout: crate::rollout::Policy {
+        rollout: crate::rollout::RolloutPolicy {
             update: config.sidecar_update,
             max_concurrent: usize::from(config.sidecar_update_max_concurrent),
         },
@@ -226,7 +226,7 @@ pub async fn run_with_management(
     let election = config.leader_election.then(|| {
         LeaderElection::new(
             Api::<Lease>::namespaced(client.clone(), &config.lease_namespace),
-            Settings::new(config.lease_name.clone(), identity.clone()),
+            ElectionSettings::new(config.lease_name.clone(), identity.clone()),
         )
     });
     if let Some(election) = &election {

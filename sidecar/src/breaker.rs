@@ -40,7 +40,7 @@ pub struct Breaker {
 
 /// What a caller may do now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Permit {
+pub enum Admission {
     /// Go.
     Go,
     /// Go, as the probe: report its result.
@@ -61,15 +61,15 @@ impl Breaker {
     }
 
     /// What a delivery may do at `now`.
-    pub fn permit(&mut self, now: Instant) -> Permit {
+    pub fn permit(&mut self, now: Instant) -> Admission {
         match self.state.clone() {
-            State::Closed { .. } => Permit::Go,
+            State::Closed { .. } => Admission::Go,
             State::Open { until, cool_down } if now >= until => {
                 self.state = State::HalfOpen { cool_down };
-                Permit::Probe
+                Admission::Probe
             }
-            State::Open { until, .. } => Permit::Wait(until - now),
-            State::HalfOpen { .. } => Permit::Wait(Duration::from_millis(100)),
+            State::Open { until, .. } => Admission::Wait(until - now),
+            State::HalfOpen { .. } => Admission::Wait(Duration::from_millis(100)),
         }
     }
 
@@ -105,29 +105,29 @@ mod tests {
         let mut b = Breaker::new(3, Duration::from_secs(1), Duration::from_secs(8));
         b.record(true, t0);
         b.record(true, t0);
-        assert_eq!(b.permit(t0), Permit::Go, "two failures: still closed");
+        assert_eq!(b.permit(t0), Admission::Go, "two failures: still closed");
         b.record(false, t0);
         b.record(true, t0);
         b.record(true, t0);
-        assert_eq!(b.permit(t0), Permit::Go, "a success resets the count");
+        assert_eq!(b.permit(t0), Admission::Go, "a success resets the count");
         b.record(true, t0);
-        assert_eq!(b.permit(t0), Permit::Wait(Duration::from_secs(1)));
+        assert_eq!(b.permit(t0), Admission::Wait(Duration::from_secs(1)));
         let t1 = t0 + Duration::from_secs(1);
-        assert_eq!(b.permit(t1), Permit::Probe);
+        assert_eq!(b.permit(t1), Admission::Probe);
         assert!(
-            matches!(b.permit(t1), Permit::Wait(_)),
+            matches!(b.permit(t1), Admission::Wait(_)),
             "one probe at a time"
         );
         b.record(true, t1);
         assert_eq!(
             b.permit(t1),
-            Permit::Wait(Duration::from_secs(2)),
+            Admission::Wait(Duration::from_secs(2)),
             "failed probe: longer"
         );
         let t2 = t1 + Duration::from_secs(2);
-        assert_eq!(b.permit(t2), Permit::Probe);
+        assert_eq!(b.permit(t2), Admission::Probe);
         b.record(false, t2);
-        assert_eq!(b.permit(t2), Permit::Go);
+        assert_eq!(b.permit(t2), Admission::Go);
         assert_eq!(b.state, State::Closed { failures: 0 });
     }
 
@@ -138,6 +138,6 @@ mod tests {
         for _ in 0..10 {
             b.record(true, t);
         }
-        assert_eq!(b.permit(t), Permit::Wait(Duration::from_secs(4)));
+        assert_eq!(b.permit(t), Admission::Wait(Duration::from_secs(4)));
     }
 }

@@ -8,8 +8,8 @@ use cosmosq_queue::{Delivery, Handler, Outcome};
 use tracing::{debug, warn};
 
 use crate::app::Answer;
-use crate::breaker::{Breaker, Permit};
-use crate::isolation::{Isolation, Verdict};
+use crate::breaker::{Admission, Breaker};
+use crate::isolation::{Blame, Isolation};
 use crate::metrics::Metrics;
 use crate::transport::{AppTransport, Called, HttpTransport};
 
@@ -62,9 +62,9 @@ impl<T: AppTransport> AppClient<T> {
                 .unwrap_or_else(|p| p.into_inner())
                 .permit(tokio::time::Instant::now());
             match permit {
-                Permit::Go => return false,
-                Permit::Probe => return true,
-                Permit::Wait(d) => tokio::time::sleep(d.max(Duration::from_millis(10))).await,
+                Admission::Go => return false,
+                Admission::Probe => return true,
+                Admission::Wait(d) => tokio::time::sleep(d.max(Duration::from_millis(10))).await,
             }
         }
     }
@@ -109,7 +109,7 @@ impl<T: AppTransport> Handler for AppClient<T> {
         // message that crashes the app would otherwise open it for ever longer cool-downs and
         // stall every other message. An app that stays down refuses connections, which count.
         self.record(hard && !crashed);
-        if self.lock_isolation().observe(crashed, alone) == Verdict::Isolate {
+        if self.lock_isolation().observe(crashed, alone) == Blame::Isolate {
             warn!(message_id = %delivery.message.id, "the app went down with other deliveries in flight; delivering them again one at a time, uncounted");
             return Outcome::Undelivered {
                 error: format!(

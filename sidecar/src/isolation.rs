@@ -19,7 +19,7 @@ pub struct Isolation {
 
 /// What a failed delivery means, given how it was run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Verdict {
+pub enum Blame {
     /// The message's own failure: counts as an attempt.
     Counted,
     /// It may have failed with a neighbour: try again, isolated, without counting.
@@ -34,16 +34,16 @@ impl Isolation {
 
     /// A delivery ended; `crashed`: the app went down under it. `alone`: it ran isolated (no
     /// other delivery in the app at the same time).
-    pub fn observe(&mut self, crashed: bool, alone: bool) -> Verdict {
+    pub fn observe(&mut self, crashed: bool, alone: bool) -> Blame {
         match (crashed, alone) {
             (true, false) => {
                 self.active = true;
                 self.successes = 0;
-                Verdict::Isolate
+                Blame::Isolate
             }
             (true, true) => {
                 self.successes = 0;
-                Verdict::Counted
+                Blame::Counted
             }
             (false, _) => {
                 if self.active && alone {
@@ -52,7 +52,7 @@ impl Isolation {
                         *self = Isolation::default();
                     }
                 }
-                Verdict::Counted
+                Blame::Counted
             }
         }
     }
@@ -65,17 +65,17 @@ mod tests {
     #[test]
     fn a_crash_among_neighbours_isolates_and_counts_nobody() {
         let mut iso = Isolation::default();
-        assert_eq!(iso.observe(false, false), Verdict::Counted);
+        assert_eq!(iso.observe(false, false), Blame::Counted);
         assert!(!iso.active());
-        assert_eq!(iso.observe(true, false), Verdict::Isolate);
+        assert_eq!(iso.observe(true, false), Blame::Isolate);
         assert!(iso.active());
         // The poison message, alone, crashes the app again: that one counts.
-        assert_eq!(iso.observe(true, true), Verdict::Counted);
+        assert_eq!(iso.observe(true, true), Blame::Counted);
         assert!(iso.active());
         // Its neighbours succeed alone; after three in a row, side by side again.
         for n in 1..=SUCCESSES_TO_RESUME {
             assert!(iso.active(), "still isolated after {n} successes");
-            assert_eq!(iso.observe(false, true), Verdict::Counted);
+            assert_eq!(iso.observe(false, true), Blame::Counted);
         }
         assert!(!iso.active());
     }
@@ -83,7 +83,7 @@ mod tests {
     #[test]
     fn a_crash_alone_counts() {
         let mut iso = Isolation::default();
-        assert_eq!(iso.observe(true, true), Verdict::Counted);
+        assert_eq!(iso.observe(true, true), Blame::Counted);
         assert!(!iso.active());
     }
 }

@@ -47,7 +47,7 @@ pub struct Script {
 
 /// One request as the fake saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Seen {
+pub struct ArmCall {
     /// The method.
     pub method: Method,
     /// The path.
@@ -76,7 +76,7 @@ enum Action {
 
 struct Inner {
     script: Script,
-    seen: Vec<Seen>,
+    seen: Vec<ArmCall>,
     operations: HashMap<String, Operation>,
     next: u32,
     base: String,
@@ -134,7 +134,7 @@ impl FakeArm {
     }
 
     /// Every request so far.
-    pub fn seen(&self) -> Vec<Seen> {
+    pub fn seen(&self) -> Vec<ArmCall> {
         self.shared.inner.lock().unwrap().seen.clone()
     }
 
@@ -239,7 +239,7 @@ async fn handle(
     let path = uri.path().to_owned();
     let base = {
         let mut inner = shared.inner.lock().unwrap();
-        inner.seen.push(Seen {
+        inner.seen.push(ArmCall {
             method: method.clone(),
             path: path.clone(),
         });

@@ -233,7 +233,7 @@ impl std::fmt::Display for RequestIds {
 
 /// What to create for a queue whose verification fell short.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Plan {
+pub struct Creation {
     /// The database.
     pub database: bool,
     /// The messages container.
@@ -245,13 +245,13 @@ pub struct Plan {
 /// What the operator may create for `shortfalls` (pure): only missing resources. Anything
 /// that exists but is unlike what the engine needs is an admin's to change, so then nothing
 /// is created and the shortfalls are returned.
-pub fn plan(shortfalls: &[Shortfall], config: &QueueConfig) -> Result<Plan, Vec<Shortfall>> {
-    let mut plan = Plan::default();
+pub fn plan(shortfalls: &[Shortfall], config: &QueueConfig) -> Result<Creation, Vec<Shortfall>> {
+    let mut plan = Creation::default();
     for shortfall in shortfalls {
         match shortfall {
             // `verify` looks no further when the database is missing.
             Shortfall::Database(_) => {
-                plan = Plan {
+                plan = Creation {
                     database: true,
                     messages: true,
                     leases: true,
@@ -516,7 +516,7 @@ impl Arm {
         &self,
         account: &AccountId,
         config: &QueueConfig,
-        plan: Plan,
+        plan: Creation,
         owner: &str,
     ) -> Result<Provisioned, ArmError> {
         const ACTIONS: &str = "Microsoft.DocumentDB/databaseAccounts/sqlDatabases/write, \
@@ -1005,7 +1005,7 @@ mod tests {
         };
         assert_eq!(
             plan(&[Shortfall::Database("shop".into())], &config),
-            Ok(Plan {
+            Ok(Creation {
                 database: true,
                 messages: true,
                 leases: true
@@ -1013,9 +1013,9 @@ mod tests {
         );
         assert_eq!(
             plan(&[missing("orders-leases")], &config),
-            Ok(Plan {
+            Ok(Creation {
                 leases: true,
-                ..Plan::default()
+                ..Creation::default()
             })
         );
         // An existing container unlike the engine's: nothing is created, an admin decides.
@@ -1128,8 +1128,8 @@ mod tests {
 
     type CosmosClientHandle = cosmosq_queue::CosmosClient;
 
-    fn everything() -> Plan {
-        Plan {
+    fn everything() -> Creation {
+        Creation {
             database: true,
             messages: true,
             leases: true,
@@ -1239,9 +1239,9 @@ mod tests {
         })
         .await;
         cosmos.create_database("shop", None).await.unwrap();
-        let plan = Plan {
+        let plan = Creation {
             messages: true,
-            ..Plan::default()
+            ..Creation::default()
         };
         let provisioned = arm
             .create(&fake::scope().account, &config(), plan, "q-uid")
