@@ -45,11 +45,15 @@ pub enum Bug {
     /// document of its own to collide with), and a late write whose answer was lost takes
     /// any completed document for its own: the completion is recorded twice.
     LateCompletionRace,
+    /// A message read before it is visible has its start listed before its schedule is
+    /// written: a holder killed before that write lands leaves a listed start the app never
+    /// saw, delivered at count 2 by the next owner.
+    ScheduledStartListed,
 }
 
 impl Bug {
     /// Every defect, in the order of the scenarios, then the checks' own.
-    pub const ALL: [Bug; 11] = [
+    pub const ALL: [Bug; 12] = [
         Bug::IdentityById,
         Bug::OrderedMoveForgetsPredecessor,
         Bug::RestartRetakesLease,
@@ -61,6 +65,7 @@ impl Bug {
         Bug::ListedStartForgotten,
         Bug::EstimateTrustsTheToken,
         Bug::LateCompletionRace,
+        Bug::ScheduledStartListed,
     ];
 
     /// Those the random search must find by itself (the mutation test): the others line up

@@ -291,7 +291,10 @@ impl<H: Handler> Deliverer<H> {
                 }
             };
             match claimed {
-                Ok(ClaimOutcome::Claimed(claim)) => {
+                Ok(ClaimOutcome::Claimed(mut claim)) => {
+                    if !self.fresh_lock(&mut claim).await {
+                        return Fate::Pending; // its state document brings it back
+                    }
                     if claim.is_recorded() {
                         watch.lease = None;
                     }
@@ -422,6 +425,41 @@ impl<H: Handler> Deliverer<H> {
             .await
     }
 
+    /// A claim whose write took longer than much of its lock (the SDK held a throttled create
+    /// or replace for seconds; its lock was stamped before it was sent) holds a lock about to
+    /// run out, or already run out, before the app has the message: it is renewed first.
+    /// `false` when it cannot be: another holder took it (its delivery now), or the renewal
+    /// failed and the message is given back undelivered, its attempt not counted.
+    async fn fresh_lock(&self, claim: &mut Claim) -> bool {
+        let lock = crate::clock::duration_ms(self.group.config().lock_duration);
+        let now = self.group.queue().clock().now_ms();
+        let stale = claim.is_recorded()
+            && claim
+                .locked_until
+                .is_some_and(|until| until - now < lock / 2);
+        if !stale {
+            return true;
+        }
+        match self.group.renew(claim).await {
+            Ok(()) => true,
+            Err(e @ QueueError::LockLost { .. }) => {
+                debug!(group = self.group.name(), message_id = %claim.message_id, error = %e, "its lock ran out while it was written, and another holder took it");
+                false
+            }
+            Err(e) => {
+                self.failed(
+                    "renew a lock that ran out while it was written",
+                    &claim.message_id,
+                    e,
+                );
+                if let Err(e) = self.group.release(claim).await {
+                    self.failed("release", &claim.message_id, e);
+                }
+                false
+            }
+        }
+    }
+
     /// After a failed write: waits its back-off and says whether to try again. Gives up on a
     /// permanent error, when `give_up` fires or at `deadline` (epoch ms). The first failure of
     /// a message is a warning with its context; repeats are debug, so a storm of errors logs
@@ -508,7 +546,10 @@ impl<H: Handler> Deliverer<H> {
                 .take_over_with_token(current, &self.owner, &token)
                 .await
             {
-                Ok(ClaimOutcome::Claimed(claim)) => break claim,
+                Ok(ClaimOutcome::Claimed(mut claim)) => match self.fresh_lock(&mut claim).await {
+                    true => break claim,
+                    false => return,
+                },
                 Ok(ClaimOutcome::DeadLettered) => {
                     ConsumerStats::bump(&self.stats.dead_lettered);
                     return;

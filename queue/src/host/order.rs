@@ -263,17 +263,36 @@ impl<H: Handler> RangeDelivery<H> {
     }
 
     /// Takes a permit and, on the lease write path, asks to start; then delivers.
-    pub(super) async fn start_when_granted(self, message: Message, follows: bool) -> Fate {
+    pub(super) async fn start_when_granted(mut self, message: Message, follows: bool) -> Fate {
         let permit = tokio::select! {
             biased;
             _ = self.stop.step_aside.cancelled() => return Fate::Unstarted,
             _ = self.stop.draining.cancelled() => return Fate::Unstarted,
             permit = Arc::clone(&self.permits).acquire_owned() => permit.expect("never closed"),
         };
-        if !self.granted(follows).await {
+        if !self.due_later(&message) && !self.granted(follows).await {
             return Fate::Unstarted;
         }
         self.deliver(message, None, Some(permit)).await
+    }
+
+    /// On the lease write path, a message not yet visible is not started: its delivery writes
+    /// its schedule (a state document) and nothing reaches the app, so no start is listed —
+    /// one its holder died with before the schedule landed would count, at the next owner, as
+    /// a delivery the app never saw. It takes a document of its own instead
+    /// ([`Route::Locked`]), which a next owner's claim of it collides with (its window shows
+    /// it handed out unstarted under `startsLag` until it is pending on that document).
+    /// `true` when so.
+    fn due_later(&mut self, message: &Message) -> bool {
+        let now = self.deliverer.group.queue().clock().now_ms();
+        let later = self.start.is_some()
+            && !message.is_visible(now)
+            && self.path != Route::Recovered
+            && !buggify::on(Bug::ScheduledStartListed);
+        if later {
+            self.path = Route::Locked;
+        }
+        later
     }
 
     /// On the lease write path, asks the range to start this delivery (see [`StartRequest`]):
@@ -295,7 +314,7 @@ impl<H: Handler> RangeDelivery<H> {
     }
 
     pub(super) async fn deliver(
-        self,
+        mut self,
         message: Message,
         turn_done: Option<oneshot::Sender<()>>,
         permit: Option<OwnedSemaphorePermit>,
@@ -321,7 +340,7 @@ impl<H: Handler> RangeDelivery<H> {
                     }
                 };
                 // Listed unstarted with its page: it asks to start.
-                if !self.granted(false).await {
+                if !self.due_later(&message) && !self.granted(false).await {
                     return Fate::Unstarted;
                 }
                 permit

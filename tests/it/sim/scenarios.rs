@@ -412,6 +412,58 @@ fn a_late_completion_and_a_redelivery_record_one_success() {
     );
 }
 
+/// A message read before it is visible: its schedule's create is held by an overload and
+/// its holder is killed meanwhile. Nothing reached the app, so its first delivery is count 1
+/// (and it keeps both attempts it is allowed).
+#[test]
+fn a_scheduled_message_whose_holder_died_before_its_schedule_landed_starts_at_one() {
+    let plan = plan(
+        9013,
+        GroupPlan {
+            max_attempts: 2,
+            ..group()
+        },
+        1,
+        vec![MessagePlan {
+            delay_ms: 5_000,
+            answers: vec![
+                Answer {
+                    kind: AnswerKind::Retry,
+                    work_ms: 100,
+                },
+                Answer {
+                    kind: AnswerKind::Complete,
+                    work_ms: 10,
+                },
+            ],
+            ..message("m0", json!(0), 1_000, 10)
+        }],
+        vec![pod(0)],
+        vec![
+            at(
+                500,
+                Event::Fault {
+                    fault: Fault::Overloaded,
+                    op: Op::Create,
+                    for_ms: 8_000,
+                },
+            ),
+            at(
+                1_500,
+                Event::Kill {
+                    pod: 0,
+                    restart_after_ms: 3_000,
+                },
+            ),
+        ],
+    );
+    pins(
+        &plan,
+        Bug::ScheduledStartListed,
+        "dead letter without its cause",
+    );
+}
+
 /// Scenario 9: a dead holder's first deliveries are picked up again within the lock, not
 /// at the lease's expiry.
 #[test]
