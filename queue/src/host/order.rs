@@ -270,7 +270,7 @@ impl<H: Handler> RangeDelivery<H> {
             _ = self.stop.draining.cancelled() => return Fate::Unstarted,
             permit = Arc::clone(&self.permits).acquire_owned() => permit.expect("never closed"),
         };
-        if !self.due_later(&message) && !self.granted(follows).await {
+        if !self.due_later(&message, follows) && !self.granted(follows).await {
             return Fate::Unstarted;
         }
         self.deliver(message, None, Some(permit)).await
@@ -282,10 +282,13 @@ impl<H: Handler> RangeDelivery<H> {
     /// a delivery the app never saw. It takes a document of its own instead
     /// ([`Route::Locked`]), which a next owner's claim of it collides with (its window shows
     /// it handed out unstarted under `startsLag` until it is pending on that document).
-    /// `true` when so.
-    fn due_later(&mut self, message: &Message) -> bool {
+    /// `true` when so. Not for an ordered key's next message (`follows`): its start is written
+    /// first while its predecessor's completion waits for a write, or a next owner could
+    /// deliver the predecessor again while its schedule comes due.
+    fn due_later(&mut self, message: &Message, follows: bool) -> bool {
         let now = self.deliverer.group.queue().clock().now_ms();
         let later = self.start.is_some()
+            && !follows
             && !message.is_visible(now)
             && self.path != Route::Recovered
             && !buggify::on(Bug::ScheduledStartListed);
@@ -340,7 +343,7 @@ impl<H: Handler> RangeDelivery<H> {
                     }
                 };
                 // Listed unstarted with its page: it asks to start.
-                if !self.due_later(&message) && !self.granted(false).await {
+                if !self.due_later(&message, false) && !self.granted(false).await {
                     return Fate::Unstarted;
                 }
                 permit
