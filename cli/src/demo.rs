@@ -20,7 +20,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
-use clap::{Args, Parser};
+use clap::Args;
 use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_queue::clock::system_now_ms;
 use cosmosq_queue::estimate::GroupEstimate;
@@ -30,8 +30,8 @@ use cosmosq_queue::{
     provision, CosmosClient, DeliveryMode, GroupConfig, NewMessage, Queue, QueueConfig, StartFrom,
 };
 use cosmosq_sidecar::app::headers;
-use cosmosq_sidecar::config::Config as SidecarConfig;
 use cosmosq_sidecar::error::SidecarError;
+use cosmosq_sidecar::settings::SidecarSettings;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
@@ -486,7 +486,7 @@ impl Worker {
         args: &DemoArgs,
     ) -> anyhow::Result<Worker> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let config = sidecar_config(group, mode, &name, listener.local_addr()?.port(), args)?;
+        let config = sidecar_settings(group, mode, &name, listener.local_addr()?.port(), args)?;
         let app_stop = CancellationToken::new();
         let serve = axum::serve(listener, app.router())
             .with_graceful_shutdown(app_stop.clone().cancelled_owned());
@@ -517,73 +517,35 @@ impl Worker {
     }
 }
 
-/// The sidecar's configuration, as its flags would give it in a pod.
-fn sidecar_config(
+/// The sidecar's settings for one demo worker: the one-machine timings, with a lease expiry
+/// long enough to outlast a busy laptop and a lock longer than any sample work.
+fn sidecar_settings(
     group: &str,
     mode: DeliveryMode,
     worker: &str,
     app_port: u16,
     args: &DemoArgs,
-) -> anyhow::Result<SidecarConfig> {
-    let mode = match mode {
-        DeliveryMode::Exclusive => "exclusive",
-        DeliveryMode::Stream => "stream",
-    };
-    let app_port = app_port.to_string();
-    let app_timeout = format!(
-        "{}ms",
-        (args.work.as_millis() as u64).saturating_mul(10).max(5_000)
-    );
-    let lease_expire = format!("{}ms", LEASE_EXPIRE.as_millis());
-    let config = SidecarConfig::try_parse_from([
-        "cosmosq-sidecar",
-        "--database",
-        DATABASE,
-        "--queue",
-        QUEUE,
-        "--group",
-        group,
-        "--mode",
+) -> anyhow::Result<SidecarSettings> {
+    let settings = SidecarSettings {
         mode,
-        "--start-from",
-        "beginning",
-        "--pod-name",
-        worker,
-        "--app-port",
-        &app_port,
-        "--app-path",
-        APP_PATH,
-        "--app-health-path",
-        "/healthz",
-        "--app-timeout",
-        &app_timeout,
-        "--listen",
-        "127.0.0.1:0",
-        "--probe-listen",
-        "",
-        "--max-delivery-attempts",
-        "4",
-        "--retry-initial-backoff",
-        "100ms",
-        "--retry-max-backoff",
-        "1s",
-        "--lock-duration",
-        "30s",
-        "--lease-acquire",
-        "200ms",
-        "--lease-renew",
-        "500ms",
-        "--lease-expire",
-        &lease_expire,
-        "--max-poll",
-        "200ms",
-        "--sweep-interval",
-        "100ms",
-        "--pod-deletion-cost",
-        "false",
-    ])?;
-    config.validate()?;
-    Ok(config)
+        start_from: StartFrom::Beginning,
+        pod_name: Some(worker.to_owned()),
+        app_port: Some(app_port),
+        app_path: APP_PATH.to_owned(),
+        app_health_path: Some("/healthz".to_owned()),
+        app_timeout: args.work.saturating_mul(10).max(Duration::from_secs(5)),
+        max_delivery_attempts: 4,
+        retry_initial_backoff: Duration::from_millis(100),
+        retry_max_backoff: Duration::from_secs(1),
+        lock_duration: Duration::from_secs(30),
+        lease_acquire: Duration::from_millis(200),
+        lease_renew: Duration::from_millis(500),
+        lease_expire: LEASE_EXPIRE,
+        max_poll: Duration::from_millis(200),
+        ..SidecarSettings::new(DATABASE, QUEUE, group).on_one_machine()
+    };
+    settings.validate()?;
+    Ok(settings)
 }
 
 /// What the sample apps answered, per group.

@@ -53,7 +53,7 @@ pub struct GroupStats {
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct LeaseView {
+pub struct LeaseRow {
     pub group: String,
     pub min_epk: String,
     pub max_epk: String,
@@ -167,11 +167,11 @@ pub async fn leases(
     queue: &Queue,
     only: Option<&str>,
     now_ms: i64,
-) -> anyhow::Result<Vec<LeaseView>> {
+) -> anyhow::Result<Vec<LeaseRow>> {
     let mut out = Vec::new();
     for group in groups(queue, only).await? {
         for lease in LeaseStore::new(queue.clone(), &group).list().await? {
-            out.push(LeaseView {
+            out.push(LeaseRow {
                 group: group.clone(),
                 expired: lease.owner.is_some() && lease.is_expired(now_ms, LEASE_EXPIRY_MS),
                 heartbeat: format_ms(lease.timestamp),
@@ -185,7 +185,7 @@ pub async fn leases(
     Ok(out)
 }
 
-pub fn leases_table(leases: &[LeaseView]) -> String {
+pub fn leases_table(leases: &[LeaseRow]) -> String {
     let rows: Vec<Vec<String>> = leases
         .iter()
         .map(|l| {

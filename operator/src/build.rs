@@ -3,11 +3,10 @@
 //! its own pod for the deletion cost), and in HPA mode the HorizontalPodAutoscaler.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
 
-use cosmosq_crds::{
-    AppFormat, AppMode, CosmosQueue, Credentials, DeliveryMode, ExclusiveWrites,
-    QueueConsumerGroup, ScalingMode, StartFrom,
-};
+use cosmosq_crds::{CosmosQueue, Credentials, QueueConsumerGroup, ScalingMode};
 use cosmosq_queue::env as env_names;
 use cosmosq_queue::metric_names;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
@@ -28,7 +27,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
-use crate::spec::{control, group_name, invalid, Control, GroupSettings, SpecError};
+use crate::spec::{self, control, group_name, invalid, Control, GroupSettings, SpecError};
+use cosmosq_queue::Auth;
+use cosmosq_sidecar::settings::SidecarSettings;
 
 /// The injected container's name.
 pub const SIDECAR_CONTAINER: &str = "cosmosq-sidecar";
@@ -314,98 +315,75 @@ fn env_field(name: &str, path: &str) -> EnvVar {
     }
 }
 
-/// The sidecar's configuration, from the queue and the group (see the sidecar's `--help`).
-pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar> {
-    let s = &qcg.spec;
-    let q = &queue.spec;
-    let mut vars = vec![
-        env(env_names::ENDPOINT, q.endpoint.clone()),
-        env(
-            env_names::AUTH,
-            match q.credentials.secret_key_ref {
-                Some(_) => "key",
-                None => "identity",
-            },
-        ),
-        env(env_names::DATABASE, q.database.clone()),
-        env(env_names::QUEUE, q.container.clone()),
-        env(env_names::PARTITION_KEY_PATH, q.partition_key_path.clone()),
-        env(env_names::GROUP, group_name(qcg)),
-        // The sidecar's own spellings (its flags' values), whatever the CRD's.
-        env(
-            env_names::DELIVERY_MODE,
-            match s.delivery_mode {
-                DeliveryMode::Exclusive => "exclusive",
-                DeliveryMode::Stream => "stream",
-            },
-        ),
-        env(
-            env_names::EXCLUSIVE_WRITES,
-            match s.exclusive_writes {
-                ExclusiveWrites::Lease => "lease",
-                ExclusiveWrites::Claims => "claims",
-            },
-        ),
-        env(
-            env_names::START_FROM,
-            match s.start_from {
-                StartFrom::Now => "now",
-                StartFrom::Beginning => "beginning",
-            },
-        ),
-        env(env_names::ORDERED, s.ordered.to_string()),
-        env(
-            env_names::APP_MODE,
-            match s.app.mode {
-                AppMode::Push => "push",
-                AppMode::Pull => "pull",
-            },
-        ),
-        env(env_names::APP_PATH, s.app.path.clone()),
-        env(
-            env_names::APP_FORMAT,
-            match s.app.format {
-                AppFormat::Cloudevents => "cloudevents",
-                AppFormat::Raw => "raw",
-            },
-        ),
-        env(env_names::APP_TIMEOUT, s.app.timeout.clone()),
-        env(env_names::MAX_CONCURRENCY, s.concurrency.to_string()),
-        env(
-            env_names::MAX_DELIVERY_ATTEMPTS,
-            s.retry.max_delivery_attempts.to_string(),
-        ),
-        env(
-            env_names::RETRY_INITIAL_BACKOFF,
-            s.retry.initial_backoff.clone(),
-        ),
-        env(env_names::RETRY_MAX_BACKOFF, s.retry.max_backoff.clone()),
-        env(env_names::LOCK_DURATION, s.lock_duration.clone()),
-        env(env_names::PROBE_LISTEN, format!("0.0.0.0:{PROBE_PORT}")),
-        env_field(env_names::POD_NAME, "metadata.name"),
-        env_field(env_names::POD_NAMESPACE, "metadata.namespace"),
-    ];
-    if let Some(subscription) = &s.app.subscription {
-        vars.push(env(
-            env_names::APP_SUBSCRIPTION,
-            subscription_entry(subscription, &q.container).to_string(),
-        ));
+/// The sidecar's settings for a group's pods: what the queue and the group say, and where the
+/// pod puts things (the key's file, the probe and API ports, the drain); the rest are the
+/// sidecar's defaults, written out so a pod's spec says all it runs with.
+pub fn sidecar_settings(
+    qcg: &QueueConsumerGroup,
+    settings: &GroupSettings,
+    queue: &CosmosQueue,
+) -> SidecarSettings {
+    let (s, q, group) = (&qcg.spec, &queue.spec, &settings.config);
+    let by_key = q.credentials.secret_key_ref.is_some();
+    let mut sidecar = SidecarSettings::new(&q.database, &q.container, &group.name);
+    sidecar.connection.endpoint = q.endpoint.clone();
+    sidecar.connection.auth = if by_key { Auth::Key } else { Auth::Identity };
+    // The key travels as a mounted file, never as an environment variable.
+    sidecar.connection.key_file = by_key.then(|| format!("{KEY_DIR}/key").into());
+    SidecarSettings {
+        partition_key_path: q.partition_key_path.clone(),
+        mode: group.mode,
+        exclusive_writes: group.exclusive_writes,
+        start_from: group.start_from,
+        ordered: group.ordered,
+        lock_duration: group.lock_duration,
+        max_delivery_attempts: group.retry.max_delivery_attempts,
+        retry_initial_backoff: group.retry.initial_backoff,
+        retry_max_backoff: group.retry.max_backoff,
+        app_port: s.app.port.and_then(|p| u16::try_from(p).ok()),
+        app_path: s.app.path.clone(),
+        app_mode: spec::app_mode(s.app.mode),
+        app_format: spec::app_format(s.app.format),
+        app_timeout: settings.app_timeout,
+        app_subscription: s
+            .app
+            .subscription
+            .as_ref()
+            .map(|sub| subscription_entry(sub, &q.container).to_string()),
+        app_health_path: s.app.health_path.clone(),
+        max_concurrency: s.concurrency.max(1) as usize,
+        listen: SocketAddr::from(([127, 0, 0, 1], SIDECAR_API_PORT)),
+        probe_listen: format!("0.0.0.0:{PROBE_PORT}"),
+        grace_period: drain(settings),
+        ..sidecar
     }
-    if let Some(port) = s.app.port {
-        vars.push(env(env_names::APP_PORT, port.to_string()));
-    }
-    if let Some(path) = &s.app.health_path {
-        vars.push(env(env_names::APP_HEALTH_PATH, path.clone()));
-    }
-    if q.credentials.secret_key_ref.is_some() {
-        // The key travels as a mounted file, never as an environment variable.
-        vars.push(env(env_names::KEY_FILE, format!("{KEY_DIR}/key")));
-    }
+}
+
+/// How long the sidecar drains on SIGTERM: the longest delivery plus a margin to settle it.
+fn drain(settings: &GroupSettings) -> Duration {
+    settings.app_timeout + Duration::from_secs(DRAIN_MARGIN_SECONDS as u64)
+}
+
+/// The sidecar container's environment: its settings, the pod's name and namespace from the
+/// downward API, then the user's additions.
+pub fn sidecar_env(
+    qcg: &QueueConsumerGroup,
+    settings: &GroupSettings,
+    queue: &CosmosQueue,
+) -> Vec<EnvVar> {
+    let mut vars: Vec<EnvVar> = sidecar_settings(qcg, settings, queue)
+        .to_env()
+        .into_iter()
+        .map(|(name, value)| env(name, value))
+        .collect();
+    vars.push(env_field(env_names::POD_NAME, "metadata.name"));
+    vars.push(env_field(env_names::POD_NAMESPACE, "metadata.namespace"));
     // The user's additions last; the CRD refuses the names set above, and should one get
     // past it (an older CRD), the spec's setting is kept, not the addition.
     let own: std::collections::BTreeSet<String> = vars.iter().map(|v| v.name.clone()).collect();
     vars.extend(
-        s.sidecar
+        qcg.spec
+            .sidecar
             .env
             .iter()
             .filter(|v| !own.contains(&v.name) && !v.name.starts_with("COSMOSQ_"))
@@ -416,6 +394,7 @@ pub fn sidecar_env(qcg: &QueueConsumerGroup, queue: &CosmosQueue) -> Vec<EnvVar>
 
 fn sidecar_container(
     qcg: &QueueConsumerGroup,
+    settings: &GroupSettings,
     queue: &CosmosQueue,
     defaults: &Defaults,
 ) -> Result<Container, SpecError> {
@@ -452,7 +431,7 @@ fn sidecar_container(
                 .clone()
                 .unwrap_or_else(|| defaults.sidecar_image.clone()),
         ),
-        env: Some(sidecar_env(qcg, queue)),
+        env: Some(sidecar_env(qcg, settings, queue)),
         ports: Some(vec![ContainerPort {
             name: Some("cosmosq-metrics".into()),
             container_port: PROBE_PORT,
@@ -523,7 +502,7 @@ pub fn deployment(
         ));
     }
     pod.containers
-        .push(sidecar_container(qcg, queue, defaults)?);
+        .push(sidecar_container(qcg, settings, queue, defaults)?);
     // The workers run as the group's own ServiceAccount: the operator binds the worker role
     // to no account it did not make (`default`, another team's).
     let account = workers_name(qcg);
@@ -563,7 +542,7 @@ pub fn deployment(
     // margin to settle it; each app container's preStop waits for that drain, so the app
     // serves until its last delivery is settled; the pod's grace covers both and the app's
     // own shutdown.
-    let drain = settings.app_timeout.as_secs() as i64 + DRAIN_MARGIN_SECONDS;
+    let drain = drain(settings).as_secs() as i64;
     for container in pod.containers.iter_mut() {
         // Dapr's two tokens, under Dapr's names, in every container: the sidecar checks and
         // sends them, the app's SDK sends and checks them.
@@ -584,10 +563,6 @@ pub fn deployment(
             }
         }
         if container.name == SIDECAR_CONTAINER {
-            container
-                .env
-                .get_or_insert_with(Vec::new)
-                .push(env(env_names::GRACE_PERIOD, format!("{drain}s")));
             continue;
         }
         if qcg.spec.app.dapr_env {
@@ -956,11 +931,16 @@ mod tests {
             ("COSMOSQ_APP_PORT", "8080"),
             ("COSMOSQ_APP_PATH", "/orders"),
             ("COSMOSQ_APP_FORMAT", "cloudevents"),
-            ("COSMOSQ_APP_TIMEOUT", "60s"),
+            ("COSMOSQ_APP_TIMEOUT", "1m"),
             ("COSMOSQ_MAX_CONCURRENCY", "16"),
             ("COSMOSQ_MAX_DELIVERY_ATTEMPTS", "10"),
-            ("COSMOSQ_LOCK_DURATION", "60s"),
+            ("COSMOSQ_LOCK_DURATION", "1m"),
             ("COSMOSQ_PROBE_LISTEN", "0.0.0.0:9464"),
+            ("COSMOSQ_LISTEN", "127.0.0.1:3500"),
+            // The drain: the longest delivery and 10 s to settle it.
+            ("COSMOSQ_GRACE_PERIOD", "1m 10s"),
+            // Settings the spec does not name are written as the sidecar's defaults.
+            ("COSMOSQ_LEASE_EXPIRE", "1m"),
             ("POD_NAME", "fieldRef:metadata.name"),
             ("POD_NAMESPACE", "fieldRef:metadata.namespace"),
         ];
@@ -1302,7 +1282,7 @@ mod tests {
             .flatten()
             .find(|e| e.name == "COSMOSQ_GRACE_PERIOD")
             .and_then(|e| e.value.clone());
-        assert_eq!(grace.as_deref(), Some("310s"));
+        assert_eq!(grace.as_deref(), Some("5m 10s"));
         // The template's 10 s would kill a drain in progress: raised to cover it.
         assert_eq!(pod.termination_grace_period_seconds, Some(325));
     }

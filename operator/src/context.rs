@@ -15,7 +15,7 @@ use cosmosq_queue::telemetry::{self, Attribute, Telemetry};
 
 use crate::build::Defaults;
 use crate::cosmos::Cosmos;
-use crate::metrics::Metrics;
+use crate::metrics::OperatorMetrics;
 
 /// The latest estimate of one group, as the metrics APIs serve it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -64,7 +64,7 @@ pub struct Context {
     /// Publishes Events.
     pub recorder: Recorder,
     /// The operator's metrics.
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<OperatorMetrics>,
     /// The figures the metrics APIs serve.
     pub figures: Figures,
     /// Tells the scaling loop a group changed, so it does not wait for its next round.
@@ -120,7 +120,7 @@ impl Context {
             client,
             defaults,
             cosmos,
-            metrics: Arc::new(Metrics::new()),
+            metrics: Arc::new(OperatorMetrics::new()),
             figures: Figures::default(),
             changed: None,
             telemetry: Telemetry::off(),

@@ -28,7 +28,7 @@ use cosmosq_queue::metric_names;
 
 use crate::auth::{Attributes, Audience, AuthError, Authorizer, RequestHeader};
 use crate::context::{Figures, GroupFigures};
-use crate::metrics::Metrics;
+use crate::metrics::OperatorMetrics;
 use crate::tls::ServingTls;
 
 const EXTERNAL_METRICS_GROUP: &str = "external.metrics.k8s.io";
@@ -53,7 +53,7 @@ pub enum HttpError {
 #[derive(Clone)]
 pub struct Shared {
     /// The operator's metrics.
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<OperatorMetrics>,
     /// The figures the metrics APIs serve.
     pub figures: Figures,
     /// This replica leads (or leader election is off): only the leader has figures. The
@@ -65,7 +65,7 @@ pub struct Shared {
 
 impl Shared {
     /// A standby with empty caches until told otherwise.
-    pub fn new(metrics: Arc<Metrics>, figures: Figures) -> Self {
+    pub fn new(metrics: Arc<OperatorMetrics>, figures: Figures) -> Self {
         Self {
             metrics,
             figures,
@@ -655,7 +655,7 @@ mod tests {
             .await
             .unwrap(),
         );
-        let shared = Shared::new(Arc::new(Metrics::new()), Figures::default());
+        let shared = Shared::new(Arc::new(OperatorMetrics::new()), Figures::default());
         shared.leader.store(true, Ordering::Relaxed);
         shared
             .figures

@@ -10,9 +10,9 @@ use prometheus::{
 const GROUP_LABELS: &[&str] = &["namespace", "queue", "group"];
 
 /// The operator's Prometheus metrics (group figures named in [`cosmosq_queue::metric_names`]).
-pub struct Metrics {
+pub struct OperatorMetrics {
     registry: Registry,
-    /// The names of the families registered, for [`Metrics::names`].
+    /// The names of the families registered, for [`OperatorMetrics::names`].
     names: Vec<String>,
     /// Reconciles, by kind.
     pub reconciles: IntCounterVec,
@@ -38,7 +38,7 @@ pub struct Metrics {
     pub leader: IntGauge,
 }
 
-impl Metrics {
+impl OperatorMetrics {
     /// Every metric, registered.
     pub fn new() -> Self {
         let registry = Registry::new();
@@ -200,7 +200,7 @@ impl Metrics {
     }
 }
 
-impl Default for Metrics {
+impl Default for OperatorMetrics {
     fn default() -> Self {
         Self::new()
     }

@@ -6,12 +6,13 @@
 
 use std::time::Duration;
 
-use cosmosq_crds::{
-    CosmosQueueSpec, DeliveryMode, QueueConsumerGroup, ScalingMode, StartFrom, ThroughputMode,
-};
+use cosmosq_crds as crd;
+use cosmosq_crds::{CosmosQueueSpec, QueueConsumerGroup, ScalingMode, ThroughputMode};
 use cosmosq_queue::backoff::RetryPolicy;
 use cosmosq_queue::config::{self, GroupConfig, QueueConfig, Throughput};
 use cosmosq_queue::scaling::Policy;
+use cosmosq_sidecar::app::AppFormat;
+use cosmosq_sidecar::settings::AppMode;
 use kube::ResourceExt;
 
 /// A field of a spec that cannot be used as it is; only its owner can fix it, so what refused
@@ -47,6 +48,48 @@ fn duration(field: &'static str, text: &str) -> Result<Duration, SpecError> {
 
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+// The CRDs' choices as the engine and the sidecar name them: each table written once.
+
+/// `spec.deliveryMode`.
+pub fn delivery_mode(mode: crd::DeliveryMode) -> config::DeliveryMode {
+    match mode {
+        crd::DeliveryMode::Exclusive => config::DeliveryMode::Exclusive,
+        crd::DeliveryMode::Stream => config::DeliveryMode::Stream,
+    }
+}
+
+/// `spec.exclusiveWrites`.
+pub fn exclusive_writes(writes: crd::ExclusiveWrites) -> config::ExclusiveWrites {
+    match writes {
+        crd::ExclusiveWrites::Lease => config::ExclusiveWrites::Lease,
+        crd::ExclusiveWrites::Claims => config::ExclusiveWrites::Claims,
+    }
+}
+
+/// `spec.startFrom`.
+pub fn start_from(start: crd::StartFrom) -> config::StartFrom {
+    match start {
+        crd::StartFrom::Now => config::StartFrom::Now,
+        crd::StartFrom::Beginning => config::StartFrom::Beginning,
+    }
+}
+
+/// `spec.app.mode`.
+pub fn app_mode(mode: crd::AppMode) -> AppMode {
+    match mode {
+        crd::AppMode::Push => AppMode::Push,
+        crd::AppMode::Pull => AppMode::Pull,
+    }
+}
+
+/// `spec.app.format`.
+pub fn app_format(format: crd::AppFormat) -> AppFormat {
+    match format {
+        crd::AppFormat::Cloudevents => AppFormat::Cloudevents,
+        crd::AppFormat::Raw => AppFormat::Raw,
+    }
 }
 
 /// The engine's queue settings from a CosmosQueue.
@@ -176,14 +219,9 @@ pub fn group(qcg: &QueueConsumerGroup) -> Result<GroupSettings, SpecError> {
         ..RetryPolicy::default()
     };
     let config = GroupConfig::new(name)
-        .with_mode(match s.delivery_mode {
-            DeliveryMode::Exclusive => config::DeliveryMode::Exclusive,
-            DeliveryMode::Stream => config::DeliveryMode::Stream,
-        })
-        .with_start_from(match s.start_from {
-            StartFrom::Now => config::StartFrom::Now,
-            StartFrom::Beginning => config::StartFrom::Beginning,
-        })
+        .with_mode(delivery_mode(s.delivery_mode))
+        .with_exclusive_writes(exclusive_writes(s.exclusive_writes))
+        .with_start_from(start_from(s.start_from))
         .with_lock_duration(duration("spec.lockDuration", &s.lock_duration)?)
         .with_ordering(s.ordered)
         .with_retry(retry);

@@ -94,6 +94,28 @@ fn given(value: &Option<String>) -> Option<&str> {
 }
 
 impl OtlpArgs {
+    /// The standard variables that are set, for a child process or container to read back.
+    pub fn to_env(&self) -> Vec<(&'static str, String)> {
+        [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &self.otlp_endpoint),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                &self.otlp_traces_endpoint,
+            ),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", &self.otlp_protocol),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                &self.otlp_traces_protocol,
+            ),
+            ("OTEL_TRACES_EXPORTER", &self.otel_traces_exporter),
+            ("OTEL_SDK_DISABLED", &self.otel_sdk_disabled),
+            ("OTEL_SERVICE_NAME", &self.otel_service_name),
+        ]
+        .into_iter()
+        .filter_map(|(name, value)| Some((name, value.clone()?)))
+        .collect()
+    }
+
     /// Export to an endpoint (tests and the local run).
     pub fn to_endpoint(endpoint: impl Into<String>) -> Self {
         Self {

@@ -16,7 +16,7 @@ use cosmosq_queue::{
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
+use crate::metrics::SidecarMetrics;
 use crate::spans::Publish;
 
 /// Largest request body taken (a batch of messages).
@@ -27,7 +27,7 @@ pub struct ApiState {
     /// The queue the app enqueues to.
     pub queue: Queue,
     /// The sidecar's metrics, served at `/metrics`.
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<SidecarMetrics>,
     /// The lease loop's counters, for health.
     pub stats: Arc<ConsumerStats>,
     /// Connected, and the app answered: leases may be taken.
@@ -115,7 +115,7 @@ const OPEN_PATHS: [&str; 4] = [
 
 /// `router` answering only callers that present `token` (`dapr-api-token`), 401 otherwise,
 /// as Dapr's API token authentication does; unchanged without a token.
-pub fn guarded(router: Router, token: Option<crate::config::Token>) -> Router {
+pub fn guarded(router: Router, token: Option<crate::settings::Token>) -> Router {
     let Some(token) = token else {
         return router;
     };

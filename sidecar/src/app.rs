@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 /// How a message is put in the request body.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum Format {
+pub enum AppFormat {
     /// A CloudEvents 1.0 structured event (`application/cloudevents+json`), message in `data`.
     #[default]
     Cloudevents,
@@ -66,8 +66,9 @@ fn header_safe(value: &str) -> bool {
 }
 
 /// The request a delivery becomes (pure): a CloudEvent or the raw body, with its headers.
-pub fn build_request(delivery: &Delivery, format: Format, trace: &TraceContext) -> AppRequest {
-    let event = (format == Format::Cloudevents).then(|| cloud_event(delivery, trace, PUBSUB_NAME));
+pub fn build_request(delivery: &Delivery, format: AppFormat, trace: &TraceContext) -> AppRequest {
+    let event =
+        (format == AppFormat::Cloudevents).then(|| cloud_event(delivery, trace, PUBSUB_NAME));
     request_with_event(delivery, event, trace)
 }
 
@@ -422,7 +423,7 @@ mod tests {
     #[test]
     fn cloudevents_carry_the_message_and_its_context() {
         let d = delivery(Body::Json(json!({"sku": 42})));
-        let req = build_request(&d, Format::Cloudevents, &trace(&d));
+        let req = build_request(&d, AppFormat::Cloudevents, &trace(&d));
         assert_eq!(req.content_type, "application/cloudevents+json");
         let event: Value = serde_json::from_slice(&req.body).unwrap();
         assert_eq!(event["specversion"], "1.0");
@@ -488,26 +489,26 @@ mod tests {
     #[test]
     fn raw_mode_sends_the_body_as_it_is() {
         let d = delivery(Body::Bytes(vec![1, 2, 3]));
-        let req = build_request(&d, Format::Raw, &trace(&d));
+        let req = build_request(&d, AppFormat::Raw, &trace(&d));
         assert_eq!(req.body, vec![1, 2, 3]);
         assert_eq!(req.content_type, "application/octet-stream");
         assert!(req
             .headers
             .contains(&(headers::TRACEPARENT.to_owned(), PRODUCER_TRACE.to_owned())));
-        let event = build_request(&d, Format::Cloudevents, &trace(&d));
+        let event = build_request(&d, AppFormat::Cloudevents, &trace(&d));
         let event: Value = serde_json::from_slice(&event.body).unwrap();
         assert_eq!(event["data_base64"], "AQID");
         // Text (a Dapr publish's default type) is a string in `data`, as Dapr delivers it.
         let mut d = delivery(Body::Bytes(b"hello".to_vec()));
         d.message.content_type = Some("text/plain; charset=utf-8".into());
-        let event = build_request(&d, Format::Cloudevents, &trace(&d));
+        let event = build_request(&d, AppFormat::Cloudevents, &trace(&d));
         let event: Value = serde_json::from_slice(&event.body).unwrap();
         assert_eq!(
             (event["data"].as_str(), event.get("data_base64")),
             (Some("hello"), None)
         );
         assert_eq!(event["datacontenttype"], "text/plain; charset=utf-8");
-        let raw = build_request(&d, Format::Raw, &trace(&d));
+        let raw = build_request(&d, AppFormat::Raw, &trace(&d));
         assert_eq!(raw.body, b"hello", "raw: the bytes as they are");
     }
 

@@ -10,7 +10,7 @@ use tracing::{debug, warn};
 use crate::app::Answer;
 use crate::breaker::{Admission, Breaker};
 use crate::isolation::{Blame, Isolation};
-use crate::metrics::Metrics;
+use crate::metrics::SidecarMetrics;
 use crate::transport::{AppTransport, Called, HttpTransport};
 
 /// The app behind localhost, as a [`Handler`].
@@ -29,7 +29,7 @@ pub struct AppClient<T = HttpTransport> {
     isolation: Mutex<Isolation>,
     /// Shared by deliveries side by side, exclusive while isolating (see [`crate::isolation`]).
     gate: tokio::sync::RwLock<()>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<SidecarMetrics>,
 }
 
 impl<T: AppTransport> AppClient<T> {
@@ -39,7 +39,7 @@ impl<T: AppTransport> AppClient<T> {
     }
 
     /// The app, reached through `transport`.
-    pub fn new(transport: T, metrics: Arc<Metrics>) -> Self {
+    pub fn new(transport: T, metrics: Arc<SidecarMetrics>) -> Self {
         Self {
             transport,
             breaker: Mutex::new(Breaker::new(
@@ -245,7 +245,7 @@ mod tests {
                 },
             ),
         ];
-        let metrics = Arc::new(Metrics::new("q", "g"));
+        let metrics = Arc::new(SidecarMetrics::new("q", "g"));
         let script = cases.iter().map(|(c, _)| c.clone()).collect();
         let app = AppClient::new(Scripted(Mutex::new(script)), Arc::clone(&metrics));
         for (call, expected) in cases {
@@ -265,7 +265,7 @@ mod tests {
         let script = (0..=BREAKER_FAILURES).map(|_| down()).collect();
         let app = AppClient::new(
             Scripted(Mutex::new(script)),
-            Arc::new(Metrics::new("q", "g")),
+            Arc::new(SidecarMetrics::new("q", "g")),
         );
         for _ in 0..BREAKER_FAILURES {
             app.handle(delivery()).await;

@@ -3,20 +3,20 @@
 
 use clap::Parser;
 use cosmosq_queue::process::{self, Stopping};
-use cosmosq_sidecar::{config, run};
+use cosmosq_sidecar::{run, settings::SidecarSettings};
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let config = config::Config::parse();
+    let settings = SidecarSettings::parse();
     process::init_tracing();
-    if let Err(e) = config.validate() {
+    if let Err(e) = settings.validate() {
         error!("{e}");
         eprintln!("{e}");
         return std::process::ExitCode::from(2);
     }
-    let grace = config.grace_period;
+    let grace = settings.grace_period;
     let shutdown = CancellationToken::new();
     let stopping = Stopping {
         draining: "stopping: finishing in-flight work, then releasing leases",
@@ -26,7 +26,7 @@ async fn main() -> std::process::ExitCode {
                       expire",
     };
     process::run_until_signalled(
-        run::run(config, shutdown.clone()),
+        run::run(settings, shutdown.clone()),
         shutdown,
         grace,
         stopping,

@@ -13,9 +13,9 @@ use prometheus::{
 };
 
 /// The sidecar's Prometheus metrics (names in [`cosmosq_queue::metric_names`] where the operator reports the same figure).
-pub struct Metrics {
+pub struct SidecarMetrics {
     registry: Registry,
-    /// The names of the families registered, for [`Metrics::names`].
+    /// The names of the families registered, for [`SidecarMetrics::names`].
     names: Vec<String>,
     /// Settled deliveries, by outcome.
     pub deliveries: IntCounterVec,
@@ -51,7 +51,7 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
-impl Metrics {
+impl SidecarMetrics {
     /// `n` messages the local API refused to enqueue.
     pub fn rejected(&self, n: usize) {
         self.enqueued

@@ -13,11 +13,11 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::api::{self, ApiState};
-use crate::config::{AppMode, Config};
 use crate::deletion_cost::{self, PodPatcher};
 use crate::delivery::AppClient;
 use crate::error::SidecarError;
-use crate::metrics::Metrics;
+use crate::metrics::SidecarMetrics;
+use crate::settings::{AppMode, SidecarSettings};
 use crate::spans;
 use crate::subscribe;
 use crate::transport::HttpTransport;
@@ -47,7 +47,7 @@ impl Handler for Traced {
 }
 
 /// Connects with the configured account and runs until `shutdown` has been drained.
-pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), SidecarError> {
+pub async fn run(config: SidecarSettings, shutdown: CancellationToken) -> Result<(), SidecarError> {
     config.validate()?;
     let client = config.connection.connect().await?;
     run_with_client(config, client, shutdown).await
@@ -55,7 +55,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Side
 
 /// [`run`] on a client made elsewhere (tests use the emulator's in-process client).
 pub async fn run_with_client(
-    config: Config,
+    config: SidecarSettings,
     client: CosmosClient,
     shutdown: CancellationToken,
 ) -> Result<(), SidecarError> {
@@ -69,7 +69,7 @@ pub async fn run_with_client(
 }
 
 async fn serve(
-    config: Config,
+    config: SidecarSettings,
     client: CosmosClient,
     shutdown: CancellationToken,
     telemetry: Telemetry,
@@ -83,7 +83,7 @@ async fn serve(
             ))
         })?;
     let group = queue.group(config.group_config())?;
-    let metrics = Arc::new(Metrics::new(&config.queue, &config.group));
+    let metrics = Arc::new(SidecarMetrics::new(&config.queue, &config.group));
     let options = config.host_options();
     let owner = options.holder();
     // The app pushed to, at its port; or none: pull workers come to the API.
@@ -231,7 +231,7 @@ async fn serve(
 async fn start_pushing(
     app: &AppClient,
     port: u16,
-    config: &Config,
+    config: &SidecarSettings,
     state: &ApiState,
     shutdown: &CancellationToken,
 ) -> Result<bool, SidecarError> {
@@ -252,7 +252,7 @@ async fn start_pushing(
 
 /// Waits until the app answers (its health path with 2xx, or a TCP connect). `false` if
 /// shut down first.
-async fn wait_for_app(port: u16, config: &Config, shutdown: &CancellationToken) -> bool {
+async fn wait_for_app(port: u16, config: &SidecarSettings, shutdown: &CancellationToken) -> bool {
     let http = crate::transport::app_http(config.app_api_token.as_ref())
         .timeout(Duration::from_secs(2))
         .build()
@@ -286,7 +286,7 @@ async fn wait_for_app(port: u16, config: &Config, shutdown: &CancellationToken) 
 /// pods do not all read them.
 async fn estimate_loop(
     group: cosmosq_queue::Group,
-    metrics: Arc<Metrics>,
+    metrics: Arc<SidecarMetrics>,
     owner: String,
     stop: CancellationToken,
 ) {

@@ -265,7 +265,7 @@ pub fn declared(entry: &str, topic: &str) -> Result<Subscription, SubscribeError
 pub async fn discover(
     port: u16,
     topic: &str,
-    token: Option<&crate::config::Token>,
+    token: Option<&crate::settings::Token>,
 ) -> Result<Option<Subscription>, SubscribeError> {
     let http = crate::transport::app_http(token)
         .timeout(Duration::from_secs(5))

@@ -11,7 +11,7 @@ use std::time::Duration;
 use cosmosq_queue::Delivery;
 use tracing::warn;
 
-use crate::app::{self, Answer, Format};
+use crate::app::{self, Answer, AppFormat};
 use crate::bulk::{self, Bulker};
 use crate::subscribe::{Route, Subscription};
 
@@ -44,7 +44,7 @@ pub struct HttpTransport {
     http: reqwest::Client,
     base: String,
     path: String,
-    format: Format,
+    format: AppFormat,
     timeout: Duration,
     /// The app's own subscription, once discovered (before the first delivery).
     subscription: OnceLock<Subscription>,
@@ -55,7 +55,7 @@ pub struct HttpTransport {
 /// An HTTP client for calls to the app: no proxy, and, when the group has one, the app token
 /// on every request (`dapr-api-token`, as Dapr's `APP_API_TOKEN`), marked sensitive so no
 /// debug output shows it.
-pub fn app_http(token: Option<&crate::config::Token>) -> reqwest::ClientBuilder {
+pub fn app_http(token: Option<&crate::settings::Token>) -> reqwest::ClientBuilder {
     let builder = reqwest::Client::builder().no_proxy();
     let Some(token) = token else {
         return builder;
@@ -74,9 +74,9 @@ impl HttpTransport {
     pub fn new(
         port: u16,
         path: &str,
-        format: Format,
+        format: AppFormat,
         timeout: Duration,
-        token: Option<&crate::config::Token>,
+        token: Option<&crate::settings::Token>,
     ) -> Self {
         Self {
             http: app_http(token)
@@ -122,7 +122,7 @@ impl HttpTransport {
             Route::Path(path) => path,
             Route::Unmatched(reason) => return Err(reason),
         };
-        let raw = subscription.raw_payload || self.format == Format::Raw;
+        let raw = subscription.raw_payload || self.format == AppFormat::Raw;
         Ok((path, (!raw).then_some(event)))
     }
 
@@ -309,8 +309,13 @@ mod tests {
     }
 
     fn subscribed(entry: serde_json::Value) -> HttpTransport {
-        let transport =
-            HttpTransport::new(1, "/configured", Format::Cloudevents, Duration::ZERO, None);
+        let transport = HttpTransport::new(
+            1,
+            "/configured",
+            AppFormat::Cloudevents,
+            Duration::ZERO,
+            None,
+        );
         let body = serde_json::to_vec(&json!([entry])).unwrap();
         transport.subscribe(crate::subscribe::parse(&body, "orders").unwrap().unwrap());
         transport
@@ -318,7 +323,13 @@ mod tests {
 
     #[test]
     fn a_subscription_picks_the_path_the_body_and_the_pubsub_name() {
-        let plain = HttpTransport::new(1, "/configured", Format::Cloudevents, Duration::ZERO, None);
+        let plain = HttpTransport::new(
+            1,
+            "/configured",
+            AppFormat::Cloudevents,
+            Duration::ZERO,
+            None,
+        );
         let (path, _) = plain.request(&delivery(json!({"kind": "a"}))).unwrap();
         assert_eq!(path, "/configured", "no subscription: the configured path");
 

@@ -1,18 +1,18 @@
-//! The contracts between processes: the sidecar container the operator builds is parsed by the
-//! sidecar's own `Config`, so a renamed variable or a value one side spells differently fails
-//! here rather than in a cluster; and the chart's dashboard queries only metrics the operator
+//! The contracts between processes: the sidecar container the operator builds is read by the
+//! sidecar's own `SidecarSettings`, so a renamed variable or a value one side spells
+//! differently fails here rather than in a cluster; and the chart's dashboard queries only metrics the operator
 //! and the sidecar export.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use clap::CommandFactory;
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
-use cosmosq_operator::build::{deployment, Defaults, SIDECAR_CONTAINER};
-use cosmosq_sidecar::config::Config;
+use cosmosq_operator::build::{deployment, sidecar_settings, Defaults, SIDECAR_CONTAINER};
+use cosmosq_sidecar::settings::{AppMode, SidecarSettings, Token};
 use serde_json::json;
 
-/// The sidecar's environment as the kubelet would give it (downward API fields filled in).
-fn sidecar_environment(group: serde_json::Value) -> BTreeMap<String, String> {
+/// The sidecar's environment as the kubelet would give it (downward API fields filled in),
+/// and the settings the operator meant it to carry.
+fn sidecar_environment(group: serde_json::Value) -> (BTreeMap<String, String>, SidecarSettings) {
     let queue: CosmosQueue = serde_json::from_value(json!({
         "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
         "metadata": {"name": "orders", "namespace": "shop", "uid": "q"},
@@ -33,6 +33,7 @@ fn sidecar_environment(group: serde_json::Value) -> BTreeMap<String, String> {
     }))
     .unwrap();
     let settings = cosmosq_operator::spec::group(&group).unwrap();
+    let meant = sidecar_settings(&group, &settings, &queue);
     let d = deployment(&group, &settings, &queue, &Defaults::new("sidecar:test")).unwrap();
     let pod = d.spec.unwrap().template.spec.unwrap();
     let sidecar = pod
@@ -40,7 +41,7 @@ fn sidecar_environment(group: serde_json::Value) -> BTreeMap<String, String> {
         .into_iter()
         .find(|c| c.name == SIDECAR_CONTAINER)
         .unwrap();
-    sidecar
+    let environment = sidecar
         .env
         .unwrap_or_default()
         .into_iter()
@@ -58,32 +59,13 @@ fn sidecar_environment(group: serde_json::Value) -> BTreeMap<String, String> {
             };
             (e.name, value)
         })
-        .collect()
+        .collect();
+    (environment, meant)
 }
 
-/// Parses an environment with the sidecar's `Config`, as flags: every variable must be one
-/// the sidecar reads.
-fn parse(environment: &BTreeMap<String, String>) -> Config {
-    let command = Config::command();
-    let mut args = vec!["cosmosq-sidecar".to_owned()];
-    for (name, value) in environment {
-        let arg = command
-            .get_arguments()
-            .find(|a| a.get_env().and_then(|e| e.to_str()) == Some(name.as_str()))
-            .unwrap_or_else(|| panic!("the sidecar reads no variable {name}"));
-        let long = arg.get_long().expect("a long flag");
-        if arg.get_action().takes_values() {
-            args.push(format!("--{long}={value}"));
-        } else {
-            // A switch reads its variable as a boolean, as clap's env handling does.
-            match value.as_str() {
-                "true" => args.push(format!("--{long}")),
-                "false" => {}
-                other => panic!("{name}={other:?}: a switch wants true or false"),
-            }
-        }
-    }
-    <Config as clap::Parser>::try_parse_from(args).unwrap_or_else(|e| panic!("{e}"))
+/// Reads an environment as the sidecar does: every variable must be one it reads.
+fn parse(environment: &BTreeMap<String, String>) -> SidecarSettings {
+    SidecarSettings::from_vars(environment).unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]
@@ -103,8 +85,14 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
         // Dapr's API tokens, from the group's Secret.
         json!({"app": {"port": 9000, "apiTokenSecret": "billing-tokens"}}),
     ] {
-        let environment = sidecar_environment(group.clone());
+        let (environment, mut meant) = sidecar_environment(group.clone());
         let config = parse(&environment);
+        // Everything the operator meant arrives, besides what the kubelet fills in.
+        meant.pod_name = Some("billing-workers-abc".into());
+        meant.pod_namespace = Some("shop".into());
+        meant.api_token = config.api_token.clone();
+        meant.app_api_token = config.app_api_token.clone();
+        assert_eq!(format!("{config:?}"), format!("{meant:?}"), "{group}");
         let debug = format!("{config:?}");
         assert_eq!(config.queue, "orders", "{group}");
         assert_eq!(config.group, "billing", "{group}");
@@ -126,14 +114,10 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
         let pull = group["app"]["mode"] == "Pull";
         assert_eq!(
             config.app_mode,
-            if pull {
-                cosmosq_sidecar::config::AppMode::Pull
-            } else {
-                cosmosq_sidecar::config::AppMode::Push
-            },
+            if pull { AppMode::Pull } else { AppMode::Push },
             "{group}"
         );
-        let token = |t: Option<&cosmosq_sidecar::config::Token>| t.map(|t| t.expose().to_owned());
+        let token = |t: Option<&Token>| t.map(|t| t.expose().to_owned());
         if group["app"]["apiTokenSecret"].is_string() {
             assert_eq!(
                 (
@@ -181,8 +165,8 @@ fn queried(text: &str) -> Vec<(String, String)> {
 fn the_dashboard_queries_only_metrics_that_exist() {
     use cosmosq_queue::metric_names;
     let dashboard = include_str!("../../charts/cosmosq/dashboards/cosmosq.json");
-    let operator = cosmosq_operator::metrics::Metrics::new();
-    let sidecar = cosmosq_sidecar::metrics::Metrics::new("orders", "billing");
+    let operator = cosmosq_operator::metrics::OperatorMetrics::new();
+    let sidecar = cosmosq_sidecar::metrics::SidecarMetrics::new("orders", "billing");
     let exported: BTreeSet<&str> = operator
         .names()
         .iter()
@@ -242,7 +226,7 @@ fn the_dashboard_queries_only_metrics_that_exist() {
 /// operator configures it, serves its localhost API (and Dapr's publish) on.
 #[test]
 fn dapr_http_port_names_the_port_the_sidecar_listens_on() {
-    let environment = sidecar_environment(json!({}));
+    let (environment, _) = sidecar_environment(json!({}));
     let config = parse(&environment);
     assert_eq!(
         config.listen.port(),
@@ -257,7 +241,7 @@ fn dapr_http_port_names_the_port_the_sidecar_listens_on() {
 /// format of Dapr's `GET /dapr/subscribe` entries.
 #[test]
 fn a_declared_subscription_reaches_the_sidecar_as_routes() {
-    let environment = sidecar_environment(json!({"app": {"port": 8080, "subscription": {
+    let (environment, _) = sidecar_environment(json!({"app": {"port": 8080, "subscription": {
         "pubsubname": "pubsub",
         "rules": [{"match": "event.data.priority > 5", "path": "/urgent"}],
         "default": "/orders", "rawPayload": true,

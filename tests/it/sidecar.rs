@@ -2,15 +2,19 @@
 
 use cosmosq_tests::free_port;
 use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
-use clap::Parser;
 use cosmosq_queue::lease::LeaseStore;
-use cosmosq_queue::{GroupConfig, MessageState, NewMessage};
-use cosmosq_sidecar::config::Config;
+use cosmosq_queue::telemetry::OtlpArgs;
+use cosmosq_queue::{
+    DeliveryMode, ExclusiveWrites, GroupConfig, MessageState, NewMessage, StartFrom,
+};
+use cosmosq_sidecar::settings::{AppMode, SidecarSettings, Token};
 use cosmosq_tests::{eventually, wait_on, Fixture};
 use serde_json::json;
 use tokio::sync::Notify;
@@ -191,53 +195,20 @@ impl TestApp {
     }
 }
 
-fn config(group: &str, app_port: u16, api_port: u16, extra: &[&str]) -> Config {
-    let app_port = app_port.to_string();
-    let listen = format!("127.0.0.1:{api_port}");
-    let probe = format!("127.0.0.1:{}", free_port());
-    let mut args = vec![
-        "sidecar",
-        "--database",
-        "db",
-        "--queue",
-        "q",
-        "--group",
-        group,
-        "--start-from",
-        "beginning",
-        "--app-port",
-        &app_port,
-        "--app-path",
-        "/messages",
-        "--listen",
-        &listen,
-        "--probe-listen",
-        &probe,
-        "--app-timeout",
-        "1500ms",
-        "--lock-duration",
-        "1s",
-        "--max-delivery-attempts",
-        "3",
-        "--retry-initial-backoff",
-        "50ms",
-        "--retry-max-backoff",
-        "200ms",
-        "--lease-acquire",
-        "100ms",
-        "--lease-renew",
-        "300ms",
-        "--lease-expire",
-        "2s",
-        "--max-poll",
-        "100ms",
-        "--sweep-interval",
-        "100ms",
-        "--pod-deletion-cost",
-        "false",
-    ];
-    args.extend_from_slice(extra);
-    Config::try_parse_from(args).unwrap()
+/// A sidecar on this machine's timings, reading group `group` of `db/q` from the beginning
+/// and posting to `app_port`, with a lock short enough that expiry tests take a second.
+fn settings(group: &str, app_port: u16, api_port: u16) -> SidecarSettings {
+    SidecarSettings {
+        start_from: StartFrom::Beginning,
+        app_port: Some(app_port),
+        app_path: "/messages".into(),
+        listen: SocketAddr::from(([127, 0, 0, 1], api_port)),
+        probe_listen: format!("127.0.0.1:{}", free_port()),
+        app_timeout: Duration::from_millis(1500),
+        lock_duration: Duration::from_secs(1),
+        max_delivery_attempts: 3,
+        ..SidecarSettings::new("db", "q", group).on_one_machine()
+    }
 }
 
 struct RunningSidecar {
@@ -246,7 +217,7 @@ struct RunningSidecar {
     api: String,
 }
 
-fn start_sidecar(fixture: &Fixture, config: Config) -> RunningSidecar {
+fn start_sidecar(fixture: &Fixture, config: SidecarSettings) -> RunningSidecar {
     let api = format!("http://{}", config.listen);
     let stop = CancellationToken::new();
     let task = tokio::spawn(cosmosq_sidecar::run::run_with_client(
@@ -313,7 +284,7 @@ async fn every_kind_of_answer_settles_as_the_contract_says() {
             .await
             .unwrap();
     }
-    let sidecar = start_sidecar(&fixture, config("g", app_port, free_port(), &[]));
+    let sidecar = start_sidecar(&fixture, settings("g", app_port, free_port()));
 
     let expected: HashMap<&str, (MessageState, Vec<u32>)> = HashMap::from([
         ("ok", (MessageState::Completed, vec![1])),
@@ -455,17 +426,11 @@ async fn the_sidecar_waits_for_an_app_that_starts_late() {
     let probe_listen = format!("127.0.0.1:{}", free_port());
     let sidecar = start_sidecar(
         &fixture,
-        config(
-            "g",
-            app_port,
-            api_port,
-            &[
-                "--app-health-path",
-                "/health",
-                "--probe-listen",
-                &probe_listen,
-            ],
-        ),
+        SidecarSettings {
+            app_health_path: Some("/health".into()),
+            probe_listen: probe_listen.clone(),
+            ..settings("g", app_port, api_port)
+        },
     );
     fixture
         .queue
@@ -542,19 +507,12 @@ async fn sigterm_with_fifty_in_flight_loses_nothing_and_releases_leases() {
         .map(|i| NewMessage::json(json!(i)).with_id(format!("m{i}")))
         .collect();
     fixture.enqueue_all(batch).await;
-    let settings = config(
-        "g",
-        app_port,
-        free_port(),
-        &[
-            "--max-concurrency",
-            "64",
-            "--lock-duration",
-            "10s",
-            "--app-timeout",
-            "30s",
-        ],
-    );
+    let settings = SidecarSettings {
+        max_concurrency: 64,
+        lock_duration: Duration::from_secs(10),
+        app_timeout: Duration::from_secs(30),
+        ..settings("g", app_port, free_port())
+    };
     let probe = settings.probe_addr().unwrap();
     let sidecar = start_sidecar(&fixture, settings);
     app.wait_for("50 in flight", |a| *a.waiting.lock().unwrap() == 50)
@@ -612,9 +570,12 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
         .await;
     let producer = start_sidecar(
         &fixture,
-        config("producers", app_port, free_port(), &["--start-from", "now"]),
+        SidecarSettings {
+            start_from: StartFrom::Now,
+            ..settings("producers", app_port, free_port())
+        },
     );
-    let consumer = start_sidecar(&fixture, config("workers", app_port, free_port(), &[]));
+    let consumer = start_sidecar(&fixture, settings("workers", app_port, free_port()));
     let http = reqwest::Client::new();
     eventually(
         "the producer sidecar is up",
@@ -801,29 +762,26 @@ async fn a_trace_from_enqueue_to_the_app_is_exported_over_otlp() {
         ports.push(listener.local_addr().unwrap().port());
         test_app.serve(listener, script).await;
     }
-    let endpoint = format!("--otlp-endpoint={}", receiver.endpoint);
     let producer = start_sidecar(
         &fixture,
-        config(
-            "producers",
-            ports[0],
-            free_port(),
-            &[
-                "--start-from",
-                "now",
-                &endpoint,
-                "--otel-service-name=shop-api",
-            ],
-        ),
+        SidecarSettings {
+            start_from: StartFrom::Now,
+            otlp: OtlpArgs {
+                otel_service_name: Some("shop-api".into()),
+                ..OtlpArgs::to_endpoint(&receiver.endpoint)
+            },
+            ..settings("producers", ports[0], free_port())
+        },
     );
     let consumer = start_sidecar(
         &fixture,
-        config(
-            "workers",
-            ports[1],
-            free_port(),
-            &[&endpoint, "--otlp-protocol=http/json"],
-        ),
+        SidecarSettings {
+            otlp: OtlpArgs {
+                otlp_protocol: Some("http/json".into()),
+                ..OtlpArgs::to_endpoint(&receiver.endpoint)
+            },
+            ..settings("workers", ports[1], free_port())
+        },
     );
     let http = reqwest::Client::new();
     eventually("the producer is up", Duration::from_secs(5), || async {
@@ -984,7 +942,10 @@ async fn a_trace_from_enqueue_to_the_app_is_exported_over_otlp() {
 #[tokio::test]
 async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
     let fixture = Fixture::new(1).await;
-    let bad_listen = config("g", 8080, free_port(), &["--listen", "0.0.0.0:9999"]);
+    let bad_listen = SidecarSettings {
+        listen: "0.0.0.0:9999".parse().unwrap(),
+        ..settings("g", 8080, free_port())
+    };
     let err = cosmosq_sidecar::run::run_with_client(
         bad_listen,
         fixture.client.clone(),
@@ -993,24 +954,13 @@ async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
     .await
     .unwrap_err();
     assert!(err.to_string().contains("--listen"), "{err}");
-    let missing = Config::try_parse_from([
-        "sidecar",
-        "--database",
-        "db",
-        "--queue",
-        "q",
-        "--group",
-        "g",
-    ])
-    .unwrap()
-    .validate()
-    .unwrap_err();
+    let missing = SidecarSettings::new("db", "q", "g").validate().unwrap_err();
     assert!(
         missing.to_string().contains("--app-port"),
         "pushed deliveries need it: {missing}"
     );
     // A queue nobody provisioned.
-    let mut unprovisioned = config("g", 8080, free_port(), &[]);
+    let mut unprovisioned = settings("g", 8080, free_port());
     unprovisioned.queue = "nope".into();
     let err = cosmosq_sidecar::run::run_with_client(
         unprovisioned,
@@ -1021,12 +971,13 @@ async fn invalid_configuration_stops_the_sidecar_with_the_setting_named() {
     .unwrap_err();
     assert!(err.to_string().contains("provisioned"), "{err}");
     // A collector's gRPC port: refused at start, saying what to use.
-    let grpc = config(
-        "g",
-        8080,
-        free_port(),
-        &["--otlp-endpoint=http://c:4317", "--otlp-protocol=grpc"],
-    );
+    let grpc = SidecarSettings {
+        otlp: OtlpArgs {
+            otlp_protocol: Some("grpc".into()),
+            ..OtlpArgs::to_endpoint("http://c:4317")
+        },
+        ..settings("g", 8080, free_port())
+    };
     let err = cosmosq_sidecar::run::run_with_client(
         grpc,
         fixture.client.clone(),
@@ -1098,7 +1049,7 @@ async fn a_poison_message_that_crashes_the_app_is_counted_alone_never_its_neighb
         .collect();
     batch.insert(4, NewMessage::json(json!("x")).with_id("poison"));
     fixture.enqueue_all(batch).await;
-    let sidecar = start_sidecar(&fixture, config("g", app_port, free_port(), &[]));
+    let sidecar = start_sidecar(&fixture, settings("g", app_port, free_port()));
     let group = fixture.group(GroupConfig::new("g"));
     eventually(
         "the poison message is dead-lettered and every neighbour completed",
@@ -1213,7 +1164,7 @@ async fn messages_the_official_python_sdk_wrote_are_delivered_with_their_key_typ
     .await;
     let stop = CancellationToken::new();
     let sidecar = tokio::spawn(cosmosq_sidecar::run::run_with_client(
-        config("workers", app_port, free_port(), &[]),
+        settings("workers", app_port, free_port()),
         client.clone(),
         stop.clone(),
     ));
@@ -1312,9 +1263,12 @@ async fn dapr_app(bulk: bool) {
             let _ = lines.send(line);
         }
     });
-    let tokens = ["--api-token", api_token, "--app-api-token", app_token];
-    let extra: &[&str] = if bulk { &tokens } else { &[] };
-    let sidecar = start_sidecar(&fixture, config("dapr", app_port, api_port, extra));
+    let mut settings = settings("dapr", app_port, api_port);
+    if bulk {
+        settings.api_token = Some(api_token.parse().unwrap());
+        settings.app_api_token = Some(app_token.parse().unwrap());
+    }
+    let sidecar = start_sidecar(&fixture, settings);
 
     let messages = [
         ("widget", json!({"kind": "widget"})),
@@ -1441,7 +1395,7 @@ async fn a_broken_dapr_subscription_stops_the_sidecar_with_the_rule_named() {
         .enqueue(NewMessage::json(json!({"kind": "x"})).with_id("kept"))
         .await
         .unwrap();
-    let sidecar = start_sidecar(&fixture, config("broken", app_port, free_port(), &[]));
+    let sidecar = start_sidecar(&fixture, settings("broken", app_port, free_port()));
     let error = tokio::time::timeout(Duration::from_secs(30), sidecar.task)
         .await
         .expect("the sidecar stops")
@@ -1491,24 +1445,28 @@ async fn pull_worker(args: Vec<String>) -> (bool, Vec<serde_json::Value>) {
 /// In each delivery mode and exclusive write path, and in an ordered group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_worker_receives_settles_in_batches_and_a_crashed_ones_messages_come_back() {
-    for (group, extra) in [
-        ("pullers", &[][..]),
-        ("stream-pullers", &["--mode", "stream"][..]),
-        ("claims-pullers", &["--exclusive-writes", "claims"][..]),
-        ("ordered-pullers", &["--ordered"][..]),
+    for (group, choose) in [
+        ("pullers", (|_| {}) as fn(&mut SidecarSettings)),
+        ("stream-pullers", |s| s.mode = DeliveryMode::Stream),
+        ("claims-pullers", |s| {
+            s.exclusive_writes = ExclusiveWrites::Claims
+        }),
+        ("ordered-pullers", |s| s.ordered = true),
     ] {
-        pull_group(group, extra).await;
+        pull_group(group, choose).await;
     }
 }
 
-async fn pull_group(group: &str, extra: &[&str]) {
+async fn pull_group(group: &str, choose: fn(&mut SidecarSettings)) {
     let fixture = Fixture::new(2).await;
     let api_port = free_port();
-    let mut args = vec!["--app-mode", "pull"];
-    args.extend_from_slice(extra);
     // No app listens: a pull group does not wait for one.
-    let mut config = config(group, free_port(), api_port, &args);
-    config.app_port = None; // workers come to the sidecar: no app port of theirs
+    let mut config = SidecarSettings {
+        app_mode: AppMode::Pull,
+        app_port: None, // workers come to the sidecar: no app port of theirs
+        ..settings(group, free_port(), api_port)
+    };
+    choose(&mut config);
     let sidecar = start_sidecar(&fixture, config);
     let fate = |i: usize| match i {
         3 => "abandon-once",
@@ -1637,29 +1595,20 @@ async fn the_api_and_the_app_are_told_apart_by_dapr_api_tokens() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let app_port = listener.local_addr().unwrap().port();
     tokio::spawn(async move { axum::serve(listener, app).await });
-    let config = config(
-        "g",
-        app_port,
-        free_port(),
-        &[
-            "--api-token",
-            "api-s3cret",
-            "--app-api-token",
-            "app-s3cret",
-            "--app-health-path",
-            "/messages",
-        ],
-    );
+    let config = SidecarSettings {
+        api_token: Some("api-s3cret".parse().unwrap()),
+        app_api_token: Some("app-s3cret".parse().unwrap()),
+        app_health_path: Some("/messages".into()),
+        ..settings("g", app_port, free_port())
+    };
     let said = format!("{config:?}");
     assert!(!said.contains("s3cret"), "{said}");
     // A token that cannot travel in a header (a wrapped `openssl rand -base64` output) is
     // refused by name, never by value.
-    let wrapped = self::config(
-        "g",
-        app_port,
-        free_port(),
-        &["--api-token", "s3cret\nwrapped"],
-    );
+    let wrapped = SidecarSettings {
+        api_token: Some(Token::from_str("s3cret\nwrapped").unwrap()),
+        ..settings("g", app_port, free_port())
+    };
     let refused = wrapped.validate().unwrap_err().to_string();
     assert!(
         refused.contains("--api-token (COSMOSQ_API_TOKEN)") && !refused.contains("s3cret"),

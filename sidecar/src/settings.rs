@@ -1,17 +1,21 @@
-//! Configuration by flags and environment (the operator sets the environment).
+//! The sidecar's settings: its flags and environment, and the one contract between the
+//! operator and the sidecar. The operator builds a [`SidecarSettings`] from a group's spec and
+//! writes it as the container's environment with [`SidecarSettings::to_env`]; the sidecar reads
+//! it back with clap (`SidecarSettings::parse`); the demo and the tests build the same type.
+//! `tests/it/contract.rs` parses what the operator writes with [`SidecarSettings::from_vars`].
 
 use cosmosq_queue::env;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use cosmosq_queue::host::HostOptions;
 use cosmosq_queue::telemetry::OtlpArgs;
 use cosmosq_queue::{
     ConnectionArgs, DeliveryMode, ExclusiveWrites, GroupConfig, QueueConfig, RetryPolicy, StartFrom,
 };
 
-use crate::app::Format;
+use crate::app::AppFormat;
 use crate::error::SidecarError;
 
 fn duration(text: &str) -> Result<Duration, String> {
@@ -83,7 +87,7 @@ impl Token {
 /// Every setting is a flag or the `COSMOSQ_*` variable the operator sets.
 #[derive(Parser, Clone, Debug)]
 #[command(name = "cosmosq-sidecar", version, args_override_self = true)]
-pub struct Config {
+pub struct SidecarSettings {
     /// How to reach the account.
     #[command(flatten)]
     pub connection: ConnectionArgs,
@@ -122,8 +126,8 @@ pub struct Config {
     #[arg(long, env = env::APP_MODE, value_enum, default_value_t = AppMode::Push)]
     pub app_mode: AppMode,
     /// What the app receives: `cloudevents` or `raw`.
-    #[arg(long, env = env::APP_FORMAT, value_enum, default_value_t = Format::Cloudevents)]
-    pub app_format: Format,
+    #[arg(long, env = env::APP_FORMAT, value_enum, default_value_t = AppFormat::Cloudevents)]
+    pub app_format: AppFormat,
     /// Longest the app may take with one message; the lock is renewed meanwhile.
     #[arg(long, env = env::APP_TIMEOUT, default_value = "60s", value_parser = duration)]
     pub app_timeout: Duration,
@@ -208,7 +212,7 @@ pub struct Config {
     pub otlp: OtlpArgs,
 }
 
-impl Config {
+impl SidecarSettings {
     /// Every check that can run without connecting; the error names the setting.
     pub fn validate(&self) -> Result<(), SidecarError> {
         let bad =
@@ -360,13 +364,160 @@ impl Config {
             ..HostOptions::new(self.owner())
         }
     }
+
+    /// A group's defaults, read from nothing else (not this process's environment): what the
+    /// demo and the tests build on before they set what they need.
+    pub fn new(database: &str, queue: &str, group: &str) -> Self {
+        Self::from_vars([
+            (env::DATABASE, database),
+            (env::QUEUE, queue),
+            (env::GROUP, group),
+        ])
+        .expect("a database, a queue and a group are all the sidecar needs")
+    }
+
+    /// The settings a container environment gives, read from `vars` alone (not this
+    /// process's environment), exactly as the sidecar reads its own: a variable it does not
+    /// read is an error, so a name the operator misspells fails here, not in a cluster.
+    pub fn from_vars<K: AsRef<str>, V: AsRef<str>>(
+        vars: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Self, clap::Error> {
+        // The same command without its environment: the values come from `vars` only.
+        let command = Self::command().mut_args(|arg| arg.env(None::<&str>));
+        let with_env = Self::command();
+        let mut args = vec!["cosmosq-sidecar".to_owned()];
+        for (name, value) in vars {
+            let (name, value) = (name.as_ref(), value.as_ref());
+            let arg = with_env
+                .get_arguments()
+                .find(|a| a.get_env().and_then(|e| e.to_str()) == Some(name))
+                .ok_or_else(|| {
+                    clap::Error::raw(
+                        clap::error::ErrorKind::UnknownArgument,
+                        format!("the sidecar reads no variable {name}\n"),
+                    )
+                })?;
+            let long = arg.get_long().expect("every setting has a long flag");
+            if arg.get_action().takes_values() {
+                args.push(format!("--{long}={value}"));
+            } else if value == "true" {
+                // A switch: its variable is read as a boolean.
+                args.push(format!("--{long}"));
+            } else if value != "false" {
+                return Err(clap::Error::raw(
+                    clap::error::ErrorKind::InvalidValue,
+                    format!("{name}={value:?}: a switch is true or false\n"),
+                ));
+            }
+        }
+        let matches = command.try_get_matches_from(args)?;
+        Self::from_arg_matches(&matches)
+    }
+
+    /// Every setting as the variable the sidecar reads and a value it parses back to the same
+    /// setting: what the operator puts on the sidecar container. Left out are settings with
+    /// no value and secrets (the API tokens, the account key), which travel by reference (a
+    /// Secret's key, a mounted file), never as a value in the pod's spec.
+    pub fn to_env(&self) -> Vec<(&'static str, String)> {
+        let duration = |d: Duration| humantime::format_duration(d).to_string();
+        let c = &self.connection;
+        let mut vars = vec![
+            (env::ENDPOINT, c.endpoint.clone()),
+            (env::AUTH, value_name(c.auth)),
+            (env::REGION, c.region.clone()),
+            (env::DATABASE, self.database.clone()),
+            (env::QUEUE, self.queue.clone()),
+            (env::PARTITION_KEY_PATH, self.partition_key_path.clone()),
+            (env::GROUP, self.group.clone()),
+            (env::DELIVERY_MODE, value_name(self.mode)),
+            (env::EXCLUSIVE_WRITES, value_name(self.exclusive_writes)),
+            (env::START_FROM, value_name(self.start_from)),
+            (env::ORDERED, self.ordered.to_string()),
+            (env::APP_PATH, self.app_path.clone()),
+            (env::APP_MODE, value_name(self.app_mode)),
+            (env::APP_FORMAT, value_name(self.app_format)),
+            (env::APP_TIMEOUT, duration(self.app_timeout)),
+            (env::MAX_CONCURRENCY, self.max_concurrency.to_string()),
+            (
+                env::MAX_DELIVERY_ATTEMPTS,
+                self.max_delivery_attempts.to_string(),
+            ),
+            (
+                env::RETRY_INITIAL_BACKOFF,
+                duration(self.retry_initial_backoff),
+            ),
+            (env::RETRY_MAX_BACKOFF, duration(self.retry_max_backoff)),
+            (env::LOCK_DURATION, duration(self.lock_duration)),
+            (env::LEASE_RENEW, duration(self.lease_renew)),
+            (env::PROMOTE_AFTER, duration(self.promote_after)),
+            (env::LEASE_ACQUIRE, duration(self.lease_acquire)),
+            (env::LEASE_EXPIRE, duration(self.lease_expire)),
+            (
+                env::LEASES_PER_PARTITION,
+                self.leases_per_partition.to_string(),
+            ),
+            (env::MAX_POLL, duration(self.max_poll)),
+            (env::SWEEP_INTERVAL, duration(self.sweep_interval)),
+            (env::LISTEN, self.listen.to_string()),
+            (env::PROBE_LISTEN, self.probe_listen.clone()),
+            (env::GRACE_PERIOD, duration(self.grace_period)),
+            (env::POD_DELETION_COST, self.pod_deletion_cost.to_string()),
+        ];
+        let optional = [
+            (
+                env::KEY_FILE,
+                c.key_file.as_ref().map(|p| p.display().to_string()),
+            ),
+            (env::APP_PORT, self.app_port.map(|p| p.to_string())),
+            (env::APP_SUBSCRIPTION, self.app_subscription.clone()),
+            (env::APP_HEALTH_PATH, self.app_health_path.clone()),
+            (env::POD_NAME, self.pod_name.clone()),
+            (env::POD_NAMESPACE, self.pod_namespace.clone()),
+        ];
+        vars.extend(
+            optional
+                .into_iter()
+                .filter_map(|(name, value)| Some((name, value?))),
+        );
+        vars.extend(self.otlp.to_env());
+        vars
+    }
+
+    /// Timings for consumers that all run on one machine (the demo, the tests): a stopped
+    /// holder's leases are taken within about two seconds and an idle range is read every
+    /// 100 ms; the API on a free loopback port, no probe port and no pod to mark.
+    pub fn on_one_machine(self) -> Self {
+        Self {
+            lease_acquire: Duration::from_millis(100),
+            lease_renew: Duration::from_millis(300),
+            lease_expire: Duration::from_secs(2),
+            max_poll: Duration::from_millis(100),
+            sweep_interval: Duration::from_millis(100),
+            retry_initial_backoff: Duration::from_millis(50),
+            retry_max_backoff: Duration::from_millis(200),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            probe_listen: String::new(),
+            pod_deletion_cost: false,
+            ..self
+        }
+    }
+}
+
+/// A setting's value as its flag spells it (`exclusive`, `cloudevents`): clap's own name, so
+/// what is written is what is parsed.
+fn value_name(value: impl ValueEnum) -> String {
+    value
+        .to_possible_value()
+        .expect("no value of a setting is skipped")
+        .get_name()
+        .to_owned()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn parse(extra: &[&str]) -> Result<Config, clap::Error> {
+    fn parse(extra: &[&str]) -> Result<SidecarSettings, clap::Error> {
         let mut args = vec![
             "sidecar",
             "--database",
@@ -379,7 +530,69 @@ mod tests {
             "8080",
         ];
         args.extend_from_slice(extra);
-        Config::try_parse_from(args)
+        SidecarSettings::try_parse_from(args)
+    }
+
+    #[test]
+    fn every_setting_written_is_read_back_as_it_was() {
+        let defaults = SidecarSettings::new("db", "orders", "billing");
+        let mut changed = defaults.clone().on_one_machine();
+        changed.connection.endpoint = "https://acct.documents.azure.com:443/".into();
+        changed.connection.auth = cosmosq_queue::Auth::Key;
+        changed.connection.key_file = Some("/var/run/cosmosq/key".into());
+        changed.connection.region = "westeurope".into();
+        changed.partition_key_path = "/tenant".into();
+        changed.mode = DeliveryMode::Stream;
+        changed.exclusive_writes = ExclusiveWrites::Claims;
+        changed.start_from = StartFrom::Beginning;
+        changed.ordered = true;
+        changed.app_port = Some(9000);
+        changed.app_path = "/orders".into();
+        changed.app_mode = AppMode::Pull;
+        changed.app_format = AppFormat::Raw;
+        changed.app_timeout = Duration::from_millis(90_500);
+        changed.app_subscription = Some(r#"{"topic":"orders","routes":{"default":"/o"}}"#.into());
+        changed.app_health_path = Some("/healthz".into());
+        changed.max_concurrency = 3;
+        changed.max_delivery_attempts = 7;
+        changed.promote_after = Duration::from_secs(2);
+        changed.leases_per_partition = 4;
+        changed.grace_period = Duration::from_secs(310);
+        changed.pod_name = Some("billing-workers-abc".into());
+        changed.pod_namespace = Some("shop".into());
+        changed.otlp = OtlpArgs::to_endpoint("http://otel:4318");
+        for settings in [defaults, changed] {
+            let read = SidecarSettings::from_vars(settings.to_env()).unwrap();
+            assert_eq!(format!("{read:?}"), format!("{settings:?}"));
+        }
+    }
+
+    #[test]
+    fn secrets_are_never_written_as_values() {
+        let mut settings = SidecarSettings::new("db", "q", "g");
+        settings.connection.key = Some("account-key".into());
+        settings.api_token = Some("api-token".parse().unwrap());
+        settings.app_api_token = Some("app-api-token".parse().unwrap());
+        let env = settings.to_env();
+        let names: Vec<_> = env.iter().map(|(name, _)| *name).collect();
+        for secret in [env::KEY, env::API_TOKEN, env::APP_API_TOKEN] {
+            assert!(!names.contains(&secret), "{secret} in {names:?}");
+        }
+        assert!(
+            !format!("{env:?}").contains("token") && !format!("{env:?}").contains("account-key")
+        );
+    }
+
+    #[test]
+    fn a_variable_the_sidecar_does_not_read_is_refused() {
+        let err = SidecarSettings::from_vars([(env::DATABASE, "db"), ("COSMOSQ_LOCK", "1s")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("COSMOSQ_LOCK"), "{err}");
+        let err = SidecarSettings::from_vars([(env::ORDERED, "yes")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("true or false"), "{err}");
     }
 
     #[test]
@@ -425,7 +638,7 @@ mod tests {
                 "g",
             ];
             args.extend_from_slice(extra);
-            Config::try_parse_from(args).unwrap().validate()
+            SidecarSettings::try_parse_from(args).unwrap().validate()
         };
         without_port(&["--app-mode", "pull"]).unwrap();
         let err = without_port(&[]).unwrap_err().to_string();
