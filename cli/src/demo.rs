@@ -4,7 +4,7 @@
 //! `fulfilment` (exclusive) and `analytics` (stream). A worker is what a worker pod holds: the
 //! real sidecar ([`cosmosq_sidecar::run`]) delivering over localhost HTTP to a sample app that
 //! follows the app contract. Every round, the operator's scaling decision
-//! ([`cosmosq_queue::scaling`]) runs on each group's estimate and starts workers or drains them
+//! ([`cosmosq_scaling`]) runs on each group's estimate and starts workers or drains them
 //! (as a SIGTERM would): from zero when the burst arrives, up to one per lease, back to zero
 //! once idle. Some deliveries fail and are retried with back-off; poison orders end in the dead
 //! letters. It ends, scaled to zero, once both groups have settled every message.
@@ -22,13 +22,13 @@ use axum::routing::{get, post};
 use axum::Router;
 use clap::Args;
 use cosmosq_emulator::{Emulator, EmulatorOptions};
+use cosmosq_program::measure::percentile;
 use cosmosq_queue::clock::system_now_ms;
 use cosmosq_queue::estimate::GroupEstimate;
-use cosmosq_queue::measure::percentile;
-use cosmosq_queue::scaling::{Autoscaler, Policy};
 use cosmosq_queue::{
     provision, CosmosClient, DeliveryMode, GroupConfig, NewMessage, Queue, QueueConfig, StartFrom,
 };
+use cosmosq_scaling::{Autoscaler, Policy};
 use cosmosq_sidecar::app::headers;
 use cosmosq_sidecar::error::SidecarError;
 use cosmosq_sidecar::settings::SidecarSettings;

@@ -63,7 +63,7 @@ async fn until(
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
-    cosmosq_queue::measure::percentile(sorted, p).unwrap_or(f64::NAN)
+    cosmosq_program::measure::percentile(sorted, p).unwrap_or(f64::NAN)
 }
 
 #[tokio::main]

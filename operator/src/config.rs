@@ -177,7 +177,7 @@ pub struct Config {
     /// OTLP export of reconcile spans: the standard `OTEL_*` variables (off without an
     /// endpoint).
     #[command(flatten)]
-    pub otlp: cosmosq_queue::telemetry::OtlpArgs,
+    pub otlp: cosmosq_program::telemetry::OtlpArgs,
 }
 
 impl Config {

@@ -11,7 +11,7 @@ use serde::Serialize;
 use tokio::sync::{mpsc, RwLock};
 use tracing::warn;
 
-use cosmosq_queue::telemetry::{self, Attribute, Telemetry};
+use cosmosq_program::telemetry::{self, Attribute, Telemetry};
 
 use crate::build::Defaults;
 use crate::cosmos::Cosmos;

@@ -31,8 +31,8 @@ pub mod queue;
 pub mod rollout;
 pub mod run;
 pub mod scaler;
-/// The pure scaling decision lives in the engine, shared with `cosmosq demo`.
-pub use cosmosq_queue::scaling;
+/// The pure scaling decision, shared with `cosmosq demo`.
+pub use cosmosq_scaling as scaling;
 pub mod spec;
 pub mod status;
 #[cfg(test)]

@@ -6,7 +6,7 @@
 
 use clap::Parser;
 use cosmosq_operator::{config::Config, run};
-use cosmosq_queue::process::{self, Stopping};
+use cosmosq_program::process::{self, Stopping};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]

@@ -35,7 +35,7 @@ use crate::leader::{ElectionSettings, LeaderElection, LeaderError};
 use crate::queue::reconcile_queue;
 use crate::scaler::Scaler;
 use crate::tls::{ServingTls, Source, TlsError};
-use cosmosq_queue::telemetry::Telemetry;
+use cosmosq_program::telemetry::Telemetry;
 
 /// The label the leader puts on its own pod; the external-metrics Service selects it.
 pub const LEADER_LABEL: &str = "cosmosq.io/leader";
@@ -59,7 +59,7 @@ pub enum RunError {
     Leader(#[from] LeaderError),
     /// The span export settings are unusable.
     #[error(transparent)]
-    Telemetry(#[from] cosmosq_queue::telemetry::TelemetryError),
+    Telemetry(#[from] cosmosq_program::telemetry::TelemetryError),
     /// The ARM client (--identity-management) cannot be set up.
     #[error("--identity-management: {0}")]
     Management(String),

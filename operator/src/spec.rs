@@ -10,7 +10,7 @@ use cosmosq_crds as crd;
 use cosmosq_crds::{CosmosQueueSpec, QueueConsumerGroup, ScalingMode, ThroughputMode};
 use cosmosq_queue::backoff::RetryPolicy;
 use cosmosq_queue::config::{self, GroupConfig, QueueConfig, Throughput};
-use cosmosq_queue::scaling::Policy;
+use cosmosq_scaling::Policy;
 use cosmosq_sidecar::app::AppFormat;
 use cosmosq_sidecar::settings::AppMode;
 use kube::ResourceExt;

@@ -28,17 +28,13 @@ pub mod host;
 pub mod identity;
 pub mod lease;
 pub mod ledger;
-pub mod measure;
 pub mod message;
 pub mod metric_names;
-pub mod process;
 pub mod producer;
 pub mod pull;
 pub mod queue;
 pub mod range;
-pub mod scaling;
 pub mod state;
-pub mod telemetry;
 pub mod trace;
 
 pub use azure_data_cosmos::CosmosClient;

@@ -48,7 +48,7 @@ async fn wait_for(received: &Received, n: usize, peak_rss: &mut u64, pid: u32) {
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
-    cosmosq_queue::measure::percentile(sorted, p).unwrap_or(f64::NAN)
+    cosmosq_program::measure::percentile(sorted, p).unwrap_or(f64::NAN)
 }
 
 #[tokio::main]

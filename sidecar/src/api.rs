@@ -41,7 +41,7 @@ pub struct ApiState {
     /// A pull group's receive side; `None` for push.
     pub puller: Option<cosmosq_queue::pull::Puller>,
     /// Where publish spans go.
-    pub telemetry: cosmosq_queue::telemetry::Telemetry,
+    pub telemetry: cosmosq_program::telemetry::Telemetry,
 }
 
 /// How long `/drained` waits for this sidecar to begin stopping. A pod being deleted sends

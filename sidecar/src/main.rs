@@ -2,7 +2,7 @@
 #![forbid(unsafe_code)]
 
 use clap::Parser;
-use cosmosq_queue::process::{self, Stopping};
+use cosmosq_program::process::{self, Stopping};
 use cosmosq_sidecar::{run, settings::SidecarSettings};
 use tokio_util::sync::CancellationToken;
 use tracing::error;

@@ -4,9 +4,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cosmosq_program::telemetry::Telemetry;
 use cosmosq_queue::host::Host;
 use cosmosq_queue::pull::Pull;
-use cosmosq_queue::telemetry::Telemetry;
 use cosmosq_queue::{CosmosClient, Delivery, Handler, Outcome, Queue};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;

@@ -9,8 +9,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
+use cosmosq_program::telemetry::OtlpArgs;
 use cosmosq_queue::host::HostOptions;
-use cosmosq_queue::telemetry::OtlpArgs;
 use cosmosq_queue::{
     ConnectionArgs, DeliveryMode, ExclusiveWrites, GroupConfig, QueueConfig, RetryPolicy, StartFrom,
 };

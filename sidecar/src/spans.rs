@@ -1,4 +1,4 @@
-//! The sidecar's spans, exported when OTLP is on (see `cosmosq_queue::telemetry`), named and
+//! The sidecar's spans, exported when OTLP is on (see `cosmosq_program::telemetry`), named and
 //! attributed as OpenTelemetry's messaging conventions say: one `send <queue>` (producer) per
 //! publish request, one `process <queue>` (consumer) per delivery attempt, from the hand-over
 //! to the app (or a pull worker) until the outcome. Each hands its own context on — to the
@@ -6,7 +6,7 @@
 //! delivery of the publish. With export off, contexts pass through unchanged.
 
 use axum::http::HeaderMap;
-use cosmosq_queue::telemetry::{Attribute, Kind, Span, Telemetry};
+use cosmosq_program::telemetry::{Attribute, Kind, Span, Telemetry};
 use cosmosq_queue::{Delivery, NewMessage, Outcome, TraceContext};
 
 use crate::api::ApiState;

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
+use cosmosq_program::telemetry::OtlpArgs;
 use cosmosq_queue::lease::LeaseStore;
-use cosmosq_queue::telemetry::OtlpArgs;
 use cosmosq_queue::{
     DeliveryMode, ExclusiveWrites, GroupConfig, MessageState, NewMessage, StartFrom,
 };

@@ -24,7 +24,7 @@ use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
 
-use crate::trace::TraceContext;
+use cosmosq_queue::trace::TraceContext;
 
 pub use opentelemetry::trace::SpanKind as Kind;
 pub use opentelemetry::KeyValue as Attribute;

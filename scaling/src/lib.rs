@@ -13,7 +13,7 @@
 
 use std::collections::VecDeque;
 
-use crate::estimate::GroupEstimate;
+use cosmosq_queue::estimate::GroupEstimate;
 
 /// A group's scaling settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -564,7 +564,7 @@ mod tests {
             group: "g".into(),
             ranges: ranges
                 .iter()
-                .map(|&(lsn, backlog)| crate::estimate::RangeEstimate {
+                .map(|&(lsn, backlog)| cosmosq_queue::estimate::RangeEstimate {
                     min_epk: String::new(),
                     max_epk: "FF".into(),
                     owner: None,
