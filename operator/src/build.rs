@@ -49,13 +49,13 @@ const APP_STOP_MARGIN_SECONDS: i64 = 15;
 /// otherwise be dropped without a word, as `fieldValidation=Strict` would refuse it.
 fn strict<T>(field: &'static str, value: &serde_json::Value) -> Result<T, SpecError>
 where
-    T: serde::de::DeserializeOwned + serde::Serialize,
+    T: serde::de::DeserializeOwned,
 {
-    let parsed: T = serde_json::from_value(value.clone())
-        .map_err(|e| invalid(field, format!("not a {}: {e}", short_type_name::<T>())))?;
-    let round_trip = serde_json::to_value(&parsed).map_err(|e| invalid(field, e.to_string()))?;
     let mut unknown = Vec::new();
-    unknown_fields(value, &round_trip, field, &mut unknown);
+    let parsed: T = serde_ignored::deserialize(value, |path| {
+        unknown.push(format!("{field}{}", json_path(&path)))
+    })
+    .map_err(|e| invalid(field, format!("not a {}: {e}", short_type_name::<T>())))?;
     match unknown.as_slice() {
         [] => Ok(parsed),
         fields => Err(invalid(
@@ -72,31 +72,16 @@ fn short_type_name<T>() -> &'static str {
         .unwrap_or("value")
 }
 
-/// Paths of `original` that are not in `parsed` (nulls aside: they mean "unset").
-fn unknown_fields(
-    original: &serde_json::Value,
-    parsed: &serde_json::Value,
-    path: &str,
-    out: &mut Vec<String>,
-) {
-    use serde_json::Value;
-    match (original, parsed) {
-        (Value::Object(original), Value::Object(parsed)) => {
-            for (key, value) in original {
-                let at = format!("{path}.{key}");
-                match parsed.get(key) {
-                    Some(inner) => unknown_fields(value, inner, &at, out),
-                    None if value.is_null() => {}
-                    None => out.push(at),
-                }
-            }
-        }
-        (Value::Array(original), Value::Array(parsed)) => {
-            for (i, (value, inner)) in original.iter().zip(parsed).enumerate() {
-                unknown_fields(value, inner, &format!("{path}[{i}]"), out);
-            }
-        }
-        _ => {}
+/// A path as the spec's users write it: `.containers[0].volumeMount`.
+fn json_path(path: &serde_ignored::Path) -> String {
+    use serde_ignored::Path;
+    match path {
+        Path::Root => String::new(),
+        Path::Seq { parent, index } => format!("{}[{index}]", json_path(parent)),
+        Path::Map { parent, key } => format!("{}.{key}", json_path(parent)),
+        Path::Some { parent }
+        | Path::NewtypeStruct { parent }
+        | Path::NewtypeVariant { parent } => json_path(parent),
     }
 }
 

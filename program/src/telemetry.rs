@@ -6,6 +6,11 @@
 //!
 //! Each program holds its own [`Telemetry`] (no global provider), so several sidecars in one test
 //! process export apart and a program that never turns it on pays one `Option` per span.
+//! That is also why spans are not exported through `tracing-opentelemetry`: its layer hangs on
+//! tracing's subscriber, which is one per process (or per thread, which spawned tasks leave),
+//! so the sidecars of `cosmosq demo` and of the tests could not each export to their own
+//! collector, and `tracing`'s spans would still need the W3C context carried into and out of
+//! messages by hand.
 //! Headers (`OTEL_EXPORTER_OTLP_HEADERS`, often an API key) are read by the exporter from the
 //! environment and never pass through the configuration, so they cannot reach a log.
 

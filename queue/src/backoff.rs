@@ -12,10 +12,10 @@ pub struct RetryPolicy {
     /// `MaxDeliveryCount`). At least 1.
     pub max_delivery_attempts: u32,
     /// Back-off after the first failure.
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(with = "humantime_serde")]
     pub initial_backoff: Duration,
     /// The longest back-off.
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(with = "humantime_serde")]
     pub max_backoff: Duration,
     /// Growth per failed attempt; at least 1.
     pub multiplier: f64,
@@ -76,22 +76,6 @@ impl RetryPolicy {
     /// dead-lettered rather than retried.
     pub fn exhausted(&self, attempts: u32) -> bool {
         attempts >= self.max_delivery_attempts
-    }
-}
-
-/// Durations in config files and JSON as humantime strings ("500ms", "1m 30s").
-pub(crate) mod humantime_serde_compat {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*d).to_string())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        humantime::parse_duration(&text).map_err(serde::de::Error::custom)
     }
 }
 

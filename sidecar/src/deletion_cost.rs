@@ -5,6 +5,13 @@
 //!
 //! A pod turns idle only after a quiet period: a worker between two messages is not busy for
 //! a second and idle the next, and the API server is not patched every second.
+//!
+//! Why not `kube::Client`: this is one merge patch of one annotation on one object, with the
+//! in-cluster token and CA. kube's client would bring a second HTTP stack (hyper-util's client,
+//! tower layers, hyper-rustls, kubeconfig and exec-plugin loading) beside the reqwest client the
+//! sidecar already has for the app and OTLP, in every worker pod, whose idle memory is mostly
+//! code pages (see `[profile.image]` in the workspace `Cargo.toml`). What kube would add here,
+//! refreshing the kubelet-rotated token, is done by reading the token file for every patch.
 
 use std::path::PathBuf;
 use std::time::Duration;
