@@ -231,7 +231,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     };
                     if retried && d.delivery_count == 1 && i.is_some_and(|i| i % 20 == 0) {
                         Outcome::Retry {
-                            error: "bench: every twentieth message fails once".into(),
+                            reason: "bench: every twentieth message fails once".into(),
                             delay: None,
                         }
                     } else {

@@ -14,20 +14,25 @@ use crate::identity::IdentityFilter;
 use crate::lease::{Marker, Window, WINDOW_IDENTITIES};
 use crate::message::MessageKey;
 
-/// What became of one message of a page, as the checkpoint counts it.
+/// What became of a message a delivery task was given: what the task reports and what the
+/// checkpoint counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Settle {
-    /// Completed with nothing written yet: the next lease write records it, and it is
-    /// counted as completed only once that write landed.
+pub(crate) enum Fate {
+    /// The group is done with it (completed, dead-lettered), or it is not this task's to
+    /// deliver (already settled, expired, a state another version owns): settled by a state
+    /// document, or before this read.
+    Settled,
+    /// Completed with nothing written (the lease write path): the range's next lease write
+    /// records it, and it is counted as completed only once that write landed.
     Completed,
-    /// Settled by a state document (dead-lettered, or settled before this read).
-    Done,
-    /// A state document brings it back (a retry, a schedule, work under its own lock).
+    /// A state document brings it back (a retry, a schedule, a lock that will expire, another
+    /// holder): the checkpoint may pass it, but it is not settled yet.
     Pending,
-    /// Nothing could be recorded: the checkpoint stays before it and the next reader
-    /// delivers it again, as a redelivery.
+    /// Nothing is recorded (Cosmos kept failing until the range stopped): the checkpoint
+    /// stays before it and the range's next reader delivers it again, as a redelivery.
     Unrecorded,
-    /// Never started (the range drained first): the next reader delivers it as new.
+    /// Never started (the range stopped before its turn came, or the app never had it): the
+    /// next reader delivers it as new.
     Unstarted,
 }
 
@@ -187,9 +192,9 @@ impl Checkpoint {
     #[cfg(test)]
     pub(crate) fn settled(&mut self, seq: u64, recorded: bool) {
         let fate = if recorded {
-            Settle::Pending
+            Fate::Pending
         } else {
-            Settle::Unrecorded
+            Fate::Unrecorded
         };
         self.settle(seq, "", fate, None);
     }
@@ -199,18 +204,18 @@ impl Checkpoint {
         &mut self,
         seq: u64,
         identity: &str,
-        fate: Settle,
+        fate: Fate,
         completion: Option<Completion>,
     ) {
         let track = self.track_ids;
         if let Some(slot) = self.window.iter_mut().find(|s| s.seq == seq) {
             slot.remaining = slot.remaining.saturating_sub(1);
-            slot.unrecorded |= matches!(fate, Settle::Unrecorded | Settle::Unstarted);
+            slot.unrecorded |= matches!(fate, Fate::Unrecorded | Fate::Unstarted);
             if track {
                 slot.unlist(identity);
                 Self::note(slot, identity, fate);
             }
-            if fate == Settle::Completed {
+            if fate == Fate::Completed {
                 self.unwritten.extend(completion);
             }
         }
@@ -229,19 +234,19 @@ impl Checkpoint {
 
     /// A document of page `seq` that was not handed out, since the lease's window says it is
     /// `fate` already (done, or pending on its state document).
-    pub(crate) fn known(&mut self, seq: u64, identity: &str, fate: Settle) {
+    pub(crate) fn known(&mut self, seq: u64, identity: &str, fate: Fate) {
         if let Some(slot) = self.window.iter_mut().find(|s| s.seq == seq) {
             Self::note(slot, identity, fate);
         }
     }
 
-    fn note(slot: &mut PageSlot, identity: &str, fate: Settle) {
+    fn note(slot: &mut PageSlot, identity: &str, fate: Fate) {
         match fate {
-            Settle::Completed | Settle::Done => slot.done.push(identity.to_owned()),
-            Settle::Pending => slot.pending.push(identity.to_owned()),
+            Fate::Completed | Fate::Settled => slot.done.push(identity.to_owned()),
+            Fate::Pending => slot.pending.push(identity.to_owned()),
             // Recorded as started: the app may have had it, its next reader redelivers it.
-            Settle::Unrecorded => slot.started.push(identity.to_owned()),
-            Settle::Unstarted => slot.unstarted.push(identity.to_owned()),
+            Fate::Unrecorded => slot.started.push(identity.to_owned()),
+            Fate::Unstarted => slot.unstarted.push(identity.to_owned()),
         }
     }
 
@@ -462,10 +467,10 @@ mod tests {
         for (page, identity) in [(p0, "a"), (p0, "b"), (p1, "c"), (p1, "d")] {
             c.start(page, identity);
         }
-        c.known(p0, "skipped", Settle::Done);
-        c.settle(p0, "a", Settle::Completed, completion("a"));
-        c.settle(p1, "c", Settle::Pending, None);
-        c.settle(p1, "d", Settle::Unstarted, None);
+        c.known(p0, "skipped", Fate::Settled);
+        c.settle(p0, "a", Fate::Completed, completion("a"));
+        c.settle(p1, "c", Fate::Pending, None);
+        c.settle(p1, "d", Fate::Unstarted, None);
         let record = c.record();
         assert_eq!(record.v, WINDOW_IDENTITIES);
         assert_eq!(record.read, 0, "no positions");
@@ -484,7 +489,7 @@ mod tests {
         assert_eq!(written, vec![completion("a").unwrap()]);
         c.restore_unwritten(written);
         assert_eq!(c.unwritten_completions(), 1, "a write that did not land");
-        c.settle(p0, "b", Settle::Completed, completion("b"));
+        c.settle(p0, "b", Fate::Completed, completion("b"));
         assert_eq!(c.position(), &token("t0"), "page 0 settled; page 1 holds");
         let record = c.record();
         assert!(record.done.is_empty(), "page 0 left the window");
@@ -499,13 +504,13 @@ mod tests {
     fn a_page_without_a_position_passes_its_record_on() {
         let mut c = Checkpoint::new(token("start")).tracking_ids();
         let p0 = c.read_docs(None, 1, &handed(&["a"]), None);
-        c.settle(p0, "a", Settle::Completed, None);
+        c.settle(p0, "a", Fate::Completed, None);
         assert_eq!(c.record().done, ["a"], "kept: nothing after it yet");
         let p1 = c.read_docs(token("t1"), 1, &handed(&["b"]), None);
         c.start(p1, "b");
         assert_eq!(c.record().done, ["a"]);
         assert_eq!(c.record().started, ["b"]);
-        c.settle(p1, "b", Settle::Completed, None);
+        c.settle(p1, "b", Fate::Completed, None);
         assert_eq!(c.position(), &token("t1"));
         assert!(c.record().is_empty());
     }
@@ -532,7 +537,7 @@ mod tests {
         let p2 = c.read_docs(None, 1, &handed(&["c"]), Some(end("c", "20", left)));
         let p3 = c.read_docs(token("t3"), 1, &handed(&["d"]), Some(end("d", "60", right)));
         for (p, id) in [(p0, "a"), (p1, "b"), (p2, "c"), (p3, "d")] {
-            c.settle(p, id, Settle::Completed, None);
+            c.settle(p, id, Fate::Completed, None);
         }
         let record = c.record();
         assert_eq!(
@@ -588,7 +593,7 @@ mod tests {
             &handed(&["mine"]),
             Some(end("mine", "10", child)),
         );
-        c.settle(p, "mine", Settle::Completed, None);
+        c.settle(p, "mine", Fate::Completed, None);
         let record = c.record();
         assert_eq!(record.after.map(|m| m.id).as_deref(), Some("mine"));
         assert!(

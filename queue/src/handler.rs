@@ -53,16 +53,18 @@ pub enum Outcome {
     /// Deliver again later: after `delay` if given (an app's `Retry-After`), else back-off.
     Retry {
         /// Why it failed (kept as the last error).
-        error: String,
+        reason: String,
         /// When to deliver it again, instead of the back-off.
         delay: Option<Duration>,
     },
     /// Give up now.
     DeadLetter {
-        /// Why (recorded with the dead letter).
+        /// Why, in a word (recorded with the dead letter, as Service Bus'
+        /// `DeadLetterReason`).
         reason: String,
-        /// The last error (recorded with the dead letter).
-        error: String,
+        /// The last error (recorded with the dead letter, as Service Bus'
+        /// `DeadLetterErrorDescription`).
+        description: String,
     },
     /// The app never saw the message (it refused the connection: not listening yet, or
     /// restarting): no delivery attempt is counted. Delivered again after `delay` (back-off
@@ -70,7 +72,7 @@ pub enum Outcome {
     /// failed attempt, so an app that never comes back still ends in retries and dead letters.
     Undelivered {
         /// Why the app could not be reached.
-        error: String,
+        reason: String,
         /// When to try again, instead of the back-off.
         delay: Option<Duration>,
     },

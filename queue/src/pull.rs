@@ -62,12 +62,9 @@ impl Verdict {
     fn outcome(self) -> Outcome {
         match self {
             Verdict::Complete => Outcome::Complete,
-            Verdict::Abandon { reason, delay } => Outcome::Retry {
-                error: reason,
-                delay,
-            },
+            Verdict::Abandon { reason, delay } => Outcome::Retry { reason, delay },
             Verdict::DeadLetter { reason } => Outcome::DeadLetter {
-                error: reason.clone(),
+                description: reason.clone(),
                 reason,
             },
         }
@@ -203,7 +200,7 @@ impl Handler for Pull {
                         Ok(verdict) => verdict.outcome(),
                         // Not reachable while the entry lives (it holds the sender).
                         Err(_) => Outcome::Undelivered {
-                            error: "the puller went away".into(),
+                            reason: "the puller went away".into(),
                             delay: None,
                         },
                     };
@@ -219,7 +216,7 @@ impl Handler for Pull {
                 () = self.stop.cancelled(), if until.is_none() => {
                     if self.shared.unpark(&token) {
                         return Outcome::Undelivered {
-                            error: "the consumer stopped before a worker received it".into(),
+                            reason: "the consumer stopped before a worker received it".into(),
                             delay: None,
                         };
                     }
@@ -229,7 +226,7 @@ impl Handler for Pull {
                 () = expired => {
                     if self.shared.expire(&token, Instant::now()) {
                         return Outcome::Retry {
-                            error: "the worker's lock expired (visibility timeout) before it settled the message".into(),
+                            reason: "the worker's lock expired (visibility timeout) before it settled the message".into(),
                             delay: Some(Duration::ZERO),
                         };
                     }
@@ -428,16 +425,16 @@ mod tests {
             [
                 Outcome::Complete,
                 Outcome::Retry {
-                    error: "busy".into(),
+                    reason: "busy".into(),
                     delay: None
                 },
                 Outcome::Retry {
-                    error: "not yet".into(),
+                    reason: "not yet".into(),
                     delay: Some(Duration::from_secs(10))
                 },
                 Outcome::DeadLetter {
                     reason: "bad order".into(),
-                    error: "bad order".into()
+                    description: "bad order".into()
                 },
             ]
         );

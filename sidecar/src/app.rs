@@ -186,12 +186,12 @@ pub fn request_with_event(
 pub enum Answer {
     /// 2xx with an empty body or `SUCCESS`: complete.
     Success,
-    /// Deliver again: after `after` when the app said so (`Retry-After`), else with back-off.
+    /// Deliver again: after `delay` when the app said so (`Retry-After`), else with back-off.
     Retry {
         /// Why, for the last error.
         reason: String,
         /// The app's `Retry-After`.
-        after: Option<Duration>,
+        delay: Option<Duration>,
     },
     /// Dead-letter now.
     Drop {
@@ -222,14 +222,14 @@ pub fn classify(status: u16, retry_after: Option<&str>, body: &[u8]) -> Answer {
             "" | "SUCCESS" => Answer::Success,
             "RETRY" => Answer::Retry {
                 reason: "the app answered RETRY".into(),
-                after: None,
+                delay: None,
             },
             "DROP" => Answer::Drop {
                 reason: "the app answered DROP".into(),
             },
             other => Answer::Retry {
                 reason: format!("the app answered an unknown status {other:?}"),
-                after: None,
+                delay: None,
             },
         };
     }
@@ -239,7 +239,7 @@ pub fn classify(status: u16, retry_after: Option<&str>, body: &[u8]) -> Answer {
     };
     Answer::Retry {
         reason: format!("the app answered HTTP {status}"),
-        after,
+        delay: after,
     }
 }
 
@@ -265,7 +265,7 @@ pub fn classify_prefix(status: u16, retry_after: Option<&str>, prefix: &[u8]) ->
                 "the app's answer is over {0} KB and holds no status in its first {0} KB",
                 prefix.len() / 1024
             ),
-            after: None,
+            delay: None,
         },
     }
 }
@@ -344,7 +344,7 @@ mod tests {
                 r#"{"status":"RETRY"}"#,
                 Answer::Retry {
                     reason: "the app answered RETRY".into(),
-                    after: None,
+                    delay: None,
                 },
             ),
             (
@@ -353,7 +353,7 @@ mod tests {
                 r#"{"status":"MAYBE"}"#,
                 Answer::Retry {
                     reason: "the app answered an unknown status \"MAYBE\"".into(),
-                    after: None,
+                    delay: None,
                 },
             ),
             (
@@ -362,7 +362,7 @@ mod tests {
                 "",
                 Answer::Retry {
                     reason: "the app answered HTTP 500".into(),
-                    after: None,
+                    delay: None,
                 },
             ),
             (
@@ -371,7 +371,7 @@ mod tests {
                 "",
                 Answer::Retry {
                     reason: "the app answered HTTP 404".into(),
-                    after: None,
+                    delay: None,
                 },
             ),
             (
@@ -380,7 +380,7 @@ mod tests {
                 "",
                 Answer::Retry {
                     reason: "the app answered HTTP 429".into(),
-                    after: Some(Duration::from_secs(7)),
+                    delay: Some(Duration::from_secs(7)),
                 },
             ),
             (
@@ -389,7 +389,7 @@ mod tests {
                 "",
                 Answer::Retry {
                     reason: "the app answered HTTP 503".into(),
-                    after: Some(Duration::from_secs(2)),
+                    delay: Some(Duration::from_secs(2)),
                 },
             ),
             (
@@ -398,7 +398,7 @@ mod tests {
                 "",
                 Answer::Retry {
                     reason: "the app answered HTTP 503".into(),
-                    after: None,
+                    delay: None,
                 },
             ),
             (
@@ -407,7 +407,7 @@ mod tests {
                 "",
                 Answer::Retry {
                     reason: "the app answered HTTP 500".into(),
-                    after: None,
+                    delay: None,
                 },
             ),
         ];

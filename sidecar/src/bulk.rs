@@ -125,7 +125,7 @@ impl Bulker {
         rx.await.unwrap_or_else(|_| Called {
             answer: Answer::Retry {
                 reason: "the bulk request to the app was abandoned".into(),
-                after: None,
+                delay: None,
             },
             failure: None,
             crashed: false,
@@ -204,7 +204,7 @@ impl Bulker {
                 .into_iter()
                 .map(|answer| {
                     let hard =
-                        status >= 500 && !matches!(answer, Answer::Retry { after: Some(_), .. });
+                        status >= 500 && !matches!(answer, Answer::Retry { delay: Some(_), .. });
                     Called {
                         answer,
                         failure: hard.then_some("status"),
@@ -215,7 +215,7 @@ impl Bulker {
             Err(reason) => each(Called {
                 answer: Answer::Retry {
                     reason,
-                    after: None,
+                    delay: None,
                 },
                 failure: Some("status"),
                 crashed: true,
@@ -273,13 +273,13 @@ pub fn answers(status: u16, retry_after: Option<&str>, body: &[u8], ids: &[Strin
             },
             Some(s) if s == "RETRY" => Answer::Retry {
                 reason: "the app answered RETRY for this entry".into(),
-                after: None,
+                delay: None,
             },
             other => {
                 warn!(entry = %id, status = ?other, "the app's bulk answer has no known status for an entry; retrying it");
                 Answer::Retry {
                     reason: format!("the app's bulk answer gave this entry {other:?}"),
-                    after: None,
+                    delay: None,
                 }
             }
         })
@@ -394,7 +394,7 @@ mod tests {
         assert!(failed.iter().all(|a| matches!(
             a,
             Answer::Retry {
-                after: Some(d),
+                delay: Some(d),
                 ..
             } if *d == Duration::from_secs(7)
         )));

@@ -112,7 +112,7 @@ impl<T: AppTransport> Handler for AppClient<T> {
         if self.lock_isolation().observe(crashed, alone) == Blame::Isolate {
             warn!(message_id = %delivery.message.id, "the app went down with other deliveries in flight; delivering them again one at a time, uncounted");
             return Outcome::Undelivered {
-                error: format!(
+                reason: format!(
                     "{} with other deliveries in flight (not counted: delivered again alone)",
                     answer_reason(&answer)
                 ),
@@ -127,19 +127,22 @@ impl<T: AppTransport> Handler for AppClient<T> {
         self.metrics.end_to_end.observe(waited);
         match answer {
             Answer::Success => Outcome::Complete,
-            Answer::Retry { reason, after } => {
+            Answer::Retry {
+                reason,
+                delay: after,
+            } => {
                 warn!(message_id = %delivery.message.id, delivery_count = delivery.delivery_count, %reason, "delivery failed; retrying");
                 Outcome::Retry {
-                    error: reason,
+                    reason,
                     delay: after,
                 }
             }
             Answer::Drop { reason } => Outcome::DeadLetter {
                 reason: "DroppedByApp".into(),
-                error: reason,
+                description: reason,
             },
             Answer::Undelivered { reason } => Outcome::Undelivered {
-                error: reason,
+                reason,
                 delay: None,
             },
         }
@@ -197,7 +200,7 @@ mod tests {
     fn retry(reason: &str, after: Option<Duration>) -> Answer {
         Answer::Retry {
             reason: reason.into(),
-            after,
+            delay: after,
         }
     }
 
@@ -209,7 +212,7 @@ mod tests {
             (
                 called(retry("busy", after), None),
                 Outcome::Retry {
-                    error: "busy".into(),
+                    reason: "busy".into(),
                     delay: after,
                 },
             ),
@@ -222,7 +225,7 @@ mod tests {
                 ),
                 Outcome::DeadLetter {
                     reason: "DroppedByApp".into(),
-                    error: "bad order".into(),
+                    description: "bad order".into(),
                 },
             ),
             (
@@ -233,14 +236,14 @@ mod tests {
                     Some("connect"),
                 ),
                 Outcome::Undelivered {
-                    error: "refused".into(),
+                    reason: "refused".into(),
                     delay: None,
                 },
             ),
             (
                 called(retry("no answer", None), Some("timeout")),
                 Outcome::Retry {
-                    error: "no answer".into(),
+                    reason: "no answer".into(),
                     delay: None,
                 },
             ),

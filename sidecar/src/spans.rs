@@ -118,9 +118,11 @@ pub fn process(telemetry: &Telemetry, delivery: &mut Delivery) -> Span {
 pub fn settled(mut span: Span, outcome: &Outcome) {
     let (name, error) = match outcome {
         Outcome::Complete => ("complete", None),
-        Outcome::Retry { error, .. } => ("retry", Some(error)),
-        Outcome::DeadLetter { error, .. } => ("dead_letter", Some(error)),
-        Outcome::Undelivered { error, .. } => ("undelivered", Some(error)),
+        Outcome::Retry { reason: error, .. } => ("retry", Some(error)),
+        Outcome::DeadLetter {
+            description: error, ..
+        } => ("dead_letter", Some(error)),
+        Outcome::Undelivered { reason: error, .. } => ("undelivered", Some(error)),
     };
     span.set(Attribute::new("cosmosq.outcome", name));
     if let Some(error) = error {

@@ -201,7 +201,7 @@ impl AppTransport for HttpTransport {
         }
         let retry = |reason: String| Answer::Retry {
             reason,
-            after: None,
+            delay: None,
         };
         match builder.send().await {
             Ok(mut response) => {
@@ -238,7 +238,7 @@ impl AppTransport for HttpTransport {
                     None => app::classify(status, retry_after.as_deref(), &body),
                 };
                 let hard = crashed
-                    || status >= 500 && !matches!(answer, Answer::Retry { after: Some(_), .. });
+                    || status >= 500 && !matches!(answer, Answer::Retry { delay: Some(_), .. });
                 Called {
                     answer,
                     failure: hard.then_some("status"),
@@ -264,7 +264,7 @@ pub(crate) fn retry_after(response: &reqwest::Response) -> Option<String> {
 pub(crate) fn unanswered(e: &reqwest::Error, timeout: Duration) -> Called {
     let retry = |reason: String| Answer::Retry {
         reason,
-        after: None,
+        delay: None,
     };
     if e.is_timeout() {
         Called {

@@ -290,12 +290,12 @@ async fn a_stream_host_retries_failures_and_dead_letters_drops() {
                 ledger.end(&d);
                 match (d.message.id.as_str(), d.delivery_count) {
                     ("m7", 1) => Outcome::Retry {
-                        error: "busy".into(),
+                        reason: "busy".into(),
                         delay: Some(Duration::from_millis(1)),
                     },
                     ("m9", _) => Outcome::DeadLetter {
                         reason: "Dropped".into(),
-                        error: "app said DROP".into(),
+                        description: "app said DROP".into(),
                     },
                     _ => Outcome::Complete,
                 }

@@ -113,7 +113,7 @@ fn handler(
                 panic!("the app crashed on {}", d.message.id);
             } else if poison(i) {
                 Outcome::Retry {
-                    error: "poison: the payment service rejects this order".into(),
+                    reason: "poison: the payment service rejects this order".into(),
                     delay: None,
                 }
             } else {

@@ -474,7 +474,7 @@ fn recorder(
                 if dropped.contains(&d.message.id.as_str()) {
                     Outcome::DeadLetter {
                         reason: "DroppedByApp".into(),
-                        error: "no".into(),
+                        description: "no".into(),
                     }
                 } else {
                     Outcome::Complete
@@ -665,7 +665,7 @@ async fn an_ordered_keys_next_message_waits_while_a_failed_retry_cannot_be_recor
                             rules.iter().for_each(|r| r.disable());
                         });
                         return Outcome::Retry {
-                            error: "not yet".into(),
+                            reason: "not yet".into(),
                             delay: None,
                         };
                     }
@@ -731,7 +731,7 @@ async fn an_ordered_stream_range_taken_from_a_dead_owner_waits_for_the_message_i
                 async move {
                     if d.delivery_count == 1 {
                         return Outcome::Retry {
-                            error: "not yet".into(),
+                            reason: "not yet".into(),
                             delay: None,
                         };
                     }

@@ -293,19 +293,19 @@ fn handler(
                     Outcome::Complete
                 }
                 Answer::Retry => Outcome::Retry {
-                    error: "the app failed".into(),
+                    reason: "the app failed".into(),
                     delay: None,
                 },
                 Answer::Drop => Outcome::DeadLetter {
                     reason: "DroppedByApp".into(),
-                    error: "the app dropped it".into(),
+                    description: "the app dropped it".into(),
                 },
                 Answer::Crash => {
                     app.changed.notify_waiters();
                     panic!("the app crashed on m{m}");
                 }
                 Answer::Refused => Outcome::Undelivered {
-                    error: "connection refused".into(),
+                    reason: "connection refused".into(),
                     delay: Some(Duration::from_millis(20)),
                 },
             };

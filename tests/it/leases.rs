@@ -458,7 +458,7 @@ async fn estimator_matches_the_known_unsettled_work() {
                 let n: usize = d.message.id[1..].parse().unwrap();
                 if n.is_multiple_of(10) {
                     Outcome::Retry {
-                        error: "later".into(),
+                        reason: "later".into(),
                         delay: Some(Duration::from_secs(30)),
                     }
                 } else {
@@ -685,7 +685,7 @@ async fn ordered_groups_deliver_each_key_in_order_even_across_retries() {
                 busy.lock().unwrap().remove(&key);
                 if n % 5 == 2 && d.delivery_count == 1 {
                     return Outcome::Retry {
-                        error: "transient".into(),
+                        reason: "transient".into(),
                         delay: None,
                     };
                 }

@@ -15,6 +15,7 @@ use tracing::{debug, error, warn};
 
 use crate::backoff::RetryPolicy;
 use crate::buggify::{self, Bug};
+use crate::checkpoint::Fate;
 use crate::error::QueueError;
 use crate::group::{Claim, ClaimOutcome, Group, RetryOutcome};
 use crate::handler::{ConsumerStats, Delivery, Handler, LockedUntil, Outcome};
@@ -55,42 +56,9 @@ async fn guarded(handling: impl Future<Output = Outcome>) -> Outcome {
                 .unwrap_or_else(|| "a non-string payload".to_owned());
             error!(panic = %what, "the handler panicked; the delivery counts as failed");
             Outcome::Retry {
-                error: format!("the handler panicked: {what}"),
+                reason: format!("the handler panicked: {what}"),
                 delay: None,
             }
-        }
-    }
-}
-
-/// What became of a message a delivery task was given.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Fate {
-    /// The group is done with it (completed, dead-lettered), or it is not this task's to
-    /// deliver (already settled, expired, a state another version owns).
-    Settled,
-    /// Completed with nothing written (the lease write path): the range records it with its
-    /// next lease write.
-    Completed,
-    /// A state document brings it back (a retry, a schedule, a lock that will expire, another
-    /// holder): the checkpoint may pass it, but it is not settled yet.
-    Pending,
-    /// Nothing is recorded (Cosmos kept failing until the range stopped): the checkpoint must
-    /// stay before it so the range's next reader delivers it.
-    Unrecorded,
-    /// Never started: the range stopped before its turn came (nothing delivered).
-    Unstarted,
-}
-
-impl Fate {
-    /// The checkpoint's view of it.
-    pub(crate) fn settle(self) -> crate::checkpoint::Settle {
-        use crate::checkpoint::Settle;
-        match self {
-            Fate::Settled => Settle::Done,
-            Fate::Completed => Settle::Completed,
-            Fate::Pending => Settle::Pending,
-            Fate::Unrecorded => Settle::Unrecorded,
-            Fate::Unstarted => Settle::Unstarted,
         }
     }
 }
@@ -681,7 +649,7 @@ impl<H: Handler> Deliverer<H> {
                 // The range stops and the app never saw it: give it back as it was, no
                 // attempt counted (a recorded claim), or leave it before the checkpoint for
                 // the range's next reader (an unrecorded one).
-                Outcome::Undelivered { error, .. } if give_up.is_cancelled() => {
+                Outcome::Undelivered { reason: error, .. } if give_up.is_cancelled() => {
                     debug!(group = self.group.name(), message_id = %id, %error, "not delivered before the range stopped; given back");
                     if !claim.is_recorded() {
                         return Fate::Unstarted;
@@ -694,11 +662,13 @@ impl<H: Handler> Deliverer<H> {
                     }
                     return Fate::Pending;
                 }
-                Outcome::Undelivered { error, delay }
-                    if undelivered_since
-                        .get_or_insert_with(tokio::time::Instant::now)
-                        .elapsed()
-                        < self.group.config().lock_duration =>
+                Outcome::Undelivered {
+                    reason: error,
+                    delay,
+                } if undelivered_since
+                    .get_or_insert_with(tokio::time::Instant::now)
+                    .elapsed()
+                    < self.group.config().lock_duration =>
                 {
                     debug!(group = self.group.name(), message_id = %id, %error, "not delivered (the app is not listening); trying again");
                     if exclusive && !uncounted {
@@ -715,7 +685,10 @@ impl<H: Handler> Deliverer<H> {
                         return fate;
                     }
                 }
-                Outcome::Undelivered { error, delay } => {
+                Outcome::Undelivered {
+                    reason: error,
+                    delay,
+                } => {
                     // Refused for a whole lock duration: that counts as a failed attempt.
                     if uncounted {
                         if let Some(fate) = self.next_attempt(&mut claim, give_up).await {
@@ -723,16 +696,18 @@ impl<H: Handler> Deliverer<H> {
                         }
                     }
                     break Outcome::Retry {
-                        error: format!("{error} for a whole lock duration"),
+                        reason: format!("{error} for a whole lock duration"),
                         delay,
                     };
                 }
                 // A range that stopped keeps nothing in place: the retry is recorded as any
                 // other, and the range's next owner (its sweep) delivers it.
-                Outcome::Retry { error, delay }
-                    if self.group.config().ordered
-                        && !self.group.config().retry.exhausted(claim.attempt)
-                        && !give_up.is_cancelled() =>
+                Outcome::Retry {
+                    reason: error,
+                    delay,
+                } if self.group.config().ordered
+                    && !self.group.config().retry.exhausted(claim.attempt)
+                    && !give_up.is_cancelled() =>
                 {
                     let backoff = delay
                         .unwrap_or_else(|| self.group.config().retry.backoff_random(claim.attempt));
@@ -751,7 +726,7 @@ impl<H: Handler> Deliverer<H> {
                         Err(fate) => return fate,
                         Ok(true) => {
                             break Outcome::Retry {
-                                error,
+                                reason: error,
                                 delay: Some(backoff.saturating_sub(began.elapsed())),
                             }
                         }
@@ -788,7 +763,14 @@ impl<H: Handler> Deliverer<H> {
                     .complete(&claim)
                     .await
                     .map(|_| (&self.stats.completed, Fate::Settled)),
-                Outcome::Retry { error, delay } | Outcome::Undelivered { error, delay } => self
+                Outcome::Retry {
+                    reason: error,
+                    delay,
+                }
+                | Outcome::Undelivered {
+                    reason: error,
+                    delay,
+                } => self
                     .group
                     .retry(&claim, error, *delay)
                     .await
@@ -796,7 +778,10 @@ impl<H: Handler> Deliverer<H> {
                         RetryOutcome::Scheduled { .. } => (&self.stats.retried, Fate::Pending),
                         RetryOutcome::DeadLettered => (&self.stats.dead_lettered, Fate::Settled),
                     }),
-                Outcome::DeadLetter { reason, error } => self
+                Outcome::DeadLetter {
+                    reason,
+                    description: error,
+                } => self
                     .group
                     .dead_letter(&claim, reason, error)
                     .await

@@ -12,8 +12,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::buggify::{self, Bug};
+use crate::checkpoint::Fate;
 use crate::handler::{Handler, LockedUntil};
-use crate::host::deliver::{Deliverer, Fate, LeaseLock, Permit, Promotion, Route, Watch};
+use crate::host::deliver::{Deliverer, LeaseLock, Permit, Promotion, Route, Watch};
 use crate::message::{Message, MessageKey};
 
 use super::{Leftovers, UNRECORDED_AGAIN};

@@ -15,13 +15,13 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, instrument, warn};
 
 use crate::buggify::{self, Bug};
-use crate::checkpoint::{Checkpoint, Completion, PageEnd, Settle};
+use crate::checkpoint::{Checkpoint, Completion, Fate, PageEnd};
 use crate::config::DeliveryMode;
 use crate::cosmos::feed::FeedReader;
 use crate::error::Result;
 use crate::group::Group;
 use crate::handler::{ConsumerStats, Handler, LockedUntil};
-use crate::host::deliver::{Deliverer, Fate, LeaseLock, Promotion, Route};
+use crate::host::deliver::{Deliverer, LeaseLock, Promotion, Route};
 use crate::host::recovery::{Handling, Inherited};
 use crate::lease::{Lease, LeaseError, LeaseStore, Marker};
 use crate::message::{Message, MessageKey};
@@ -560,7 +560,7 @@ impl<H: Handler> RangeProcessor<H> {
         &self,
         r: &mut Reading,
         docs: Vec<serde_json::Value>,
-    ) -> (Vec<Handed>, Vec<(String, Settle)>) {
+    ) -> (Vec<Handed>, Vec<(String, Fate)>) {
         let config = self.group.config();
         let field = self.group.queue().config().partition_key_field();
         let check_stream = config.mode == DeliveryMode::Stream && config.ordered;

@@ -9,10 +9,9 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{debug, info};
 
-use crate::checkpoint::{Checkpoint, Completion, Settle};
+use crate::checkpoint::{Checkpoint, Completion, Fate};
 use crate::clock::duration_ms;
 use crate::cosmos::feed::FeedReader;
-use crate::host::deliver::Fate;
 use crate::lease::{Lease, Marker};
 
 use super::order::{KeyState, Report, StartRequest, Stops};
@@ -196,12 +195,12 @@ impl Reading {
             expires_at: report.expires_at,
         });
         // Nothing recorded and the app never had it: the next reader delivers it as new.
-        let settle = match (report.fate, report.reached) {
-            (Fate::Unrecorded, false) => Settle::Unstarted,
-            (fate, _) => fate.settle(),
+        let fate = match (report.fate, report.reached) {
+            (Fate::Unrecorded, false) => Fate::Unstarted,
+            (fate, _) => fate,
         };
         self.checkpoint
-            .settle(report.seq, &report.identity, settle, completion);
+            .settle(report.seq, &report.identity, fate, completion);
         self.unwritten |= self.windowed;
     }
 

@@ -11,7 +11,7 @@
 use std::collections::BTreeSet;
 
 use crate::buggify::{self, Bug};
-use crate::checkpoint::Settle;
+use crate::checkpoint::Fate;
 use crate::host::deliver::Route;
 use crate::identity::IdentityFilter;
 use crate::lease::Window;
@@ -25,7 +25,7 @@ pub(crate) enum Handling {
     /// owner may have started it without listing it (see [`Window::starts_lag`]).
     Unsure(Route),
     /// Hand nothing out: the window says it is already this.
-    Known(Settle),
+    Known(Fate),
 }
 
 /// A previous owner's window, as far as this range has not read it again.
@@ -91,11 +91,11 @@ impl Inherited {
         let name = if self.by_id { id } else { identity };
         // The exact lists first: a filter may say "maybe" to what a list names.
         let listed = if self.done.remove(name) {
-            Some(Handling::Known(Settle::Done))
+            Some(Handling::Known(Fate::Settled))
         } else if self.pending.remove(name) {
             Some(match ordered {
                 true => Handling::Deliver(Route::Checked),
-                false => Handling::Known(Settle::Pending),
+                false => Handling::Known(Fate::Pending),
             })
         } else if self.started.remove(name) {
             Some(Handling::Deliver(
@@ -217,8 +217,8 @@ mod tests {
         use Handling::*;
         let w = window(&["d"], &["p"], &["u"], &["s"]);
         for (name, identity, ordered, expected) in [
-            ("done is skipped", "d", false, Known(Settle::Done)),
-            ("pending is its state's", "p", false, Known(Settle::Pending)),
+            ("done is skipped", "d", false, Known(Fate::Settled)),
+            ("pending is its state's", "p", false, Known(Fate::Pending)),
             (
                 "pending holds an ordered key",
                 "p",
@@ -281,7 +281,7 @@ mod tests {
         let mut inherited = Inherited::new(&w, 0);
         assert_eq!(
             inherited.next("d", "id", false),
-            Handling::Known(Settle::Done)
+            Handling::Known(Fate::Settled)
         );
         assert_eq!(
             inherited.next("s", "id", false),
@@ -338,7 +338,7 @@ mod tests {
         // Its feed holds its own documents only: none is taken for a redelivery by position.
         assert_eq!(
             child.next("mine-done", "x", false),
-            Handling::Known(Settle::Done)
+            Handling::Known(Fate::Settled)
         );
         assert_eq!(
             child.next("mine-new", "y", false),
@@ -365,7 +365,7 @@ mod tests {
         let mut inherited = Inherited::new(&old, 0);
         assert_eq!(
             inherited.next("fa", "a", false),
-            Handling::Known(Settle::Done)
+            Handling::Known(Fate::Settled)
         );
         assert_eq!(
             inherited.next("fb", "b", false),

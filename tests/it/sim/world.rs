@@ -959,7 +959,7 @@ fn app(
             };
             if answer.kind == AnswerKind::Refused {
                 return Outcome::Undelivered {
-                    error: "connection refused".into(),
+                    reason: "connection refused".into(),
                     delay: Some(Duration::from_millis(50)),
                 };
             }
@@ -975,12 +975,12 @@ fn app(
             match answer.kind {
                 AnswerKind::Complete => Outcome::Complete,
                 AnswerKind::Retry | AnswerKind::Refused => Outcome::Retry {
-                    error: "the app failed".into(),
+                    reason: "the app failed".into(),
                     delay: None,
                 },
                 AnswerKind::Drop => Outcome::DeadLetter {
                     reason: "DroppedByApp".into(),
-                    error: "the app dropped it".into(),
+                    description: "the app dropped it".into(),
                 },
                 AnswerKind::Crash => panic!("{PLANNED_CRASH}: m{m}"),
             }
