@@ -1,6 +1,8 @@
 //! The objects a QueueConsumerGroup owns, built by pure functions (no client): the worker
-//! Deployment with the sidecar injected, the sidecar's ServiceAccount/Role/RoleBinding (patch on
-//! its own pod for the deletion cost), and in HPA mode the HorizontalPodAutoscaler.
+//! Deployment with the sidecar injected (its settings from [`sidecar_settings`]), the workers'
+//! ServiceAccount and a RoleBinding to the installation's worker ClusterRole (patch on its own
+//! pod for the deletion cost), the generated API-token Secret, and in HPA mode the
+//! HorizontalPodAutoscaler.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -118,7 +120,8 @@ impl Defaults {
     }
 }
 
-/// Name of the Deployment, ServiceAccount, Role, RoleBinding and HPA of a group.
+/// Name of the Deployment, ServiceAccount, RoleBinding and HPA of a group (and of the Role an
+/// older version made).
 pub fn workers_name(qcg: &QueueConsumerGroup) -> String {
     format!("{}-workers", qcg.name_any())
 }

@@ -52,7 +52,8 @@ pub enum Bug {
 }
 
 impl Bug {
-    /// Every defect, in the order of the scenarios, then the checks' own.
+    /// Every defect, in the order of the numbered scenarios (`tests/it/sim/scenarios.rs`), then
+    /// the checks' own.
     pub const ALL: [Bug; 12] = [
         Bug::IdentityById,
         Bug::OrderedMoveForgetsPredecessor,

@@ -114,7 +114,8 @@ fn validate_resource_name(setting: &str, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// How a group settles messages (see the brief, "Delivery mode").
+/// How a group settles messages (see `docs/design.md`, "Guarantees, per mode and
+/// configuration").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "camelCase")]
 pub enum DeliveryMode {

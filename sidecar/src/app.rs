@@ -1,5 +1,5 @@
 //! The app contract (compatible with Dapr pub/sub over HTTP): what we send, how we read the
-//! answer. Pure functions; the HTTP calls live in `delivery`.
+//! answer. Pure functions; the HTTP calls live in `transport`.
 
 use std::time::Duration;
 

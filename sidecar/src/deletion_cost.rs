@@ -82,7 +82,8 @@ impl PodPatcher {
         Ok(Some(patcher))
     }
 
-    /// A patcher of `pod` in `namespace`, with the pod-bound token read from `token_file`.
+    /// A patcher of `pod` in `namespace` that presents `token` on every request;
+    /// [`PodPatcher::in_cluster`] reads the pod-bound token from its file instead.
     pub fn new(
         api: &str,
         token: String,

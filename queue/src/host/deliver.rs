@@ -214,8 +214,9 @@ pub(crate) struct Deliverer<H> {
 impl<H: Handler> Deliverer<H> {
     /// Claims, delivers and settles a message read from the change feed. When its fate is
     /// [`Fate::Unrecorded`] (Cosmos kept failing until `give_up`), the caller must not
-    /// checkpoint past it, so the feed brings it back. `check_state`: look for a state document
-    /// first even in stream mode (a range taken over from an owner that may have left one).
+    /// checkpoint past it, so the feed brings it back. `path` says how to claim it: from the
+    /// feed, after looking for a state document first (even in stream mode), as a redelivery,
+    /// or under a lock of its own (see [`Route`]).
     pub(crate) async fn process(
         &self,
         message: Message,

@@ -1,4 +1,4 @@
-//! The scenarios as histories written by hand: each keeps every promise, and breaks
+//! The numbered scenarios as histories written by hand: each keeps every promise, and breaks
 //! the one it names with its defect put back (`cosmosq_queue::buggify`), so each test fails
 //! without its fix.
 
