@@ -303,16 +303,16 @@ pub struct QueueConsumerGroupSpec {
     /// (at-least-once across lease hand-overs).
     #[serde(default)]
     #[x_kube(validation = Rule::new("self.lowerAscii() == oldSelf.lowerAscii()").message("deliveryMode is immutable: the two modes keep different state (create a new group)"))]
-    pub delivery_mode: DeliveryMode,
+    pub delivery_mode: GroupDeliveryMode,
     /// How an `Exclusive` group records deliveries, with the same guarantees: `Lease`
     /// (default: the range's lease is the lock, completions are recorded with the checkpoint;
     /// about 0.2 RU per message) or `Claims` (a state document per delivery: about 23 RU).
     /// See docs/design.md, "The exclusive write path".
     #[serde(default)]
-    pub exclusive_writes: ExclusiveWrites,
+    pub exclusive_writes: GroupExclusiveWrites,
     /// Where a new group starts: `Now` (messages enqueued from now on) or `Beginning`.
     #[serde(default)]
-    pub start_from: StartFrom,
+    pub start_from: GroupStartFrom,
     /// FIFO per partition key.
     #[serde(default)]
     #[x_kube(validation = Rule::new("self == oldSelf").message("ordered is immutable: switching it mid-stream breaks the order of messages in flight (create a new group)"))]
@@ -375,7 +375,7 @@ pub struct QueueRef {
 // accepted, so stored objects and existing manifests stay valid.
 #[serde(rename_all = "PascalCase")]
 #[schemars(extend("enum" = ["Exclusive", "Stream", "exclusive", "stream"]))]
-pub enum DeliveryMode {
+pub enum GroupDeliveryMode {
     #[default]
     #[serde(alias = "exclusive")]
     Exclusive,
@@ -390,7 +390,7 @@ pub enum DeliveryMode {
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
 #[serde(rename_all = "PascalCase")]
-pub enum ExclusiveWrites {
+pub enum GroupExclusiveWrites {
     #[default]
     Lease,
     Claims,
@@ -405,7 +405,7 @@ pub enum ExclusiveWrites {
 )]
 #[serde(rename_all = "PascalCase")]
 #[schemars(extend("enum" = ["Now", "Beginning", "now", "beginning"]))]
-pub enum StartFrom {
+pub enum GroupStartFrom {
     #[default]
     #[serde(alias = "now")]
     Now,
@@ -438,10 +438,10 @@ pub struct AppSpec {
     /// receive and settle messages in batches through the sidecar's localhost API
     /// (`/v1/receive`, see docs/app-contract.md), and `port`, `path` and `format` are not used.
     #[serde(default)]
-    pub mode: AppMode,
+    pub mode: GroupAppMode,
     /// `CloudEvents` (default: a structured CloudEvent, the message in `data`) or `Raw` (the body as is).
     #[serde(default)]
-    pub format: AppFormat,
+    pub format: GroupAppFormat,
     /// A path answering 2xx when the app is ready; a TCP connect otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^/"))]
@@ -545,7 +545,7 @@ pub struct RouteRule {
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
-pub enum AppMode {
+pub enum GroupAppMode {
     #[default]
     Push,
     Pull,
@@ -560,7 +560,7 @@ pub enum AppMode {
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
 )]
 #[schemars(extend("enum" = ["CloudEvents", "Raw", "cloudevents", "raw"]))]
-pub enum AppFormat {
+pub enum GroupAppFormat {
     #[default]
     #[serde(rename = "CloudEvents", alias = "cloudevents")]
     Cloudevents,
@@ -963,13 +963,16 @@ mod tests {
             ("\"exclusive\"", "\"Exclusive\""),
             ("\"stream\"", "\"Stream\""),
         ] {
-            let mode: DeliveryMode = serde_json::from_str(old).unwrap();
+            let mode: GroupDeliveryMode = serde_json::from_str(old).unwrap();
             assert_eq!(serde_json::to_string(&mode).unwrap(), new);
-            assert_eq!(serde_json::from_str::<DeliveryMode>(new).unwrap(), mode);
+            assert_eq!(
+                serde_json::from_str::<GroupDeliveryMode>(new).unwrap(),
+                mode
+            );
         }
-        let format: AppFormat = serde_json::from_str("\"cloudevents\"").unwrap();
+        let format: GroupAppFormat = serde_json::from_str("\"cloudevents\"").unwrap();
         assert_eq!(serde_json::to_string(&format).unwrap(), "\"CloudEvents\"");
-        let start: StartFrom = serde_json::from_str("\"beginning\"").unwrap();
+        let start: GroupStartFrom = serde_json::from_str("\"beginning\"").unwrap();
         assert_eq!(serde_json::to_string(&start).unwrap(), "\"Beginning\"");
     }
 
@@ -1030,7 +1033,7 @@ mod tests {
             "app": {"port": 8080}
         }))
         .unwrap();
-        assert_eq!(spec.delivery_mode, DeliveryMode::Exclusive);
+        assert_eq!(spec.delivery_mode, GroupDeliveryMode::Exclusive);
         assert_eq!(spec.concurrency, 16);
         assert_eq!(spec.lock_duration, "60s");
         assert_eq!(spec.retry.max_delivery_attempts, 10);

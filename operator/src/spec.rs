@@ -53,42 +53,42 @@ fn millis(d: Duration) -> i64 {
 // The CRDs' choices as the engine and the sidecar name them: each table written once.
 
 /// `spec.deliveryMode`.
-pub fn delivery_mode(mode: crd::DeliveryMode) -> config::DeliveryMode {
+pub fn delivery_mode(mode: crd::GroupDeliveryMode) -> config::DeliveryMode {
     match mode {
-        crd::DeliveryMode::Exclusive => config::DeliveryMode::Exclusive,
-        crd::DeliveryMode::Stream => config::DeliveryMode::Stream,
+        crd::GroupDeliveryMode::Exclusive => config::DeliveryMode::Exclusive,
+        crd::GroupDeliveryMode::Stream => config::DeliveryMode::Stream,
     }
 }
 
 /// `spec.exclusiveWrites`.
-pub fn exclusive_writes(writes: crd::ExclusiveWrites) -> config::ExclusiveWrites {
+pub fn exclusive_writes(writes: crd::GroupExclusiveWrites) -> config::ExclusiveWrites {
     match writes {
-        crd::ExclusiveWrites::Lease => config::ExclusiveWrites::Lease,
-        crd::ExclusiveWrites::Claims => config::ExclusiveWrites::Claims,
+        crd::GroupExclusiveWrites::Lease => config::ExclusiveWrites::Lease,
+        crd::GroupExclusiveWrites::Claims => config::ExclusiveWrites::Claims,
     }
 }
 
 /// `spec.startFrom`.
-pub fn start_from(start: crd::StartFrom) -> config::StartFrom {
+pub fn start_from(start: crd::GroupStartFrom) -> config::StartFrom {
     match start {
-        crd::StartFrom::Now => config::StartFrom::Now,
-        crd::StartFrom::Beginning => config::StartFrom::Beginning,
+        crd::GroupStartFrom::Now => config::StartFrom::Now,
+        crd::GroupStartFrom::Beginning => config::StartFrom::Beginning,
     }
 }
 
 /// `spec.app.mode`.
-pub fn app_mode(mode: crd::AppMode) -> AppMode {
+pub fn app_mode(mode: crd::GroupAppMode) -> AppMode {
     match mode {
-        crd::AppMode::Push => AppMode::Push,
-        crd::AppMode::Pull => AppMode::Pull,
+        crd::GroupAppMode::Push => AppMode::Push,
+        crd::GroupAppMode::Pull => AppMode::Pull,
     }
 }
 
 /// `spec.app.format`.
-pub fn app_format(format: crd::AppFormat) -> AppFormat {
+pub fn app_format(format: crd::GroupAppFormat) -> AppFormat {
     match format {
-        crd::AppFormat::Cloudevents => AppFormat::Cloudevents,
-        crd::AppFormat::Raw => AppFormat::Raw,
+        crd::GroupAppFormat::Cloudevents => AppFormat::Cloudevents,
+        crd::GroupAppFormat::Raw => AppFormat::Raw,
     }
 }
 

@@ -1106,3 +1106,61 @@ impl<H: Handler> Deliverer<H> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Another holder's message is looked at again soon, then less and less often.
+    #[test]
+    fn looks_at_a_held_message_back_off_to_a_cap() {
+        let ms = Duration::from_millis;
+        for (look, pause) in [
+            (1, ms(200)),
+            (2, ms(400)),
+            (5, ms(3_200)),
+            (6, HELD_POLL_MAX),
+            (40, HELD_POLL_MAX),
+        ] {
+            assert_eq!(look_again_after(look), pause, "look {look}");
+        }
+    }
+
+    /// Long work stops holding its range at `promoteAfter`, or at once when the range drains
+    /// or is handed over, and never in a group that does not promote (paused time).
+    #[tokio::test(start_paused = true)]
+    async fn a_delivery_stops_holding_its_range_when_promotion_is_due() {
+        let secs = Duration::from_secs_f64;
+        /// A delivery promoted after so many seconds (or never), whose range drains at a
+        /// time (or not), looked at after so many seconds: due or not.
+        struct Case(&'static str, Option<f64>, Option<f64>, f64, bool);
+        #[rustfmt::skip]
+        let cases = [
+            Case("not before promoteAfter", Some(5.0), None, 4.9, false),
+            Case("at promoteAfter", Some(5.0), None, 5.1, true),
+            Case("at once when the range drains", Some(5.0), Some(1.0), 1.1, true),
+            Case("a drain after the look changes nothing", Some(5.0), Some(2.0), 1.1, false),
+            Case("never in a group that does not promote", None, None, 3_600.0, false),
+        ];
+        for Case(what, after, drains_at, looked, due) in cases {
+            let now = CancellationToken::new();
+            let promotion = after.map(|after| Promotion {
+                after: secs(after),
+                now: now.clone(),
+                promoted: None,
+            });
+            if let Some(at) = drains_at {
+                tokio::spawn(async move {
+                    tokio::time::sleep(secs(at)).await;
+                    now.cancel();
+                });
+            }
+            let started = Instant::now();
+            let fired =
+                tokio::time::timeout(secs(looked), Watch::promotion_due(&promotion, started))
+                    .await
+                    .is_ok();
+            assert_eq!(fired, due, "{what}");
+        }
+    }
+}

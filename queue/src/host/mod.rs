@@ -355,34 +355,11 @@ impl<H: Handler> Host<H> {
 
     /// How long `lease` must be seen unchanged before it is expired, as this host judges it.
     fn expiry_of(&self, lease: &Lease) -> Duration {
-        let expire = duration_ms(self.options.lease_expire);
-        Duration::from_millis(lease.unchanged_expiry_ms(expire).max(0) as u64)
+        expiry_of(&self.options, lease)
     }
 
-    /// Whether another host may take `lease` now without its owner handing it over: it is
-    /// free, or this host has seen it unchanged for its expiry, or it is a previous life of
-    /// this very host whose window holds nothing that may still be in the app.
     fn takeable(&self, lease: &Lease, observed: &Observed, now: Instant) -> bool {
-        let Some(owner) = &lease.owner else {
-            return true;
-        };
-        let holder = self.options.holder();
-        let mine = owner
-            .split_once('#')
-            .map_or(owner.as_str(), |(name, _)| name)
-            == self.options.owner;
-        if mine && *owner != holder {
-            if buggify::on(Bug::RestartRetakesLease) {
-                return true; // the defect: the pod name was the owner
-            }
-            // This process restarted: its previous life is gone (a container runs once at a
-            // time), so only what it may have started, which the app may still hold, waits
-            // for the lock to run out.
-            if !lease.window.may_be_in_app() {
-                return true;
-            }
-        }
-        observed.unchanged_for(lease, now) >= self.expiry_of(lease)
+        takeable(&self.options, lease, observed, now)
     }
 
     /// One acquire round: reap ended ranges, create/split leases, take what balance needs.
@@ -580,6 +557,38 @@ impl<H: Handler> Host<H> {
     }
 }
 
+/// How long `lease` must be seen unchanged before it is expired, as a host with `options`
+/// judges it: the lease expiry, or the lock's when what its window started may be in the app.
+fn expiry_of(options: &HostOptions, lease: &Lease) -> Duration {
+    let expire = duration_ms(options.lease_expire);
+    Duration::from_millis(lease.unchanged_expiry_ms(expire).max(0) as u64)
+}
+
+/// Whether a host with `options` may take `lease` now without its owner handing it over
+/// (pure): it is free, or this host has seen it unchanged for its expiry, or it is a previous
+/// life of this very host whose window holds nothing that may still be in the app.
+fn takeable(options: &HostOptions, lease: &Lease, observed: &Observed, now: Instant) -> bool {
+    let Some(owner) = &lease.owner else {
+        return true;
+    };
+    let mine = owner
+        .split_once('#')
+        .map_or(owner.as_str(), |(name, _)| name)
+        == options.owner;
+    if mine && *owner != options.holder() {
+        if buggify::on(Bug::RestartRetakesLease) {
+            return true; // the defect: the pod name was the owner
+        }
+        // This process restarted: its previous life is gone (a container runs once at a
+        // time), so only what it may have started, which the app may still hold, waits for
+        // the lock to run out.
+        if !lease.window.may_be_in_app() {
+            return true;
+        }
+    }
+    observed.unchanged_for(lease, now) >= expiry_of(options, lease)
+}
+
 /// Who held `id` before (for the log).
 fn take_previous(leases: &[Lease], id: &str) -> Option<String> {
     leases
@@ -591,3 +600,79 @@ fn take_previous(leases: &[Lease], id: &str) -> Option<String> {
 /// The lease expiry hosts use unless told otherwise (the change feed processor's 60 s); also
 /// what tools that create or judge leases from outside a host assume.
 pub const DEFAULT_LEASE_EXPIRE: Duration = Duration::from_secs(60);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What happens to a lease between the first look and the decision.
+    #[derive(Clone, Copy, Debug)]
+    enum Meanwhile {
+        Nothing,
+        /// Its owner renews it halfway.
+        Renewed,
+        /// Another host asks for it halfway (a hand-over request, no sign of the owner's life).
+        Asked,
+    }
+
+    /// Take-over on this host's monotonic clock, on paused time: a lease of another host
+    /// is taken only once seen unchanged for its expiry (the lock's, when what it started may
+    /// be in the app), and a previous life of this host's pod gives back at once what
+    /// nothing in the app can still hold.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_is_taken_only_when_its_owner_is_silent_for_its_expiry() {
+        let options = HostOptions {
+            lease_expire: Duration::from_secs(60),
+            ..HostOptions::new("pod-a")
+        };
+        let other = "pod-b#1";
+        let previous_life = "pod-a#0ld1ife";
+        let secs = Duration::from_secs;
+        /// A lease of `owner`, with work `out` in the app or not, looked at `after` the
+        /// first look with `meanwhile` in between: `takeable` or not.
+        struct Case<'a>(&'a str, Option<&'a str>, bool, Meanwhile, Duration, bool);
+        let holder = options.holder();
+        #[rustfmt::skip]
+        let cases = [
+            Case("a free lease, at once", None, false, Meanwhile::Nothing, secs(0), true),
+            Case("another's, just seen", Some(other), false, Meanwhile::Nothing, secs(0), false),
+            Case("another's, silent under its expiry", Some(other), false, Meanwhile::Nothing, secs(59), false),
+            Case("another's, silent for its expiry", Some(other), false, Meanwhile::Nothing, secs(60), true),
+            Case("another's, renewed meanwhile", Some(other), false, Meanwhile::Renewed, secs(60), false),
+            Case("another's, asked for meanwhile", Some(other), false, Meanwhile::Asked, secs(60), true),
+            Case("another's with work out, silent under the lock", Some(other), true, Meanwhile::Nothing, secs(9), false),
+            Case("another's with work out, silent for the lock", Some(other), true, Meanwhile::Nothing, secs(10), true),
+            Case("a previous life's, nothing out", Some(previous_life), false, Meanwhile::Nothing, secs(0), true),
+            Case("a previous life's with work out, under the lock", Some(previous_life), true, Meanwhile::Nothing, secs(9), false),
+            Case("a previous life's with work out, at the lock", Some(previous_life), true, Meanwhile::Nothing, secs(10), true),
+            Case("this life's own, silent", Some(&holder), false, Meanwhile::Nothing, secs(59), false),
+        ];
+        for Case(what, owner, started, meanwhile, after, expected) in cases {
+            let mut lease = Lease::new("g", "", "FF", None, 1_000);
+            lease.owner = owner.map(str::to_owned);
+            lease.lock_ms = Some(10_000);
+            if started {
+                lease.window.started = vec!["m|\"k\"".into()];
+            }
+            let mut observed = Observed::default();
+            let start = Instant::now();
+            observed.see(std::slice::from_ref(&lease), start);
+            tokio::time::advance(after / 2).await;
+            match meanwhile {
+                Meanwhile::Nothing => {}
+                Meanwhile::Renewed => lease.timestamp += 30_000,
+                Meanwhile::Asked => {
+                    lease.handover_to = Some("pod-c#2".into());
+                    lease.handover_at = Some(31_000);
+                }
+            }
+            observed.see(std::slice::from_ref(&lease), Instant::now());
+            tokio::time::advance(after - after / 2).await;
+            assert_eq!(
+                takeable(&options, &lease, &observed, Instant::now()),
+                expected,
+                "{what}"
+            );
+        }
+    }
+}
