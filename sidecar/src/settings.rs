@@ -627,23 +627,19 @@ mod tests {
 
     #[test]
     fn only_pushed_deliveries_need_the_apps_port() {
-        let without_port = |extra: &[&str]| {
-            let mut args = vec![
-                "sidecar",
-                "--database",
-                "db",
-                "--queue",
-                "q",
-                "--group",
-                "g",
-            ];
-            args.extend_from_slice(extra);
-            SidecarSettings::try_parse_from(args).unwrap().validate()
+        let without_port = SidecarSettings::new("db", "q", "g");
+        let pull = SidecarSettings {
+            app_mode: AppMode::Pull,
+            ..without_port.clone()
         };
-        without_port(&["--app-mode", "pull"]).unwrap();
-        let err = without_port(&[]).unwrap_err().to_string();
+        pull.validate().unwrap();
+        let err = without_port.validate().unwrap_err().to_string();
         assert!(err.contains("--app-port") && err.contains("pull"), "{err}");
-        let err = without_port(&["--app-port", "0"]).unwrap_err().to_string();
+        let zero = SidecarSettings {
+            app_port: Some(0),
+            ..without_port
+        };
+        let err = zero.validate().unwrap_err().to_string();
         assert!(err.contains("1-65535"), "{err}");
     }
 }
