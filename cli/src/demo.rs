@@ -23,6 +23,7 @@ use axum::Router;
 use clap::Args;
 use cosmosq_emulator::{Emulator, EmulatorOptions};
 use cosmosq_program::measure::percentile;
+use cosmosq_program::telemetry::OtlpArgs;
 use cosmosq_queue::clock::system_now_ms;
 use cosmosq_queue::estimate::GroupEstimate;
 use cosmosq_queue::{
@@ -542,10 +543,24 @@ fn sidecar_settings(
         lease_renew: Duration::from_millis(500),
         lease_expire: LEASE_EXPIRE,
         max_poll: Duration::from_millis(200),
+        otlp: shell_otlp(),
         ..SidecarSettings::new(DATABASE, QUEUE, group).on_one_machine()
     };
     settings.validate()?;
     Ok(settings)
+}
+
+/// The shell's `OTEL_*` settings: with a collector's endpoint set, the demo's sidecars export
+/// their spans as a pod's would (nothing else of the shell's environment is read).
+fn shell_otlp() -> OtlpArgs {
+    #[derive(clap::Parser)]
+    struct Shell {
+        #[command(flatten)]
+        otlp: OtlpArgs,
+    }
+    <Shell as clap::Parser>::try_parse_from(["cosmosq-demo"])
+        .map(|shell| shell.otlp)
+        .unwrap_or_default()
 }
 
 /// What the sample apps answered, per group.

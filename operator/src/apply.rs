@@ -652,7 +652,11 @@ mod tests {
             group: None,
             queue: Some(1),
             request: None,
-            operator: format!("{}/cosmosq/sidecar:test", env!("CARGO_PKG_VERSION")),
+            operator: format!(
+                "{}+t{}/cosmosq/sidecar:test",
+                env!("CARGO_PKG_VERSION"),
+                rollout::TEMPLATE_REVISION
+            ),
             key: Some(build::key_digest(b"k1")),
             tokens: None,
         };

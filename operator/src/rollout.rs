@@ -38,7 +38,7 @@ pub struct BuiltFrom {
     /// The group's [`ROLLOUT_REQUESTED`] value.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<String>,
-    /// The operator: `<version>/<default sidecar image>`.
+    /// The operator: `<version>+t<template revision>/<default sidecar image>`.
     pub operator: String,
     /// The account key's digest (key Secrets only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -61,9 +61,18 @@ impl BuiltFrom {
     }
 }
 
+/// Bumped with every change to how the workers' pod templates are built that reaches every
+/// group (a variable added or spelled anew): an operator built from it rolls the groups under
+/// its budget, as a new version does, even when the version number did not change. 2: every
+/// sidecar setting written from `SidecarSettings`.
+pub const TEMPLATE_REVISION: u32 = 2;
+
 /// The operator as [`BuiltFrom::operator`] names it.
 pub fn operator(sidecar_image: &str) -> String {
-    format!("{}/{sidecar_image}", env!("CARGO_PKG_VERSION"))
+    format!(
+        "{}+t{TEMPLATE_REVISION}/{sidecar_image}",
+        env!("CARGO_PKG_VERSION")
+    )
 }
 
 /// Why the built template differs from the running one.

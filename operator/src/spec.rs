@@ -252,6 +252,13 @@ pub fn group(qcg: &QueueConsumerGroup) -> Result<GroupSettings, SpecError> {
             ));
         }
     }
+    if s.app
+        .port
+        .is_some_and(|p| u16::try_from(p).map_or(true, |p| p == 0))
+    {
+        // The CRD refuses it; an object stored under an older CRD may still carry one.
+        return Err(invalid("spec.app.port", "must be 1-65535"));
+    }
     let app_timeout = duration("spec.app.timeout", &s.app.timeout)?;
     if app_timeout > MAX_APP_TIMEOUT {
         return Err(invalid("spec.app.timeout", APP_TIMEOUT_LIMIT));
@@ -416,6 +423,9 @@ mod tests {
         for (spec, field) in [
             (json!({"group": "lease"}), "spec.group"),
             (json!({"lockDuration": "soon"}), "spec.lockDuration"),
+            // Past the CRD's range: an object stored under an older CRD.
+            (json!({"app": {"port": 70000}}), "spec.app.port"),
+            (json!({"app": {"port": 0}}), "spec.app.port"),
             (
                 json!({"retry": {"initialBackoff": "1y2"}}),
                 "spec.retry.initialBackoff",

@@ -82,6 +82,9 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
         json!({"deliveryMode": "Stream", "startFrom": "Beginning", "app": {"port": 9000, "mode": "Pull"}}),
         // Pull workers come to the sidecar: no port of theirs.
         json!({"app": {"mode": "Pull"}}),
+        // The claims write path, with its own concurrency and retries.
+        json!({"exclusiveWrites": "Claims", "concurrency": 3,
+               "retry": {"maxDeliveryAttempts": 2, "initialBackoff": "500ms", "maxBackoff": "30s"}}),
         // Dapr's API tokens, from the group's Secret.
         json!({"app": {"port": 9000, "apiTokenSecret": "billing-tokens"}}),
     ] {
@@ -111,6 +114,26 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
         };
         assert_eq!(config.app_port, port, "{group}");
         assert_eq!(config.ordered, group["ordered"] == true, "{group}");
+        // What the spec says, checked against the spec (not against what the operator meant).
+        assert_eq!(
+            config.exclusive_writes,
+            if group["exclusiveWrites"] == "Claims" {
+                cosmosq_queue::ExclusiveWrites::Claims
+            } else {
+                cosmosq_queue::ExclusiveWrites::Lease
+            },
+            "{group}"
+        );
+        let concurrency = group["concurrency"].as_u64().unwrap_or(16);
+        assert_eq!(config.max_concurrency as u64, concurrency, "{group}");
+        if group["exclusiveWrites"] == "Claims" {
+            assert_eq!(config.max_delivery_attempts, 2);
+            assert_eq!(
+                config.retry_initial_backoff,
+                std::time::Duration::from_millis(500)
+            );
+            assert_eq!(config.retry_max_backoff, std::time::Duration::from_secs(30));
+        }
         let pull = group["app"]["mode"] == "Pull";
         assert_eq!(
             config.app_mode,
