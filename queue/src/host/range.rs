@@ -270,24 +270,25 @@ impl<H: Handler> RangeProcessor<H> {
         while let Ok(more) = r.start_rx.try_recv() {
             requests.push(more);
         }
-        let write_first = requests.iter().any(|request| {
-            request.unsure || (request.follows && r.checkpoint.unwritten_completions() > 0)
-        });
+        let answer = answer_starts(
+            requests
+                .iter()
+                .map(|request| (request.unsure, request.follows)),
+            r.checkpoint.unwritten_completions(),
+            Instant::now(),
+            *r.held.borrow(),
+        );
         for request in &requests {
             r.checkpoint.start(request.seq, &request.identity);
         }
         r.unwritten = true;
-        let (granted, step) = match write_first {
-            true => match self.write_record(r).await {
+        let (granted, step) = match answer {
+            StartAnswer::WriteFirst => match self.write_record(r).await {
                 Ok(_) => (true, None),
                 Err(exit) => (false, Some(exit)),
             },
-            // The lease is a lock only while it is live: nothing starts under one whose last
-            // write is older than the expiry others judge it by (minus a margin).
-            false => (
-                Instant::now() < *r.held.borrow() || buggify::on(Bug::StartUnderExpiredLease),
-                None,
-            ),
+            StartAnswer::Granted => (true, None),
+            StartAnswer::Refused => (false, None),
         };
         for request in requests {
             let _ = request.reply.send(granted);
@@ -940,6 +941,77 @@ impl<H: Handler> RangeProcessor<H> {
                     return None;
                 }
             }
+        }
+    }
+}
+
+/// How a range answers a batch of start requests (the lease write path).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum StartAnswer {
+    /// A next owner must know of one of them: the starts are written before any starts.
+    WriteFirst,
+    /// They start now, listed with the range's next write.
+    Granted,
+    /// The lease is not surely this host's: nothing starts.
+    Refused,
+}
+
+/// The answer to start requests `(unsure, follows)` (pure). A start is written first where a
+/// next owner must know of it: a message the previous owner may have started unlisted, and an
+/// ordered key's next message while `unwritten_completions` wait for a write (else a next owner
+/// would deliver its predecessor again after it started). Otherwise the lease is the lock, and
+/// only while it is live: nothing starts at or past `held_until` (its last write plus the
+/// expiry others judge it by, minus a margin).
+pub(super) fn answer_starts(
+    requests: impl IntoIterator<Item = (bool, bool)>,
+    unwritten_completions: usize,
+    now: Instant,
+    held_until: Instant,
+) -> StartAnswer {
+    let write_first = requests
+        .into_iter()
+        .any(|(unsure, follows)| unsure || (follows && unwritten_completions > 0));
+    if write_first {
+        StartAnswer::WriteFirst
+    } else if now < held_until || buggify::on(Bug::StartUnderExpiredLease) {
+        StartAnswer::Granted
+    } else {
+        StartAnswer::Refused
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Which starts are written first, which start on the lease, and which wait (paused time:
+    /// the lease is held for 10 s from the first look).
+    #[tokio::test(start_paused = true)]
+    async fn starts_are_written_first_only_where_a_next_owner_must_know() {
+        let held_until = Instant::now() + Duration::from_secs(10);
+        let (plain, unsure, follows) = ((false, false), (true, false), (false, true));
+        /// A batch of requests `(unsure, follows)`, completions unwritten, seconds after the
+        /// first look: the answer.
+        struct Case(&'static str, Vec<(bool, bool)>, usize, u64, StartAnswer);
+        #[rustfmt::skip]
+        let cases = [
+            Case("a first delivery, lease live", vec![plain], 0, 0, StartAnswer::Granted),
+            Case("a first delivery, lease past its hold", vec![plain], 0, 10, StartAnswer::Refused),
+            Case("maybe started unlisted by the previous owner", vec![unsure], 0, 0, StartAnswer::WriteFirst),
+            Case("maybe started unlisted, even past the hold", vec![unsure], 0, 10, StartAnswer::WriteFirst),
+            Case("a key's next, completions unwritten", vec![follows], 2, 0, StartAnswer::WriteFirst),
+            Case("a key's next, nothing unwritten", vec![follows], 0, 0, StartAnswer::Granted),
+            Case("completions unwritten, nobody follows", vec![plain, plain], 2, 0, StartAnswer::Granted),
+            Case("one unsure in a batch writes for all", vec![plain, unsure, plain], 0, 0, StartAnswer::WriteFirst),
+        ];
+        let start = Instant::now();
+        for Case(what, requests, unwritten, after, expected) in cases {
+            let now = start + Duration::from_secs(after);
+            assert_eq!(
+                answer_starts(requests, unwritten, now, held_until),
+                expected,
+                "{what}"
+            );
         }
     }
 }
