@@ -561,6 +561,21 @@ mod tests {
         changed.pod_name = Some("billing-workers-abc".into());
         changed.pod_namespace = Some("shop".into());
         changed.otlp = OtlpArgs::to_endpoint("http://otel:4318");
+        // Every variable the sidecar reads is written, but for the secrets and OTLP settings
+        // left unset: a setting added to the struct and forgotten in `to_env` fails here even
+        // where its default would read back equal.
+        let written: Vec<&str> = changed.to_env().iter().map(|(name, _)| *name).collect();
+        for arg in SidecarSettings::command().get_arguments() {
+            let Some(name) = arg.get_env().and_then(|e| e.to_str()) else {
+                continue;
+            };
+            let secret = [env::KEY, env::API_TOKEN, env::APP_API_TOKEN].contains(&name);
+            let unset_otlp = name.starts_with("OTEL_") && name != "OTEL_EXPORTER_OTLP_ENDPOINT";
+            assert!(
+                written.contains(&name) || secret || unset_otlp,
+                "{name} is never written"
+            );
+        }
         for settings in [defaults, changed] {
             let read = SidecarSettings::from_vars(settings.to_env()).unwrap();
             assert_eq!(format!("{read:?}"), format!("{settings:?}"));
