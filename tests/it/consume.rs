@@ -10,7 +10,7 @@ use cosmosq_queue::{
     Clock, ConsumerStats, Delivery, DeliveryMode, GroupConfig, Handler, NewMessage, Outcome,
     QueueConfig, StartFrom, Throughput,
 };
-use cosmosq_tests::{fast_host, recording, Fixture, Ledger};
+use cosmosq_tests::{fast_host, Fixture, Ledger};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -54,7 +54,7 @@ async fn eight_hosts_two_groups_each_message_completed_once_per_group() {
         .collect();
     fixture.enqueue_all(batch).await;
 
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let shutdown = CancellationToken::new();
     let mut hosts = Vec::new();
     for group in ["billing", "audit"] {
@@ -65,7 +65,7 @@ async fn eight_hosts_two_groups_each_message_completed_once_per_group() {
                 config,
                 format!("{group}-{host}"),
                 RARE_SWEEP,
-                recording(&ledger),
+                ledger.completing(),
                 &shutdown,
             ));
         }
@@ -82,11 +82,6 @@ async fn eight_hosts_two_groups_each_message_completed_once_per_group() {
         completed as usize,
         2 * MESSAGES,
         "every delivery was recorded as complete"
-    );
-    assert!(
-        ledger.overlaps.lock().unwrap().is_empty(),
-        "held by two at once: {:?}",
-        ledger.overlaps.lock().unwrap()
     );
     for group in ["billing", "audit"] {
         ledger.assert_each_once(group);
@@ -117,7 +112,7 @@ async fn a_dead_hosts_messages_come_back_with_delivery_count_two() {
     // The first host claims everything and hangs: it never settles, like a killed pod. It
     // keeps its leases (it is aborted, not stopped): the second host takes them when they
     // expire, and the messages when their locks do.
-    let hung = Arc::new(Ledger::default());
+    let hung = Ledger::new();
     let shutdown_dead = CancellationToken::new();
     let dead = {
         let hung = Arc::clone(&hung);
@@ -129,8 +124,7 @@ async fn a_dead_hosts_messages_come_back_with_delivery_count_two() {
             move |d: Delivery| {
                 let hung = Arc::clone(&hung);
                 async move {
-                    hung.begin(&d);
-                    hung.done.notify_waiters();
+                    let _in_app = hung.begin(&d);
                     std::future::pending::<Outcome>().await
                 }
             },
@@ -153,14 +147,14 @@ async fn a_dead_hosts_messages_come_back_with_delivery_count_two() {
     }
     dead.abort();
 
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let shutdown = CancellationToken::new();
     let alive = spawn_host(
         &fixture,
         config,
         "alive".into(),
         FAST_SWEEP,
-        recording(&ledger),
+        ledger.completing(),
         &shutdown,
     );
     // The lock duration passes (and the dead host's lease expiry): everything is recovered.
@@ -168,10 +162,10 @@ async fn a_dead_hosts_messages_come_back_with_delivery_count_two() {
     ledger.wait_until(|l| l.delivered("g") == MESSAGES).await;
     shutdown.cancel();
     alive.await.unwrap();
-    let deliveries = ledger.deliveries.lock().unwrap();
+    let records = ledger.records("g");
     assert!(
-        deliveries.values().all(|counts| counts == &vec![2]),
-        "{deliveries:?}"
+        records.values().all(|r| r.delivery_counts == vec![2]),
+        "{records:?}"
     );
 }
 
@@ -199,14 +193,14 @@ async fn malformed_documents_are_skipped_with_a_reason_not_a_crash() {
             .await
             .unwrap();
     }
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let shutdown = CancellationToken::new();
     let running = spawn_host(
         &fixture,
         GroupConfig::new("g").with_start_from(StartFrom::Beginning),
         "h".into(),
         RARE_SWEEP,
-        recording(&ledger),
+        ledger.completing(),
         &shutdown,
     );
     ledger.wait_until(|l| l.delivered("g") == 10).await;
@@ -247,7 +241,7 @@ async fn throttled_account_loses_nothing() {
         "enqueue errors under throttling: {failed:?}"
     );
 
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let shutdown = CancellationToken::new();
     let mut hosts = Vec::new();
     for host in 0..4 {
@@ -256,7 +250,7 @@ async fn throttled_account_loses_nothing() {
             GroupConfig::new("g").with_start_from(StartFrom::Beginning),
             format!("h{host}"),
             RARE_SWEEP,
-            recording(&ledger),
+            ledger.completing(),
             &shutdown,
         ));
     }
@@ -279,29 +273,21 @@ async fn a_stream_host_retries_failures_and_dead_letters_drops() {
             .unwrap();
     }
     let before = fixture.queue.charges().snapshot();
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let shutdown = CancellationToken::new();
-    let handler = {
-        let ledger = Arc::clone(&ledger);
-        move |d: Delivery| {
-            let ledger = Arc::clone(&ledger);
-            async move {
-                ledger.begin(&d);
-                ledger.end(&d);
-                match (d.message.id.as_str(), d.delivery_count) {
-                    ("m7", 1) => Outcome::Retry {
-                        reason: "busy".into(),
-                        delay: Some(Duration::from_millis(1)),
-                    },
-                    ("m9", _) => Outcome::DeadLetter {
-                        reason: "Dropped".into(),
-                        description: "app said DROP".into(),
-                    },
-                    _ => Outcome::Complete,
-                }
-            }
+    let handler = ledger.handler(|d: Delivery| async move {
+        match (d.message.id.as_str(), d.delivery_count) {
+            ("m7", 1) => Outcome::Retry {
+                reason: "busy".into(),
+                delay: Some(Duration::from_millis(1)),
+            },
+            ("m9", _) => Outcome::DeadLetter {
+                reason: "Dropped".into(),
+                description: "app said DROP".into(),
+            },
+            _ => Outcome::Complete,
         }
-    };
+    });
     let config = GroupConfig::new("s")
         .with_mode(DeliveryMode::Stream)
         .with_start_from(StartFrom::Beginning);
@@ -314,10 +300,7 @@ async fn a_stream_host_retries_failures_and_dead_letters_drops() {
         &shutdown,
     );
     ledger
-        .wait_until(|l| {
-            l.delivered("s") == 100
-                && l.deliveries.lock().unwrap()[&("s".to_string(), "m7".to_string())].len() == 2
-        })
+        .wait_until(|l| l.delivered("s") == 100 && l.record("s", "m7").delivery_counts.len() == 2)
         .await;
     shutdown.cancel();
     let stats = running.await.unwrap();

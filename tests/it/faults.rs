@@ -18,13 +18,12 @@ use cosmosq_emulator::fault_injection::{
 };
 use cosmosq_queue::host::Host;
 use cosmosq_queue::{
-    Clock, ConsumerStats, CosmosClient, Delivery, DeliveryMode, GroupConfig, MessageState,
-    NewMessage, Outcome, Queue, RetryPolicy, StartFrom,
+    Clock, ConsumerStats, CosmosClient, Delivery, DeliveryMode, GroupConfig, MessageKey,
+    MessageState, NewMessage, Outcome, Queue, RetryPolicy, StartFrom,
 };
-use cosmosq_tests::{eventually, fast_host, wait_on, Fixture};
+use cosmosq_tests::{eventually, fast_host, Fixture, Identity, Ledger};
 use rand::{Rng, SeedableRng};
 use serde_json::json;
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 const GROUPS: [(&str, DeliveryMode); 2] =
@@ -55,61 +54,30 @@ fn group_config(name: &str, mode: DeliveryMode, lock: Duration) -> GroupConfig {
         })
 }
 
-/// What the app answered, per (group, message): deliveries and completions.
+/// The app: the shared ledger records what it was given and answered.
 #[derive(Default)]
 struct App {
-    answers: Mutex<HashMap<(String, String), (u32, u32)>>,
-    changed: Notify,
+    ledger: Arc<Ledger>,
     /// Messages whose first delivery panics in the handler (the app crashing mid-request).
     panics: Mutex<Vec<String>>,
 }
 
-impl App {
-    fn completed(&self, group: &str) -> usize {
-        let answers = self.answers.lock().unwrap();
-        answers
-            .iter()
-            .filter(|((g, _), (_, done))| g == group && *done > 0)
-            .count()
-    }
-
-    /// Messages the app completed more than once in `group`.
-    fn completed_twice(&self, group: &str) -> Vec<String> {
-        let answers = self.answers.lock().unwrap();
-        let mut ids: Vec<String> = answers
-            .iter()
-            .filter(|((g, _), (_, done))| g == group && *done > 1)
-            .map(|((_, id), _)| id.clone())
-            .collect();
-        ids.sort();
-        ids
-    }
-
-    fn delivered(&self) -> u64 {
-        let answers = self.answers.lock().unwrap();
-        answers.values().map(|(n, _)| u64::from(*n)).sum()
-    }
+/// The ledger's name for message `i`.
+fn identity(i: usize) -> Identity {
+    (id(i), MessageKey::from(pk(i)).canonical())
 }
 
 fn handler(
     app: &Arc<App>,
 ) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, Outcome> + Send + Sync + 'static {
-    let app = Arc::clone(app);
-    move |d: Delivery| {
-        let app = Arc::clone(&app);
-        Box::pin(async move {
-            let key = (d.group.clone(), d.message.id.clone());
-            app.answers
-                .lock()
-                .unwrap()
-                .entry(key.clone())
-                .or_default()
-                .0 += 1;
+    let crashing = Arc::clone(app);
+    app.ledger.handler(move |d: Delivery| {
+        let app = Arc::clone(&crashing);
+        async move {
             tokio::task::yield_now().await;
             let i: usize = d.message.id[1..].parse().expect("ids are m<i>");
             let crash = d.delivery_count == 1 && app.panics.lock().unwrap().contains(&d.message.id);
-            let outcome = if crash {
-                app.changed.notify_waiters();
+            if crash {
                 panic!("the app crashed on {}", d.message.id);
             } else if poison(i) {
                 Outcome::Retry {
@@ -117,13 +85,10 @@ fn handler(
                     delay: None,
                 }
             } else {
-                app.answers.lock().unwrap().entry(key).or_default().1 += 1;
                 Outcome::Complete
-            };
-            app.changed.notify_waiters();
-            outcome
-        })
-    }
+            }
+        }
+    })
 }
 
 /// A worker pod: one lease-loop host per group, on its own client and clock.
@@ -202,9 +167,9 @@ impl Scenario {
     /// message is in the dead letters, then stops the pods and checks the whole ledger.
     async fn finish(&self, pods: Vec<Pod>, what: &str) -> Report {
         let good = (0..self.messages).filter(|&i| !poison(i)).count();
-        let all_completed = wait_on(&self.app.changed, "", || {
-            GROUPS.iter().all(|(g, _)| self.app.completed(g) == good)
-        });
+        let ledger = &self.app.ledger;
+        let all_completed =
+            ledger.wait_until(|l| GROUPS.iter().all(|(g, _)| l.completed(g) == good));
         if tokio::time::timeout(Duration::from_secs(90), all_completed)
             .await
             .is_err()
@@ -256,35 +221,35 @@ impl Scenario {
             messages: self.messages,
             ..Report::default()
         };
-        let answers = self.app.answers.lock().unwrap().clone();
         for (g, mode) in GROUPS {
+            let records = self.app.ledger.records(g);
             let group = self.fixture.group(GroupConfig::new(g));
-            let dead: HashMap<String, _> = group
+            let dead: HashMap<Identity, _> = group
                 .dead_letters(None)
                 .await
                 .unwrap()
                 .into_iter()
-                .map(|d| (d.message_id.clone(), d))
+                .map(|d| ((d.message_id.clone(), d.partition_key.canonical()), d))
                 .collect();
             let mut completed_docs = 0;
             for i in 0..self.messages {
-                let app_done = answers.get(&(g.to_owned(), id(i))).is_some_and(|a| a.1 > 0);
+                let app_done = records.get(&identity(i)).is_some_and(|r| r.completions > 0);
                 let state = group.read_state(&pk(i).into(), &id(i)).await.unwrap();
                 let ok = if poison(i) {
-                    dead.get(&id(i))
+                    dead.get(&identity(i))
                         .is_some_and(|d| d.reason.is_some() && d.last_error.is_some())
                 } else if mode == DeliveryMode::Exclusive {
                     let completed = state.is_some_and(|s| s.state == MessageState::Completed);
                     completed_docs += usize::from(completed);
                     completed && app_done
                 } else {
-                    app_done && !dead.contains_key(&id(i))
+                    app_done && !dead.contains_key(&identity(i))
                 };
                 if !ok {
                     report.lost += 1;
                     eprintln!(
                         "{what}: group {g}: m{i} is neither completed nor dead-lettered: app {:?}, state {:?}",
-                        answers.get(&(g.to_owned(), id(i))),
+                        records.get(&identity(i)),
                         group.read_state(&pk(i).into(), &id(i)).await.unwrap()
                     );
                 }
@@ -299,7 +264,7 @@ impl Scenario {
                 report.doubles += counted.saturating_sub(completed_docs as u64);
             }
         }
-        report.deliveries = self.app.delivered();
+        report.deliveries = self.app.ledger.deliveries();
         report
     }
 }
@@ -358,10 +323,10 @@ async fn killed_and_restarted_pods_lose_nothing_and_complete_nothing_twice() {
         let mut pods = s.pods(&client).await;
         let kill_after = rng.random_range(0..MESSAGES as u64 * 2);
         let victim = rng.random_range(0..3);
-        wait_on(&s.app.changed, "deliveries before the kill", || {
-            s.app.delivered() >= kill_after
-        })
-        .await;
+        s.app
+            .ledger
+            .wait_until(|l| l.deliveries() >= kill_after)
+            .await;
         let dead = pods.remove(victim);
         for task in &dead.tasks {
             task.abort();
@@ -530,10 +495,7 @@ async fn a_split_and_a_merge_mid_flight_lose_nothing() {
     s.enqueue(0..150).await;
     let client = s.fixture.client.clone();
     let pods = s.pods(&client).await;
-    wait_on(&s.app.changed, "a third delivered", || {
-        s.app.delivered() >= 100
-    })
-    .await;
+    s.app.ledger.wait_until(|l| l.deliveries() >= 100).await;
     let store = s.fixture.emulator.store();
     let ids = s.fixture.emulator.partition_ids("db", "q").await.unwrap();
     let epk = store.midpoint_split_epk("db", "q", ids[0]).unwrap();
@@ -542,10 +504,7 @@ async fn a_split_and_a_merge_mid_flight_lose_nothing() {
         .await
         .unwrap();
     s.enqueue(150..220).await;
-    wait_on(&s.app.changed, "more delivered after the split", || {
-        s.app.delivered() >= 250
-    })
-    .await;
+    s.app.ledger.wait_until(|l| l.deliveries() >= 250).await;
     let ids = s.fixture.emulator.partition_ids("db", "q").await.unwrap();
     store
         .merge_partitions_and_wait("db", "q", ids[0], ids[1], Duration::ZERO)
@@ -561,8 +520,8 @@ async fn a_split_and_a_merge_mid_flight_lose_nothing() {
     // No pod died and no write failed: the app saw no exclusive success a second time, however
     // the feed's positions moved (after the merge the emulator numbers documents anew).
     assert_eq!(
-        s.app.completed_twice("x"),
-        Vec::<String>::new(),
+        s.app.ledger.completed_twice("x"),
+        Vec::<Identity>::new(),
         "completed twice by the app"
     );
 }

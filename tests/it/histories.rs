@@ -17,9 +17,9 @@
 //! CI runs `COSMOSQ_HISTORY_CASES` cases (6 by default); a long run:
 //! `COSMOSQ_HISTORY_CASES=1000 cargo test -p cosmosq-tests --test it histories:: -- --nocapture`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cosmosq_emulator::fault_injection::{
@@ -32,12 +32,11 @@ use cosmosq_queue::{
     Clock, ConsumerStats, Delivery, DeliveryMode, GroupConfig, MessageKey, MessageState,
     NewMessage, Outcome, Queue, QueueConfig, RetryPolicy, StartFrom,
 };
-use cosmosq_tests::{fast_host, Fixture};
+use cosmosq_tests::{fast_host, Fixture, Ledger};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -156,7 +155,7 @@ impl History {
 
     fn group_config(&self, g: usize) -> GroupConfig {
         let spec = &self.groups[g];
-        GroupConfig::new(format!("g{g}"))
+        GroupConfig::new(group_name(g))
             .with_mode(if spec.stream {
                 DeliveryMode::Stream
             } else {
@@ -227,71 +226,30 @@ impl History {
     }
 }
 
-/// What the app saw, per (group, message index).
-#[derive(Default)]
-struct App {
-    deliveries: Mutex<HashMap<(usize, usize), u32>>,
-    completions: Mutex<HashMap<(usize, usize), u32>>,
-    /// Completions in the order the app gave them, per group.
-    completed_order: Mutex<HashMap<usize, Vec<usize>>>,
-    in_app: Mutex<HashSet<(usize, usize)>>,
-    overlaps: Mutex<Vec<String>>,
-    total: std::sync::atomic::AtomicU64,
-    changed: Notify,
-}
-
-/// Leaves the app's in-flight set when the delivery ends, however it ends (a killed pod drops it).
-struct InApp(Arc<App>, (usize, usize));
-
-impl Drop for InApp {
-    fn drop(&mut self) {
-        self.0.in_app.lock().unwrap().remove(&self.1);
-        self.0.changed.notify_waiters();
-    }
-}
-
+/// The app of group `g`: answers each message as the history says for its n-th call; the
+/// shared ledger records what it was given and answered.
 fn handler(
-    app: &Arc<App>,
+    ledger: &Arc<Ledger>,
     history: &Arc<History>,
     g: usize,
 ) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, Outcome> + Send + Sync + 'static {
-    let (app, history) = (Arc::clone(app), Arc::clone(history));
-    move |d: Delivery| {
-        let (app, history) = (Arc::clone(&app), Arc::clone(&history));
-        Box::pin(async move {
+    let (calls, history) = (Arc::clone(ledger), Arc::clone(history));
+    ledger.handler(move |d: Delivery| {
+        let (calls, history) = (Arc::clone(&calls), Arc::clone(&history));
+        async move {
             let m: usize = d.message.id[1..].parse().expect("ids are m<n>");
-            let exclusive = !history.groups[g].stream;
-            let n = {
-                let mut deliveries = app.deliveries.lock().unwrap();
-                let n = deliveries.entry((g, m)).or_default();
-                *n += 1;
-                *n
-            };
-            app.total.fetch_add(1, Ordering::SeqCst);
-            if exclusive && !app.in_app.lock().unwrap().insert((g, m)) {
-                app.overlaps
-                    .lock()
-                    .unwrap()
-                    .push(format!("g{g} m{m} delivery {}", d.delivery_count));
-            }
-            let _guard = exclusive.then(|| InApp(Arc::clone(&app), (g, m)));
+            let n = calls
+                .record(&group_name(g), &d.message.id)
+                .delivery_counts
+                .len();
             tokio::task::yield_now().await;
             let answer = history.messages[m]
                 .answers
-                .get(n as usize - 1)
+                .get(n - 1)
                 .copied()
                 .unwrap_or(Answer::Complete);
-            let outcome = match answer {
-                Answer::Complete => {
-                    *app.completions.lock().unwrap().entry((g, m)).or_default() += 1;
-                    app.completed_order
-                        .lock()
-                        .unwrap()
-                        .entry(g)
-                        .or_default()
-                        .push(m);
-                    Outcome::Complete
-                }
+            match answer {
+                Answer::Complete => Outcome::Complete,
                 Answer::Retry => Outcome::Retry {
                     reason: "the app failed".into(),
                     delay: None,
@@ -300,19 +258,18 @@ fn handler(
                     reason: "DroppedByApp".into(),
                     description: "the app dropped it".into(),
                 },
-                Answer::Crash => {
-                    app.changed.notify_waiters();
-                    panic!("the app crashed on m{m}");
-                }
+                Answer::Crash => panic!("the app crashed on m{m}"),
                 Answer::Refused => Outcome::Undelivered {
                     reason: "connection refused".into(),
                     delay: Some(Duration::from_millis(20)),
                 },
-            };
-            app.changed.notify_waiters();
-            outcome
-        })
-    }
+            }
+        }
+    })
+}
+
+fn group_name(g: usize) -> String {
+    format!("g{g}")
 }
 
 fn fault_rule(spec: &FaultSpec) -> Arc<FaultInjectionRule> {
@@ -354,7 +311,7 @@ struct Pod {
 struct Run {
     history: Arc<History>,
     fixture: Fixture,
-    app: Arc<App>,
+    ledger: Arc<Ledger>,
     client: cosmosq_queue::CosmosClient,
     stats: Vec<(usize, Arc<ConsumerStats>)>,
 }
@@ -370,7 +327,7 @@ impl Run {
         for g in 0..self.history.groups.len() {
             let host = Host::new(
                 queue.group(self.history.group_config(g)).expect("group"),
-                handler(&self.app, &self.history, g),
+                handler(&self.ledger, &self.history, g),
                 fast_host(&format!("p{p}")),
             );
             self.stats.push((g, host.stats()));
@@ -388,7 +345,11 @@ impl Run {
             .read_state(&key, &format!("m{m}"))
             .await
             .map_err(|e| e.to_string())?;
-        let completed_by_app = self.app.completions.lock().unwrap().contains_key(&(g, m));
+        let completed_by_app = self
+            .ledger
+            .records(&group_name(g))
+            .get(&(format!("m{m}"), key.canonical()))
+            .is_some_and(|r| r.completions > 0);
         Ok(match state.as_ref().map(|s| s.state) {
             Some(MessageState::DeadLettered) => state.unwrap().reason.is_some(),
             Some(MessageState::Completed) => completed_by_app,
@@ -444,8 +405,12 @@ impl Run {
                 // The first completion of each message, per key, in enqueue order. (A stream
                 // group delivers again what it completed since its last checkpoint when a
                 // lease moves without a hand-over: those repeats come after, by design.)
-                let order = self.app.completed_order.lock().unwrap();
-                let order = order.get(&g).cloned().unwrap_or_default();
+                let order: Vec<usize> = self
+                    .ledger
+                    .completed_order(&group_name(g))
+                    .iter()
+                    .map(|(id, _)| id[1..].parse().expect("ids are m<n>"))
+                    .collect();
                 let mut first: HashMap<usize, usize> = HashMap::new();
                 for (at, m) in order.iter().enumerate() {
                     first.entry(*m).or_insert(at);
@@ -468,8 +433,10 @@ impl Run {
                 }
             }
         }
-        if let Some(overlap) = self.app.overlaps.lock().unwrap().first() {
-            return Err(format!("in the app twice at once: {overlap}"));
+        for g in (0..h.groups.len()).filter(|g| !h.groups[*g].stream) {
+            if let Some(overlap) = self.ledger.overlaps(&group_name(g)).first() {
+                return Err(format!("g{g}: in the app twice at once: {overlap}"));
+            }
         }
         self.state_outlives_messages().await
     }
@@ -553,7 +520,7 @@ async fn run(history: History) -> Result<(), String> {
     let mut run = Run {
         history: Arc::clone(&history),
         fixture,
-        app: Arc::default(),
+        ledger: Ledger::new(),
         client,
         stats: Vec::new(),
     };
@@ -564,16 +531,7 @@ async fn run(history: History) -> Result<(), String> {
     let mut kills = history.kills.clone();
     kills.sort();
     for (after, victim) in kills {
-        let app = Arc::clone(&run.app);
-        let reached = async {
-            loop {
-                let changed = app.changed.notified();
-                if app.total.load(Ordering::SeqCst) >= after {
-                    return;
-                }
-                changed.await;
-            }
-        };
+        let reached = run.ledger.wait_until(|l| l.deliveries() >= after);
         if tokio::time::timeout(Duration::from_secs(10), reached)
             .await
             .is_err()
@@ -594,7 +552,7 @@ async fn run(history: History) -> Result<(), String> {
         if tokio::time::Instant::now() > deadline {
             break; // `check` names what is missing
         }
-        let changed = run.app.changed.notified();
+        let changed = run.ledger.changed().notified();
         // State written by the sweep or a retry announces nothing to the app: look again soon.
         let _ = tokio::time::timeout(Duration::from_millis(200), changed).await;
     }

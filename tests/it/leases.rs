@@ -10,7 +10,7 @@ use cosmosq_queue::{
     ConsumerStats, Delivery, DeliveryMode, ExclusiveWrites, GroupConfig, MessageState, NewMessage,
     Outcome, StartFrom,
 };
-use cosmosq_tests::{eventually, fast_host, recording, wait_on, Fixture, Ledger};
+use cosmosq_tests::{eventually, fast_host, wait_on, Fixture, Ledger};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -105,20 +105,18 @@ async fn a_slow_message_then_200(
     config: &GroupConfig,
 ) -> (RunningHost, Arc<Ledger>, Arc<tokio::sync::Notify>) {
     let release = Arc::new(tokio::sync::Notify::new());
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let handler = {
-        let (release, ledger) = (Arc::clone(&release), Arc::clone(&ledger));
-        move |d: Delivery| {
-            let (release, ledger) = (Arc::clone(&release), Arc::clone(&ledger));
+        let release = Arc::clone(&release);
+        ledger.handler(move |d: Delivery| {
+            let release = Arc::clone(&release);
             async move {
-                ledger.begin(&d);
-                ledger.end(&d);
                 if d.message.id == "slow" {
                     release.notified().await;
                 }
                 Outcome::Complete
             }
-        }
+        })
     };
     fixture
         .queue
@@ -185,7 +183,7 @@ async fn three_hosts_two_groups_balance_and_settle_every_message_once() {
     const MESSAGES: usize = 5_000;
     let fixture = Fixture::new(4).await;
     enqueue(&fixture, 0..MESSAGES).await;
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let mut hosts = Vec::new();
     for group in ["billing", "audit"] {
         let config = GroupConfig::new(group).with_start_from(StartFrom::Beginning);
@@ -194,7 +192,7 @@ async fn three_hosts_two_groups_balance_and_settle_every_message_once() {
                 &fixture,
                 &config,
                 fast(&format!("{group}-{h}")),
-                recording(&ledger),
+                ledger.completing(),
             ));
         }
     }
@@ -223,7 +221,6 @@ async fn three_hosts_two_groups_balance_and_settle_every_message_once() {
         2 * MESSAGES,
         "no message completed twice"
     );
-    assert!(ledger.overlaps.lock().unwrap().is_empty());
     for group in ["billing", "audit"] {
         ledger.assert_each_once(group);
     }
@@ -232,7 +229,7 @@ async fn three_hosts_two_groups_balance_and_settle_every_message_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_stop_releases_leases_for_another_host_at_once() {
     let fixture = Fixture::new(4).await;
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let config = GroupConfig::new("g");
     let mut slow_to_expire = fast("a");
     slow_to_expire.lease_expire = Duration::from_secs(3600);
@@ -240,7 +237,7 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
         &fixture,
         &config,
         slow_to_expire.clone(),
-        recording(&ledger),
+        ledger.completing(),
     );
     eventually("a holds all leases", Duration::from_secs(5), || async {
         owners(&fixture, "g")
@@ -256,7 +253,7 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
     let a_stats = Arc::clone(&a.stats);
     let mut b_options = slow_to_expire.clone();
     b_options.owner = "b".into();
-    let b = start(&fixture, &config, b_options, recording(&ledger));
+    let b = start(&fixture, &config, b_options, ledger.completing());
     a.stop.cancel();
     a.task.await.unwrap().unwrap();
     assert_eq!(a_stats.leases_owned.load(Ordering::Relaxed), 0);
@@ -379,10 +376,10 @@ async fn two_hosts_midway(
     delivered: usize,
 ) -> (Arc<Ledger>, RunningHost, RunningHost) {
     let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     enqueue(fixture, 0..messages).await;
-    let a = start(fixture, &config, fast("a"), recording(&ledger));
-    let b = start(fixture, &config, fast("b"), recording(&ledger));
+    let a = start(fixture, &config, fast("a"), ledger.completing());
+    let b = start(fixture, &config, fast("b"), ledger.completing());
     ledger.wait_until(|l| l.delivered("g") >= delivered).await;
     (ledger, a, b)
 }
@@ -447,26 +444,18 @@ async fn estimator_matches_the_known_unsettled_work() {
 
     // 2. A host settles everything but ten messages that wait for a retry half a minute away
     // (within the estimate's horizon: work due later is no backlog).
-    let ledger = Arc::new(Ledger::default());
-    let handler = {
-        let ledger = Arc::clone(&ledger);
-        move |d: Delivery| {
-            let ledger = Arc::clone(&ledger);
-            async move {
-                ledger.begin(&d);
-                ledger.end(&d);
-                let n: usize = d.message.id[1..].parse().unwrap();
-                if n.is_multiple_of(10) {
-                    Outcome::Retry {
-                        reason: "later".into(),
-                        delay: Some(Duration::from_secs(30)),
-                    }
-                } else {
-                    Outcome::Complete
-                }
+    let ledger = Ledger::new();
+    let handler = ledger.handler(|d: Delivery| async move {
+        let n: usize = d.message.id[1..].parse().unwrap();
+        if n.is_multiple_of(10) {
+            Outcome::Retry {
+                reason: "later".into(),
+                delay: Some(Duration::from_secs(30)),
             }
+        } else {
+            Outcome::Complete
         }
-    };
+    });
     let host = start(&fixture, &config, fast("h"), handler);
     ledger.wait_until(|l| l.delivered("g") == 100).await;
     eventually(
@@ -593,7 +582,7 @@ async fn a_merge_during_processing_keeps_each_lease_on_its_range() {
 async fn finer_leases_let_more_hosts_than_partitions_share_the_work() {
     let fixture = Fixture::new(1).await;
     let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let hosts: Vec<_> = (0..3)
         .map(|h| {
             start(
@@ -603,7 +592,7 @@ async fn finer_leases_let_more_hosts_than_partitions_share_the_work() {
                     leases_per_partition: 3,
                     ..fast(&format!("h{h}"))
                 },
-                recording(&ledger),
+                ledger.completing(),
             )
         })
         .collect();
@@ -717,14 +706,14 @@ async fn ordered_groups_deliver_each_key_in_order_even_across_retries() {
 async fn idle_polling_backs_off_to_the_ceiling_and_work_resets_it() {
     let fixture = Fixture::new(1).await;
     let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let options = HostOptions {
         min_poll: Duration::from_millis(100),
         max_poll: Duration::from_secs(5),
         sweep_interval: Duration::from_secs(3600),
         ..HostOptions::new("h")
     };
-    let host = start(&fixture, &config, options, recording(&ledger));
+    let host = start(&fixture, &config, options, ledger.completing());
     let reads = || {
         fixture
             .queue
@@ -829,8 +818,8 @@ async fn stolen_mid_delivery(mode: DeliveryMode) {
     stop_all(vec![a]).await;
     let in_flight = a_got.lock().unwrap()[0].clone();
     // The thief never renews; b takes the range once it expires.
-    let ledger = Arc::new(Ledger::default());
-    let b = start(&fixture, &config, fast("b"), recording(&ledger));
+    let ledger = Ledger::new();
+    let b = start(&fixture, &config, fast("b"), ledger.completing());
     let b_stats = Arc::clone(&b.stats);
     if mode == DeliveryMode::Stream {
         // Stream mode: b reads from the checkpoint, so it delivers a's message again too.
@@ -891,18 +880,12 @@ async fn stream_hosts_hand_leases_over_for_balance_without_delivering_anything_t
         .with_mode(DeliveryMode::Stream)
         .with_start_from(StartFrom::Beginning);
     enqueue(&fixture, 0..MESSAGES).await;
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let slow = |ledger: &Arc<Ledger>| {
-        let ledger = Arc::clone(ledger);
-        move |d: Delivery| {
-            let ledger = Arc::clone(&ledger);
-            async move {
-                ledger.begin(&d);
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                ledger.end(&d);
-                Outcome::Complete
-            }
-        }
+        ledger.handler(|_| async {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            Outcome::Complete
+        })
     };
     let narrow = |name: &str| HostOptions {
         max_concurrency: 4,
@@ -1093,8 +1076,8 @@ async fn a_lease_taken_mid_delivery_cuts_the_call_and_the_next_owner_redelivers_
     let in_flight = a_got.lock().unwrap()[0].clone();
     a.stop.cancel();
     stop_all(vec![a]).await;
-    let ledger = Arc::new(Ledger::default());
-    let b = start(&fixture, &config, fast("b"), recording(&ledger));
+    let ledger = Ledger::new();
+    let b = start(&fixture, &config, fast("b"), ledger.completing());
     ledger.wait_until(|l| l.delivered("x") == MESSAGES).await;
     eventually(
         "b's completions are written",
@@ -1127,8 +1110,8 @@ async fn a_release_that_races_a_hand_over_request_still_releases() {
     let config = GroupConfig::new("g");
     let mut options = fast("a");
     options.lease_expire = Duration::from_secs(3600);
-    let ledger = Arc::new(Ledger::default());
-    let a = start(&fixture, &config, options, recording(&ledger));
+    let ledger = Ledger::new();
+    let a = start(&fixture, &config, options, ledger.completing());
     eventually("a holds all leases", Duration::from_secs(5), || async {
         owners(&fixture, "g")
             .await
@@ -1186,7 +1169,7 @@ async fn a_range_handed_over_inside_a_batch_delivers_the_rest_of_it_once() {
         .collect();
     fixture.enqueue_all(batch).await;
     let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Ledger::new();
     let small = |name: &str| HostOptions {
         page_size: 5,
         max_in_flight_per_range: 5,
@@ -1194,7 +1177,7 @@ async fn a_range_handed_over_inside_a_batch_delivers_the_rest_of_it_once() {
     };
     // a stops after 20 deliveries, its last ones held until it is told to stop.
     let release = CancellationToken::new();
-    let record = recording(&ledger);
+    let record = ledger.completing();
     let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let a = start(&fixture, &config, small("a"), {
         let (release, held) = (release.clone(), Arc::clone(&held));
@@ -1220,7 +1203,7 @@ async fn a_range_handed_over_inside_a_batch_delivers_the_rest_of_it_once() {
         (20..MESSAGES as u64).contains(&a_completed),
         "a stopped inside the batch: {a_completed}"
     );
-    let b = start(&fixture, &config, small("b"), recording(&ledger));
+    let b = start(&fixture, &config, small("b"), ledger.completing());
     tokio::time::timeout(
         Duration::from_secs(60),
         ledger.wait_until(|l| l.delivered("g") == MESSAGES),

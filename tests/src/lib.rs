@@ -6,14 +6,13 @@
 
 pub mod crd_rules;
 pub mod health;
+pub mod ledger;
 pub mod otlp;
 pub mod scenario;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, Once};
+use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use cosmosq_queue::{Delivery, Outcome};
 use tokio::sync::Notify;
 
 use azure_data_cosmos::CosmosClient;
@@ -100,71 +99,6 @@ impl Fixture {
     }
 }
 
-/// What the app saw, per group: deliveries per message, and overlap violations.
-#[derive(Default)]
-pub struct Ledger {
-    pub deliveries: Mutex<HashMap<(String, String), Vec<u32>>>,
-    pub in_flight: Mutex<HashSet<(String, String)>>,
-    pub overlaps: Mutex<Vec<String>>,
-    pub done: Notify,
-}
-
-impl Ledger {
-    pub fn begin(&self, d: &Delivery) {
-        let key = (d.group.clone(), d.message.id.clone());
-        if !self.in_flight.lock().unwrap().insert(key.clone()) {
-            self.overlaps.lock().unwrap().push(format!("{key:?}"));
-        }
-        self.deliveries
-            .lock()
-            .unwrap()
-            .entry(key)
-            .or_default()
-            .push(d.delivery_count);
-    }
-
-    pub fn end(&self, d: &Delivery) {
-        self.in_flight
-            .lock()
-            .unwrap()
-            .remove(&(d.group.clone(), d.message.id.clone()));
-        self.done.notify_waiters();
-    }
-
-    pub fn delivered(&self, group: &str) -> usize {
-        self.deliveries
-            .lock()
-            .unwrap()
-            .keys()
-            .filter(|(g, _)| g == group)
-            .count()
-    }
-
-    /// Panics unless the app saw every message of `group` exactly once.
-    pub fn assert_each_once(&self, group: &str) {
-        let counts = self.counts(group);
-        assert!(
-            counts.iter().all(|&n| n == 1),
-            "{group}: a message was delivered more than once"
-        );
-    }
-
-    pub fn counts(&self, group: &str) -> Vec<usize> {
-        self.deliveries
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|((g, _), _)| g == group)
-            .map(|(_, v)| v.len())
-            .collect()
-    }
-
-    /// Waits until `pred` holds, woken by each finished delivery (no polling sleeps).
-    pub async fn wait_until(&self, pred: impl Fn(&Ledger) -> bool) {
-        wait_on(&self.done, "the consumers to finish", || pred(self)).await;
-    }
-}
-
 /// Waits until `check` holds, re-checking each time `notify` fires (no polling sleeps).
 pub async fn wait_on(notify: &Notify, what: &str, check: impl Fn() -> bool) {
     tokio::time::timeout(Duration::from_secs(300), async {
@@ -178,22 +112,6 @@ pub async fn wait_on(notify: &Notify, what: &str, check: impl Fn() -> bool) {
     })
     .await
     .unwrap_or_else(|_| panic!("timed out waiting for {what}"));
-}
-
-/// A handler that records every delivery in `ledger` and completes it.
-pub fn recording(
-    ledger: &Arc<Ledger>,
-) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, Outcome> + Send + Sync + 'static {
-    let ledger = Arc::clone(ledger);
-    move |d: Delivery| {
-        let ledger = Arc::clone(&ledger);
-        Box::pin(async move {
-            ledger.begin(&d);
-            tokio::task::yield_now().await;
-            ledger.end(&d);
-            Outcome::Complete
-        })
-    }
 }
 
 /// Waits until `check` passes, re-checking every 50 ms, for state that several hosts converge
@@ -214,6 +132,7 @@ where
 }
 
 pub use cosmosq_testkit::{fast_host, free_port};
+pub use ledger::{Identity, Ledger, Record};
 
 /// The messages container's physical ranges as the service has them now (the SDK's cached
 /// topology would hide a split or merge made a moment ago).
