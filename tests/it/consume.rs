@@ -1,5 +1,6 @@
 //! Hosts of the lease loop running concurrently against the emulator: exclusivity while
-//! leases move between hosts, recovery from a dead host, bad input, throttling, stream mode.
+//! leases move between hosts, recovery from a dead host, stream mode, pull. (Bad input and
+//! throttling are the fault suite's, with its full ledger.)
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use cosmosq_emulator::EmulatorOptions;
 use cosmosq_queue::host::{Host, HostOptions};
 use cosmosq_queue::{
     Clock, ConsumerStats, Delivery, DeliveryMode, GroupConfig, Handler, NewMessage, Outcome,
-    QueueConfig, StartFrom, Throughput,
+    QueueConfig, StartFrom,
 };
 use cosmosq_tests::{fast_host, Fixture, Ledger};
 use serde_json::json;
@@ -167,99 +168,6 @@ async fn a_dead_hosts_messages_come_back_with_delivery_count_two() {
         records.values().all(|r| r.delivery_counts == vec![2]),
         "{records:?}"
     );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn malformed_documents_are_skipped_with_a_reason_not_a_crash() {
-    let fixture = Fixture::new(2).await;
-    let messages = fixture.queue.messages();
-    for (id, doc) in [
-        (
-            "no-body",
-            json!({"id": "no-body", "pk": "x", "enqueuedAt": 1}),
-        ),
-        ("no-time", json!({"id": "no-time", "pk": "x", "body": 1})),
-        (
-            "bad-b64",
-            json!({"id": "bad-b64", "pk": "x", "bodyBase64": "@@", "enqueuedAt": 1}),
-        ),
-    ] {
-        messages.create_item("x", id, doc, None).await.unwrap();
-    }
-    for i in 0..10 {
-        fixture
-            .queue
-            .enqueue(NewMessage::json(json!(i)))
-            .await
-            .unwrap();
-    }
-    let ledger = Ledger::new();
-    let shutdown = CancellationToken::new();
-    let running = spawn_host(
-        &fixture,
-        GroupConfig::new("g").with_start_from(StartFrom::Beginning),
-        "h".into(),
-        RARE_SWEEP,
-        ledger.completing(),
-        &shutdown,
-    );
-    ledger.wait_until(|l| l.delivered("g") == 10).await;
-    shutdown.cancel();
-    let stats = running.await.unwrap();
-    assert_eq!(ConsumerStats::get(&stats.malformed), 3);
-    assert_eq!(ConsumerStats::get(&stats.completed), 10);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn throttled_account_loses_nothing() {
-    let mut config = QueueConfig::new("db", "q");
-    config.throughput = Some(Throughput::Manual(400));
-    let fixture = Fixture::with(
-        EmulatorOptions {
-            partitions: 1,
-            throughput: Some(400),
-            ..Default::default()
-        },
-        config,
-        Clock::system(),
-    )
-    .await;
-    const MESSAGES: usize = 300;
-    let enqueues = (0..MESSAGES).map(|i| {
-        let q = fixture.queue.clone();
-        async move {
-            q.enqueue(
-                NewMessage::json(json!({"i": i, "pad": "p".repeat(200)})).with_id(format!("m{i}")),
-            )
-            .await
-        }
-    });
-    let results = futures::future::join_all(enqueues).await;
-    let failed: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert!(
-        failed.is_empty(),
-        "enqueue errors under throttling: {failed:?}"
-    );
-
-    let ledger = Ledger::new();
-    let shutdown = CancellationToken::new();
-    let mut hosts = Vec::new();
-    for host in 0..4 {
-        hosts.push(spawn_host(
-            &fixture,
-            GroupConfig::new("g").with_start_from(StartFrom::Beginning),
-            format!("h{host}"),
-            RARE_SWEEP,
-            ledger.completing(),
-            &shutdown,
-        ));
-    }
-    ledger.wait_until(|l| l.delivered("g") == MESSAGES).await;
-    shutdown.cancel();
-    for c in hosts {
-        c.await.unwrap();
-    }
-    ledger.assert_each_once("g");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

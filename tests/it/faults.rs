@@ -16,10 +16,11 @@ use cosmosq_emulator::fault_injection::{
     FaultInjectionConditionBuilder, FaultInjectionErrorType, FaultInjectionResultBuilder,
     FaultInjectionRule, FaultInjectionRuleBuilder, FaultOperationType,
 };
+use cosmosq_emulator::EmulatorOptions;
 use cosmosq_queue::host::Host;
 use cosmosq_queue::{
     Clock, ConsumerStats, CosmosClient, Delivery, DeliveryMode, GroupConfig, MessageKey,
-    MessageState, NewMessage, Outcome, Queue, RetryPolicy, StartFrom,
+    MessageState, NewMessage, Outcome, Queue, QueueConfig, RetryPolicy, StartFrom, Throughput,
 };
 use cosmosq_tests::{eventually, fast_host, Fixture, Identity, Ledger};
 use rand::{Rng, SeedableRng};
@@ -109,7 +110,10 @@ struct Scenario {
 
 impl Scenario {
     async fn new(partitions: u32, messages: usize) -> Scenario {
-        let fixture = Fixture::new(partitions).await;
+        Self::on(Fixture::new(partitions).await, messages)
+    }
+
+    fn on(fixture: Fixture, messages: usize) -> Scenario {
         Scenario {
             fixture,
             app: Arc::default(),
@@ -445,6 +449,54 @@ async fn a_429_storm_on_every_operation_loses_nothing() {
         .collect()
     };
     under_faults("429 storm, all operations", rules).await;
+}
+
+/// The emulator's own throttling (a container at 400 RU/s: 429s with the service's retry-after
+/// whenever the second's budget is spent), not injected faults: 300 concurrent enqueues of
+/// padded messages, then three pods in both modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_account_at_its_provisioned_throughput_loses_nothing() {
+    const MESSAGES: usize = 300;
+    let started = Instant::now();
+    let mut config = QueueConfig::new("db", "q");
+    config.throughput = Some(Throughput::Manual(400));
+    let options = EmulatorOptions {
+        partitions: 1,
+        throughput: Some(400),
+        ..Default::default()
+    };
+    let fixture = Fixture::with(options, config, Clock::system()).await;
+    let mut s = Scenario::on(fixture, MESSAGES);
+    let enqueues = (0..MESSAGES).map(|i| {
+        let q = s.fixture.queue.clone();
+        async move {
+            q.enqueue(
+                NewMessage::json(json!({"i": i, "pad": "p".repeat(200)}))
+                    .with_id(id(i))
+                    .with_partition_key(pk(i)),
+            )
+            .await
+        }
+    });
+    let results = futures::future::join_all(enqueues).await;
+    let failed: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(
+        failed.is_empty(),
+        "enqueue errors under throttling: {failed:?}"
+    );
+    let client = s.fixture.client.clone();
+    let pods = s.pods(&client).await;
+    let throttled = s.fixture.queue.charges().throttled();
+    assert!(
+        throttled > 0,
+        "the enqueues met no 429: this test would prove nothing"
+    );
+    s.finish(pods, "provisioned throughput").await.assert_clean(
+        "400 RU/s, the emulator's own 429s",
+        1,
+        throttled,
+        started,
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
