@@ -114,6 +114,48 @@ pub(super) enum Wait {
     Stop,
 }
 
+/// What the next message of a key makes of where its predecessor in the range stands.
+#[derive(Debug, PartialEq)]
+pub(super) enum Predecessor {
+    /// Still under way: wait for its next word.
+    UnderWay,
+    /// Settled or completed: the key's turn passes on.
+    Done,
+    /// Its own state document holds it (long work with a lock of its own, parked, a retry):
+    /// wait for that document to settle, not for the range.
+    HoldsItsOwnState(String),
+    /// It never started or nothing could be recorded: the range is stopping, and the next
+    /// message must not start ahead of it.
+    Stopped,
+}
+
+/// Reads a predecessor's [`KeyState`] (see [`Predecessor`]). Pure.
+pub(super) fn after_predecessor(state: KeyState) -> Predecessor {
+    match state {
+        None => Predecessor::UnderWay,
+        Some((_, Fate::Settled | Fate::Completed)) => Predecessor::Done,
+        Some((id, Fate::Pending)) => Predecessor::HoldsItsOwnState(id),
+        Some((_, Fate::Unrecorded | Fate::Unstarted)) => Predecessor::Stopped,
+    }
+}
+
+/// Whether a delivery of the lease write path writes its schedule under a lock of its own
+/// instead of starting (see `RangeDelivery::due_later`): a message not yet `visible`, unless
+/// it `follows` a message of its key in this range or is a redelivery of what the previous
+/// owner handed out (`Route::Recovered`: that one's start is known). Pure.
+pub(super) fn schedule_takes_its_own_lock(
+    lease_path: bool,
+    follows: bool,
+    visible: bool,
+    route: Route,
+) -> bool {
+    lease_path
+        && !follows
+        && !visible
+        && route != Route::Recovered
+        && !buggify::on(Bug::ScheduledStartListed)
+}
+
 /// One message of a range on its way to the handler.
 pub(super) struct RangeDelivery<H> {
     pub(super) deliverer: Arc<Deliverer<H>>,
@@ -188,14 +230,14 @@ impl<H: Handler> RangeDelivery<H> {
         if let Some(mut previous) = previous {
             loop {
                 let state = previous.borrow_and_update().clone();
-                match state {
-                    Some((_, Fate::Settled | Fate::Completed)) => break,
-                    Some((id, Fate::Pending)) => {
+                match after_predecessor(state) {
+                    Predecessor::Done => break,
+                    Predecessor::HoldsItsOwnState(id) => {
                         waits_for.push(id);
                         break;
                     }
-                    Some((_, Fate::Unrecorded | Fate::Unstarted)) => return Wait::Stop,
-                    None => {}
+                    Predecessor::Stopped => return Wait::Stop,
+                    Predecessor::UnderWay => {}
                 }
                 tokio::select! {
                     biased;
@@ -288,11 +330,12 @@ impl<H: Handler> RangeDelivery<H> {
     /// deliver the predecessor again while its schedule comes due.
     fn due_later(&mut self, message: &Message, follows: bool) -> bool {
         let now = self.deliverer.group.queue().clock().now_ms();
-        let later = self.start.is_some()
-            && !follows
-            && !message.is_visible(now)
-            && self.path != Route::Recovered
-            && !buggify::on(Bug::ScheduledStartListed);
+        let later = schedule_takes_its_own_lock(
+            self.start.is_some(),
+            follows,
+            message.is_visible(now),
+            self.path,
+        );
         if later {
             self.path = Route::Locked;
         }
@@ -453,4 +496,54 @@ pub(super) fn abandon(stops: &Stops, deliveries: &mut JoinSet<()>, leftovers: &L
     // their locks expire; the host waits for them before it returns.
     stops.give_up.cancel();
     leftovers.adopt(deliveries);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_next_message_of_a_key_reads_its_predecessor_as_the_table_says() {
+        let id = || "m1".to_owned();
+        let table = [
+            (None, Predecessor::UnderWay),
+            (Some((id(), Fate::Settled)), Predecessor::Done),
+            (Some((id(), Fate::Completed)), Predecessor::Done),
+            (
+                Some((id(), Fate::Pending)),
+                Predecessor::HoldsItsOwnState(id()),
+            ),
+            (Some((id(), Fate::Unrecorded)), Predecessor::Stopped),
+            (Some((id(), Fate::Unstarted)), Predecessor::Stopped),
+        ];
+        for (state, expected) in table {
+            let row = format!("{state:?}");
+            assert_eq!(after_predecessor(state), expected, "{row}");
+        }
+    }
+
+    #[test]
+    fn only_an_unlisted_schedule_of_the_lease_write_path_takes_a_lock_of_its_own() {
+        // (lease path, follows a message of its key, visible, route) → its own lock
+        let table = [
+            ((true, false, false, Route::Feed), true),
+            ((true, false, false, Route::Checked), true),
+            ((true, false, false, Route::Locked), true),
+            // A redelivery: its start is known to the window already.
+            ((true, false, false, Route::Recovered), false),
+            // An ordered key's next message: its start is written first instead.
+            ((true, true, false, Route::Feed), false),
+            // Due now: it starts.
+            ((true, false, true, Route::Feed), false),
+            // Claims and stream groups write a schedule by the claim anyway.
+            ((false, false, false, Route::Feed), false),
+        ];
+        for ((lease_path, follows, visible, route), expected) in table {
+            assert_eq!(
+                schedule_takes_its_own_lock(lease_path, follows, visible, route),
+                expected,
+                "lease path {lease_path}, follows {follows}, visible {visible}, {route:?}"
+            );
+        }
+    }
 }

@@ -255,3 +255,110 @@ pub(super) fn continuation_ranges(
         .filter(|ranges| !ranges.is_empty())
         .unwrap_or_else(|| vec![whole.clone()])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marker(epk: &str, id: &str) -> (String, Marker) {
+        let pk = serde_json::json!(id);
+        let id = id.to_owned();
+        (epk.to_owned(), Marker { id, pk })
+    }
+
+    fn range(lo: &str, hi: &str) -> (String, String) {
+        (lo.to_owned(), hi.to_owned())
+    }
+
+    /// What each sub-range checks its first page against after a take-over: the newest marker
+    /// in it, else the newest of all.
+    #[test]
+    fn a_rewind_starts_each_sub_range_from_its_own_newest_marker() {
+        // (the lease's markers, newest last; the continuation's sub-ranges) → the marker
+        // each sub-range's first page is checked against.
+        let table = [
+            (
+                vec![marker("10", "a"), marker("20", "b")],
+                vec![range("", "FF")],
+                vec![Some("b")],
+            ),
+            // A split: each half its own newest.
+            (
+                vec![marker("10", "x"), marker("90", "y"), marker("20", "z")],
+                vec![range("", "80"), range("80", "FF")],
+                vec![Some("z"), Some("y")],
+            ),
+            // A half its parent never read in: the newest of all (compared by LSN).
+            (
+                vec![marker("10", "x")],
+                vec![range("", "80"), range("80", "FF")],
+                vec![Some("x"), Some("x")],
+            ),
+            // EPKs compare without regard to case.
+            (
+                vec![marker("9a", "lower"), marker("10", "other")],
+                vec![range("80", "FF")],
+                vec![Some("lower")],
+            ),
+            // A lease that never read anything: nothing to check.
+            (vec![], vec![range("", "FF")], vec![]),
+        ];
+        for (markers, ranges, expected) in table {
+            let rewind = Rewind::start(&markers, &ranges);
+            let checked: Vec<Option<&str>> = rewind
+                .feeds
+                .iter()
+                .map(|f| f.seek.as_ref().map(|s| s.marker.id.as_str()))
+                .collect();
+            assert_eq!(checked, expected, "{markers:?} over {ranges:?}");
+            for feed in &rewind.feeds {
+                assert_eq!(
+                    feed.last.as_ref().map(|(_, m)| &m.id),
+                    feed.seek.as_ref().map(|s| &s.marker.id),
+                    "the last document read is the marker checked"
+                );
+            }
+        }
+    }
+
+    /// A sub-range met mid-read (the range split since the rewind started) inherits what the
+    /// narrowest entry holding it knew; a known one is itself.
+    #[test]
+    fn a_sub_range_met_later_inherits_from_the_narrowest_entry_holding_it() {
+        let mut rewind = Rewind::start(
+            &[marker("10", "left"), marker("90", "right")],
+            &[range("", "80"), range("80", "FF")],
+        );
+        // (the sub-range met, the marker it is checked against, entries after)
+        let table = [
+            (range("80", "FF"), Some("right"), 2),
+            (range("C0", "FF"), Some("right"), 3),
+            (range("", "40"), Some("left"), 4),
+            // Nested: "C0".."E0" lies in both "80".."FF" and "C0".."FF"; the narrower wins
+            // (they agree here, as they do whenever the wider one has not read since).
+            (range("C0", "E0"), Some("right"), 5),
+        ];
+        for (met, expected, entries) in table {
+            let feed = rewind.feed(&met);
+            assert_eq!(
+                feed.seek.as_ref().map(|s| s.marker.id.as_str()),
+                expected,
+                "{met:?}"
+            );
+            assert_eq!(rewind.feeds.len(), entries, "{met:?}");
+        }
+        // What the narrowest knows wins: "C0".."E0" read on since, "D0".."D8" learns that.
+        let narrow = rewind.feed(&range("C0", "E0"));
+        narrow.last = Some(marker("D5", "newer"));
+        narrow.seek = Some(Seek::new(marker("D5", "newer")));
+        let nested = rewind.feed(&range("D0", "D8"));
+        assert_eq!(
+            nested.seek.as_ref().map(|s| s.marker.id.as_str()),
+            Some("newer")
+        );
+        assert_eq!(
+            nested.last.as_ref().map(|(_, m)| m.id.as_str()),
+            Some("newer")
+        );
+    }
+}
