@@ -178,10 +178,10 @@ fn completed(hosts: &[&Arc<ConsumerStats>]) -> u64 {
         .sum()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn three_hosts_two_groups_balance_and_settle_every_message_once() {
     const MESSAGES: usize = 5_000;
-    let fixture = Fixture::new(4).await;
+    let fixture = Fixture::paused(4).await;
     enqueue(&fixture, 0..MESSAGES).await;
     let ledger = Ledger::new();
     let mut hosts = Vec::new();
@@ -226,9 +226,9 @@ async fn three_hosts_two_groups_balance_and_settle_every_message_once() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn graceful_stop_releases_leases_for_another_host_at_once() {
-    let fixture = Fixture::new(4).await;
+    let fixture = Fixture::paused(4).await;
     let ledger = Ledger::new();
     let config = GroupConfig::new("g");
     let mut slow_to_expire = fast("a");
@@ -284,9 +284,9 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
 /// once it runs past `promoteAfter` it holds its range no more, so the checkpoint passes it
 /// (its claim brings it back if its holder dies) and a drain or hand-over does not wait for
 /// it. (The lease write path first gives it a lock of its own: next test.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_slow_message_on_claims_keeps_its_claim_and_the_checkpoint_passes_it() {
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     let config = GroupConfig::new("g")
         .with_start_from(StartFrom::Beginning)
         .with_exclusive_writes(ExclusiveWrites::Claims)
@@ -384,9 +384,9 @@ async fn two_hosts_midway(
     (ledger, a, b)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_split_during_processing_skips_nothing_and_children_take_over() {
-    let fixture = Fixture::new(2).await;
+    let fixture = Fixture::paused(2).await;
     let (ledger, a, b) = two_hosts_midway(&fixture, 600, 200).await;
 
     let store = fixture.emulator.store();
@@ -412,9 +412,9 @@ async fn a_split_during_processing_skips_nothing_and_children_take_over() {
     ledger.assert_each_once("g");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn estimator_matches_the_known_unsettled_work() {
-    let fixture = Fixture::new(2).await;
+    let fixture = Fixture::paused(2).await;
     let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
     let group = fixture.group(config.clone());
     let now_group = fixture.group(GroupConfig::new("late"));
@@ -491,9 +491,9 @@ async fn estimator_matches_the_known_unsettled_work() {
     assert_eq!(estimate.backlog(), 40);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     let group = unread_from_the_start(&fixture).await;
     let writes = (0..600).map(|i| {
         let q = fixture.queue.clone();
@@ -511,9 +511,9 @@ async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
 /// Below the exact-count limit in LSNs a few large batches can hold many messages: the
 /// estimate reads a few pages of them at most and extrapolates, so what it costs does not
 /// grow with the backlog.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_batched_backlog_is_estimated_from_a_few_pages_whatever_its_size() {
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     let group = unread_from_the_start(&fixture).await;
     let estimate_reads = || {
         fixture
@@ -548,9 +548,9 @@ async fn a_batched_backlog_is_estimated_from_a_few_pages_whatever_its_size() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_merge_during_processing_keeps_each_lease_on_its_range() {
-    let fixture = Fixture::new(2).await;
+    let fixture = Fixture::paused(2).await;
     let (ledger, a, b) = two_hosts_midway(&fixture, 400, 100).await;
 
     let ids = fixture.emulator.partition_ids("db", "q").await.unwrap();
@@ -578,9 +578,9 @@ async fn a_merge_during_processing_keeps_each_lease_on_its_range() {
     ledger.assert_each_once("g");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn finer_leases_let_more_hosts_than_partitions_share_the_work() {
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
     let ledger = Ledger::new();
     let hosts: Vec<_> = (0..3)
@@ -622,9 +622,9 @@ async fn finer_leases_let_more_hosts_than_partitions_share_the_work() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn ordered_groups_deliver_each_key_in_order_even_across_retries() {
-    let fixture = Fixture::new(2).await;
+    let fixture = Fixture::paused(2).await;
     let retry = cosmosq_queue::RetryPolicy {
         initial_backoff: Duration::from_millis(20),
         ..Default::default()
@@ -704,7 +704,7 @@ async fn ordered_groups_deliver_each_key_in_order_even_across_retries() {
 
 #[tokio::test(start_paused = true)]
 async fn idle_polling_backs_off_to_the_ceiling_and_work_resets_it() {
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     let config = GroupConfig::new("g").with_start_from(StartFrom::Beginning);
     let ledger = Ledger::new();
     let options = HostOptions {
@@ -752,7 +752,7 @@ async fn idle_polling_backs_off_to_the_ceiling_and_work_resets_it() {
     host.task.await.unwrap().unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_lease_stolen_mid_delivery_hands_the_rest_over_and_settles_each_message_once() {
     // Regression: a host that lost a range went on delivering every message it had read ahead
     // (a page waiting for permits), so in stream mode the app got each of them twice.
@@ -763,7 +763,7 @@ async fn a_lease_stolen_mid_delivery_hands_the_rest_over_and_settles_each_messag
 
 async fn stolen_mid_delivery(mode: DeliveryMode) {
     const MESSAGES: usize = 20;
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     // Exclusive: the claims path, where the delivery under way has a claim of its own.
     let config = GroupConfig::new("s")
         .with_mode(mode)
@@ -872,10 +872,10 @@ async fn stolen_mid_delivery(mode: DeliveryMode) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn stream_hosts_hand_leases_over_for_balance_without_delivering_anything_twice() {
     const MESSAGES: usize = 1_500;
-    let fixture = Fixture::new(4).await;
+    let fixture = Fixture::paused(4).await;
     let config = GroupConfig::new("s")
         .with_mode(DeliveryMode::Stream)
         .with_start_from(StartFrom::Beginning);
@@ -915,10 +915,10 @@ async fn stream_hosts_hand_leases_over_for_balance_without_delivering_anything_t
 /// write nothing: children next to a live parent would be read a second time, from the older
 /// checkpoint, by other hosts. Once the parent is free again, the split happens from its
 /// newest checkpoint.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_split_from_a_stale_read_of_the_parent_writes_nothing() {
     use cosmosq_queue::range::split_children;
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     let store = LeaseStore::new(fixture.queue.clone(), "g");
     let now = 1_000_000;
     let expire = 10_000;
@@ -966,9 +966,9 @@ async fn a_split_from_a_stale_read_of_the_parent_writes_nothing() {
 /// The lease write path: a message that outlives `promoteAfter` gets a lock of its own (a state
 /// document, renewed while the app works), so the checkpoint passes it and nothing waits on
 /// it; it then settles through that document.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_slow_message_gets_a_lock_of_its_own_and_the_checkpoint_passes_it() {
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     let config = GroupConfig::new("g")
         .with_start_from(StartFrom::Beginning)
         .with_lock_duration(Duration::from_secs(1));
@@ -1023,10 +1023,10 @@ async fn a_slow_message_gets_a_lock_of_its_own_and_the_checkpoint_passes_it() {
 /// The lease write path, a lease taken from a live owner (as after a pause past the expiry):
 /// the delivery under way, which had no lock of its own, is cut, and the next owner delivers
 /// it again as a redelivery (count 2); every message ends completed once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_lease_taken_mid_delivery_cuts_the_call_and_the_next_owner_redelivers_it() {
     const MESSAGES: usize = 20;
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     let config = GroupConfig::new("x").with_start_from(StartFrom::Beginning);
     enqueue(&fixture, 0..MESSAGES).await;
     let cut = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -1104,9 +1104,9 @@ async fn a_lease_taken_mid_delivery_cuts_the_call_and_the_next_owner_redelivers_
 /// A graceful stop whose release races a hand-over request (another host asking for the
 /// lease while this one drains) still releases: the request changed the lease's ETag, not
 /// its owner, so nothing is left in the stopped host's name until it expires.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_release_that_races_a_hand_over_request_still_releases() {
-    let fixture = Fixture::new(4).await;
+    let fixture = Fixture::paused(4).await;
     let config = GroupConfig::new("g");
     let mut options = fast("a");
     options.lease_expire = Duration::from_secs(3600);
@@ -1156,10 +1156,10 @@ async fn a_release_that_races_a_hand_over_request_still_releases() {
 /// A transactional batch is one write, one LSN: a range handed over inside one resumes inside
 /// it, and the next owner's check of where its predecessor stopped must not take the rest of
 /// the batch (same LSN as the last document recorded) for documents read before.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_range_handed_over_inside_a_batch_delivers_the_rest_of_it_once() {
     const MESSAGES: usize = 60;
-    let fixture = Fixture::new(1).await;
+    let fixture = Fixture::paused(1).await;
     let batch = (0..MESSAGES)
         .map(|i| {
             NewMessage::json(json!(i))

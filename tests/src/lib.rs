@@ -53,6 +53,21 @@ impl Fixture {
         .await
     }
 
+    /// Like [`Self::new`] on tokio's clock, for tests on paused time (`start_paused`): lease
+    /// expiries, locks and back-offs pass as the runtime advances it, not on the machine's
+    /// clock. The in-process emulator opens no sockets, so nothing waits on real time.
+    pub async fn paused(partitions: u32) -> Fixture {
+        Self::with(
+            EmulatorOptions {
+                partitions,
+                ..Default::default()
+            },
+            QueueConfig::new("db", "q"),
+            Clock::following_tokio(cosmosq_queue::clock::system_now_ms()),
+        )
+        .await
+    }
+
     /// Like [`Self::new`] with a manual clock starting now.
     pub async fn with_manual_clock(partitions: u32) -> (Fixture, Clock) {
         let clock = Clock::manual(cosmosq_queue::clock::system_now_ms());
