@@ -3,8 +3,14 @@
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(cosmosq_e2e)");
+    println!("cargo::rustc-check-cfg=cfg(cosmosq_e2e_aggregator)");
     println!("cargo::rerun-if-env-changed=COSMOSQ_E2E_KUBECONFIG");
+    println!("cargo::rerun-if-env-changed=COSMOSQ_E2E_OPERATOR_ADDRESS");
     if std::env::var_os("COSMOSQ_E2E_KUBECONFIG").is_some() {
         println!("cargo::rustc-cfg=cosmosq_e2e");
+        // The aggregated read also needs the API server to dial this process.
+        if std::env::var_os("COSMOSQ_E2E_OPERATOR_ADDRESS").is_some() {
+            println!("cargo::rustc-cfg=cosmosq_e2e_aggregator");
+        }
     }
 }
