@@ -1137,6 +1137,9 @@ async fn a_release_that_races_a_hand_over_request_still_releases() {
                         asks += 1;
                     }
                 }
+                // A round every few milliseconds: on paused time the clock moves only while
+                // every task waits, and a loop that never waits would hold it still.
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
             asks
         })
