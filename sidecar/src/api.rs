@@ -38,6 +38,15 @@ pub struct ApiState {
     pub drained: CancellationToken,
     /// The pub/sub name of the app's subscription, accepted for publishing too.
     pub pubsub_name: std::sync::OnceLock<String>,
+    /// Cancelled once the app's subscription is known, or known to be none (pull groups at
+    /// once): a publish under the app's pub/sub name may come before the sidecar has asked.
+    pub subscribed: CancellationToken,
+    /// The app's subscription as Dapr's metadata lists it, once known.
+    pub subscription: std::sync::OnceLock<serde_json::Value>,
+    /// What the metadata API says of this sidecar.
+    pub about: crate::dapr::metadata::About,
+    /// The app's own metadata attributes (`PUT /v1.0/metadata/{key}`), in memory.
+    pub attributes: std::sync::Mutex<std::collections::BTreeMap<String, String>>,
     /// A pull group's receive side; `None` for push.
     pub puller: Option<cosmosq_queue::pull::Puller>,
     /// Where publish spans go.
@@ -84,6 +93,11 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route(
             "/v1.0-alpha1/publish/bulk/{pubsub}/{topic}",
             post(crate::dapr::publish_bulk),
+        )
+        .route("/v1.0/metadata", get(crate::dapr::metadata::get))
+        .route(
+            "/v1.0/metadata/{key}",
+            axum::routing::put(crate::dapr::metadata::put),
         )
         .route("/v1/receive", post(crate::pull::receive))
         .route(

@@ -256,7 +256,13 @@ pub fn answers(status: u16, retry_after: Option<&str>, body: &[u8], ids: &[Strin
         .contains(&status)
         .then(|| serde_json::from_slice::<Value>(body).ok())
         .flatten()
-        .and_then(|v| v.get("statuses").and_then(Value::as_array).cloned());
+        .and_then(|mut v| {
+            // Field names as daprd's Go decoder reads them (`entryID`, `Statuses`).
+            crate::dapr::go_json::fold(&mut v, &["statuses"]);
+            let mut statuses = v.get_mut("statuses")?.take();
+            crate::dapr::go_json::fold_each(&mut statuses, &["entryId", "status"]);
+            statuses.as_array().cloned()
+        });
     let Some(statuses) = statuses else {
         let answer = app::classify(status, retry_after, body);
         return vec![answer; ids.len()];
@@ -385,6 +391,18 @@ mod tests {
             matches!(answers[4], Answer::Retry { .. }),
             "left out: retried, not done"
         );
+    }
+
+    #[test]
+    fn statuses_are_read_with_go_field_names() {
+        // As daprd reads an SDK's answer: names in any case.
+        let body = json!({"Statuses": [
+            {"entryID": "e0", "Status": "SUCCESS"},
+            {"EntryId": "e1", "status": "DROP"}
+        ]});
+        let answers = answers(200, None, &serde_json::to_vec(&body).unwrap(), &ids(2));
+        assert_eq!(answers[0], Answer::Success);
+        assert!(matches!(answers[1], Answer::Drop { .. }));
     }
 
     #[test]

@@ -126,6 +126,14 @@ async fn serve(
         stopping: shutdown.clone(),
         drained: CancellationToken::new(),
         pubsub_name: std::sync::OnceLock::new(),
+        subscribed: CancellationToken::new(),
+        subscription: std::sync::OnceLock::new(),
+        about: crate::dapr::metadata::About {
+            id: config.group.clone(),
+            app_port: config.app_port.filter(|_| config.app_mode == AppMode::Push),
+            max_concurrency: config.max_concurrency,
+        },
+        attributes: Default::default(),
         puller,
         telemetry,
     });
@@ -170,6 +178,7 @@ async fn serve(
         None => Ok(true),
         Some((app, port)) => start_pushing(app, *port, &config, &state, &shutdown).await,
     };
+    state.subscribed.cancel();
     if !matches!(started, Ok(true)) {
         state.drained.cancel();
         api_stop.cancel();
@@ -245,6 +254,9 @@ async fn start_pushing(
     .map_err(|e| SidecarError::Config(e.to_string()))?;
     if let Some(subscription) = subscription {
         let _ = state.pubsub_name.set(subscription.pubsub_name.clone());
+        let declared = config.app_subscription.is_some();
+        let listed = crate::dapr::metadata::listed(&subscription, &config.queue, declared);
+        let _ = state.subscription.set(listed);
         app.transport().subscribe(subscription);
     }
     Ok(true)

@@ -169,6 +169,33 @@ impl Subscription {
     }
 }
 
+/// A subscription list with its field names as daprd's Go decoder reads them (`pubSubName`,
+/// `Route`, `maxMessagesCount` in any case); values and metadata keys untouched. Pure.
+fn go_fields(mut list: Value) -> Value {
+    use crate::dapr::go_json::{fold, fold_each};
+    const ENTRY: [&str; 6] = [
+        "pubsubname",
+        "topic",
+        "route",
+        "routes",
+        "metadata",
+        "bulkSubscribe",
+    ];
+    fold_each(&mut list, &ENTRY);
+    for entry in list.as_array_mut().into_iter().flatten() {
+        if let Some(routes) = entry.get_mut("routes") {
+            fold(routes, &["rules", "default"]);
+            if let Some(rules) = routes.get_mut("rules") {
+                fold_each(rules, &["match", "path"]);
+            }
+        }
+        if let Some(bulk) = entry.get_mut("bulkSubscribe") {
+            fold(bulk, &["enabled", "maxMessagesCount", "maxAwaitDurationMs"]);
+        }
+    }
+    list
+}
+
 /// The app's subscription to `topic` in a `GET /dapr/subscribe` answer (pure). `Ok(None)`
 /// when the app subscribes to other topics only, or did not answer with a list (an app that
 /// is not a Dapr app and answers every path).
@@ -179,7 +206,8 @@ pub fn parse(body: &[u8], topic: &str) -> Result<Option<Subscription>, Subscribe
     if !value.is_array() {
         return Ok(None);
     }
-    let entries: Vec<Entry> = serde_json::from_value(value).map_err(SubscribeError::Shape)?;
+    let entries: Vec<Entry> =
+        serde_json::from_value(go_fields(value)).map_err(SubscribeError::Shape)?;
     let Some(entry) = entries.into_iter().find(|e| e.topic == topic) else {
         return Ok(None);
     };
@@ -315,6 +343,22 @@ mod tests {
         parse(&serde_json::to_vec(&entries).unwrap(), "orders")
             .unwrap()
             .expect("a subscription to orders")
+    }
+
+    #[test]
+    fn field_names_are_read_as_daprd_reads_them() {
+        let s = subscription(json!([{
+            "PubsubName": "bus", "Topic": "orders",
+            "Routes": {"Rules": [{"Match": "event.type == \"b\"", "Path": "/b"}], "Default": "/all"},
+            "BulkSubscribe": {"Enabled": true, "MaxMessagesCount": 7},
+            "Metadata": {"rawPayload": "true"}
+        }]));
+        assert_eq!(s.pubsub_name, "bus");
+        assert_eq!(s.rules.len(), 1);
+        assert_eq!(s.rules[0].path, "/b");
+        assert_eq!(s.default.as_deref(), Some("/all"));
+        assert!(s.raw_payload);
+        assert!(s.bulk.is_some(), "bulk subscription read");
     }
 
     #[test]

@@ -1373,6 +1373,108 @@ async fn dapr_app(bulk: bool) {
     sidecar.task.await.unwrap().unwrap();
 }
 
+/// An app on the official Dapr JavaScript SDK (`@dapr/dapr` from npm, unchanged, in
+/// `tests/node/dapr_sdk_app.cjs`): its `DaprServer` and `DaprClient` start (they wait on
+/// `GET /v1.0/metadata`), the metadata names the app, its pub/sub and its subscription, and
+/// what it publishes (`publish`, and `publishBulk`, whose entries the SDK spells `entryID`)
+/// comes back to its subscriber with what the queue already held, each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_on_the_official_dapr_javascript_sdk_starts_subscribes_and_publishes() {
+    use std::io::BufRead;
+    let fixture = Fixture::new(1).await;
+    let (app_port, api_port) = (free_port(), free_port());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_sdk_app.cjs");
+    let mut child = std::process::Command::new("node")
+        .args([script, &app_port.to_string(), "q"])
+        .env("NODE_PATH", cosmosq_tests::dapr_js())
+        .env("DAPR_HTTP_PORT", api_port.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("node runs the app");
+    let stdout = child.stdout.take().unwrap();
+    let _app = Killed(child);
+    let (lines, mut events) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines.send(line);
+        }
+    });
+    fixture
+        .queue
+        .enqueue(NewMessage::json(json!({"from": "rust"})).with_id("from-rust"))
+        .await
+        .unwrap();
+    let sidecar = start_sidecar(&fixture, settings("orders-app", app_port, api_port));
+
+    let mut steps: Vec<serde_json::Value> = Vec::new();
+    let received = |steps: &[serde_json::Value]| {
+        steps
+            .iter()
+            .filter(|s| s["step"] == "received")
+            .map(|s| s["data"].clone())
+            .collect::<Vec<_>>()
+    };
+    while received(&steps).len() < 4 || !steps.iter().any(|s| s["step"] == "metadata") {
+        let line = tokio::time::timeout(Duration::from_secs(60), events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("the app printed only {steps:#?}"))
+            .unwrap_or_else(|| panic!("the app exited: {steps:#?}"));
+        let step: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+        assert_ne!(step["step"], "failed", "{step}");
+        steps.push(step);
+    }
+    let metadata = &steps
+        .iter()
+        .find(|s| s["step"] == "metadata")
+        .expect("the client read the metadata")["metadata"];
+    assert_eq!(metadata["id"], "orders-app", "{metadata}");
+    let components = metadata["components"].as_array().expect("components");
+    assert!(
+        components
+            .iter()
+            .any(|c| c["name"] == "pubsub" && c["type"] == "pubsub.cosmosq"),
+        "{metadata}"
+    );
+    let subscriptions = metadata["subscriptions"].as_array().expect("subscriptions");
+    assert_eq!(subscriptions.len(), 1, "{metadata}");
+    assert_eq!(
+        (&subscriptions[0]["pubsubname"], &subscriptions[0]["topic"]),
+        (&json!("pubsub"), &json!("q"))
+    );
+    let bulk = steps
+        .iter()
+        .find(|s| s["step"] == "published in bulk")
+        .unwrap();
+    assert_eq!(bulk["failed"], 0, "every bulk entry enqueued: {bulk}");
+
+    let group = fixture.group(GroupConfig::new("orders-app"));
+    eventually("every message settled", Duration::from_secs(30), || async {
+        group.estimate().await.unwrap().backlog() == 0
+            && state(&fixture, "orders-app", "from-rust").await == Some(MessageState::Completed)
+    })
+    .await;
+    while let Ok(line) = events.try_recv() {
+        steps.push(serde_json::from_str(&line).expect("a JSON line"));
+    }
+    let mut got: Vec<String> = received(&steps).iter().map(|d| d.to_string()).collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            r#""node bulk text""#,
+            r#"{"from":"node"}"#,
+            r#"{"from":"node-bulk"}"#,
+            r#"{"from":"rust"}"#
+        ],
+        "each message once, its data as published"
+    );
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+}
+
 /// An app whose subscription cannot be used (a rule that is not CEL) stops the sidecar with
 /// the rule named, before any lease is taken: nothing goes to a route the app did not mean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -253,6 +253,23 @@ pub fn keda_models() -> std::path::PathBuf {
     dir
 }
 
+/// The official Dapr JavaScript SDK (`@dapr/dapr` from npm, pinned in
+/// `.ci/install-test-tools`): the `node_modules` folder a script's `require` resolves it from
+/// (`NODE_PATH`), installed on first use when missing.
+pub fn dapr_js() -> std::path::PathBuf {
+    let modules = tools_dir().join("dapr-js/node_modules");
+    let installed = |m: &std::path::Path| m.join("@dapr/dapr/package.json").exists();
+    if !installed(&modules) {
+        install_test_tools();
+    }
+    assert!(
+        installed(&modules),
+        "{} is incomplete after .ci/install-test-tools",
+        modules.display()
+    );
+    modules
+}
+
 /// The repository's chart rendered by `helm template <release>` in `namespace` with `args`
 /// (`--set …`, `--show-only …`), one JSON value per document (empty documents left out).
 pub fn helm_template(release: &str, namespace: &str, args: &[&str]) -> Vec<serde_json::Value> {

@@ -21,6 +21,9 @@ use crate::api::ApiState;
 use crate::app::PUBSUB_NAME;
 use crate::spans::Publish;
 
+pub mod go_json;
+pub mod metadata;
+
 /// Why a publish was refused, each with Dapr's error code.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
@@ -199,6 +202,21 @@ fn from_cloud_event(body: &[u8]) -> Result<NewMessage, PublishError> {
     Ok(message.inherit_trace(trace.as_ref()))
 }
 
+/// How long a publish under a pub/sub name not yet known waits for the app's subscription,
+/// which names it: an SDK publishes as soon as the sidecar answers, which can be before the
+/// sidecar has asked the app (daprd knows its components' names from the start).
+pub const SUBSCRIPTION_WAIT: Duration = Duration::from_secs(10);
+
+/// The pub/sub name of the app's subscription; when a publish names another than the
+/// sidecar's own before the subscription is known, after waiting for it (at most
+/// [`SUBSCRIPTION_WAIT`]).
+async fn apps_pubsub<'a>(state: &'a ApiState, pubsub: &str) -> Option<&'a str> {
+    if pubsub != PUBSUB_NAME && state.pubsub_name.get().is_none() {
+        let _ = tokio::time::timeout(SUBSCRIPTION_WAIT, state.subscribed.cancelled()).await;
+    }
+    state.pubsub_name.get().map(String::as_str)
+}
+
 /// A publish's result in the enqueue metric.
 fn count<E>(state: &ApiState, result: &Result<EnqueueOutcome, E>) {
     let label = match result {
@@ -218,7 +236,7 @@ pub async fn publish(
     body: axum::body::Bytes,
 ) -> Response {
     let published = async {
-        let apps_name = state.pubsub_name.get().map(String::as_str);
+        let apps_name = apps_pubsub(&state, &pubsub).await;
         check_target(&pubsub, &topic, state.queue.name(), apps_name)?;
         let content_type = headers
             .get(axum::http::header::CONTENT_TYPE)
@@ -256,8 +274,11 @@ struct BulkEntry {
 /// string event: `text/plain`, other JSON: `application/json`) would be, with the request's
 /// `metadata.*` and the entry's own `metadata` (which wins).
 pub fn bulk_messages(query: &HashMap<String, String>, body: &[u8]) -> Result<Bulk, PublishError> {
-    let entries: Vec<BulkEntry> =
+    let mut body: Value =
         serde_json::from_slice(body).map_err(|e| PublishError::BulkBody(e.to_string()))?;
+    go_json::fold_each(&mut body, &["entryId", "event", "contentType", "metadata"]);
+    let entries: Vec<BulkEntry> =
+        serde_json::from_value(body).map_err(|e| PublishError::BulkBody(e.to_string()))?;
     let mut ids = std::collections::HashSet::new();
     if let Some(e) = entries.iter().find(|e| !ids.insert(e.entry_id.as_str())) {
         return Err(PublishError::BulkBody(format!(
@@ -309,7 +330,7 @@ pub async fn publish_bulk(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let apps_name = state.pubsub_name.get().map(String::as_str);
+    let apps_name = apps_pubsub(&state, &pubsub).await;
     let parsed = check_target(&pubsub, &topic, state.queue.name(), apps_name)
         .and_then(|()| bulk_messages(&query, &body));
     let Bulk {
@@ -374,6 +395,29 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn bulk_entries_are_read_with_go_field_names() {
+        // The JavaScript SDK's spelling (`entryID`) and others daprd accepts.
+        let body = serde_json::to_vec(&json!([
+            {"entryID": "1", "event": {"n": 1}},
+            {"EntryId": "2", "Event": "text", "ContentType": "text/plain",
+             "METADATA": {"ttlInSeconds": "10"}, "unknown": true}
+        ]))
+        .unwrap();
+        let Bulk { messages, failed } = bulk_messages(&HashMap::new(), &body).unwrap();
+        assert!(failed.is_empty(), "{failed:?}");
+        let ids: Vec<&str> = messages.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, ["1", "2"]);
+        let built: Vec<cosmosq_queue::Message> = messages
+            .into_iter()
+            .map(|(_, m)| m.into_message(0).unwrap())
+            .collect();
+        assert_eq!(built[0].body, cosmosq_queue::Body::Json(json!({"n": 1})));
+        assert_eq!(built[1].body.to_bytes(), b"text");
+        assert_eq!(built[1].content_type.as_deref(), Some("text/plain"));
+        assert_eq!(built[1].ttl_secs, Some(10), "the entry's metadata was read");
     }
 
     #[test]

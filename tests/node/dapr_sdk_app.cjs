@@ -1,0 +1,53 @@
+// A Dapr pub/sub app written from the JavaScript SDK's documentation alone (`@dapr/dapr` from
+// npm, unchanged): a DaprServer subscribed to a topic, and a DaprClient that publishes one
+// event and a bulk of two, then reads the sidecar's metadata. It knows nothing of cosmosq.
+//
+// Usage: node dapr_sdk_app.cjs APP_PORT TOPIC   (DAPR_HTTP_PORT: the sidecar's port)
+// Prints one JSON line per step and per event received.
+const { DaprServer, DaprClient, CommunicationProtocolEnum, LogLevel } = require("@dapr/dapr");
+
+const [appPort, topic] = process.argv.slice(2);
+const daprHost = "127.0.0.1";
+const daprPort = process.env.DAPR_HTTP_PORT;
+const print = (line) => console.log(JSON.stringify(line));
+
+async function main() {
+  const logger = { level: LogLevel.Error };
+  const server = new DaprServer({
+    serverHost: "127.0.0.1",
+    serverPort: appPort,
+    communicationProtocol: CommunicationProtocolEnum.HTTP,
+    clientOptions: { daprHost, daprPort, logger },
+    logger,
+  });
+  await server.pubsub.subscribe("pubsub", topic, async (data, headers) => {
+    print({ step: "received", data, traceparent: headers["traceparent"] || null });
+  });
+  // Starts the app's server, then waits until the sidecar answers its metadata.
+  await server.start();
+  print({ step: "server started" });
+
+  const client = new DaprClient({
+    daprHost,
+    daprPort,
+    communicationProtocol: CommunicationProtocolEnum.HTTP,
+    logger,
+  });
+  await client.start();
+
+  const published = await client.pubsub.publish("pubsub", topic, { from: "node" });
+  if (published.error) throw published.error;
+  print({ step: "published" });
+  const bulk = await client.pubsub.publishBulk("pubsub", topic, [
+    { from: "node-bulk" },
+    "node bulk text",
+  ]);
+  print({ step: "published in bulk", failed: bulk.failedMessages.length });
+  const metadata = await client.metadata.get();
+  print({ step: "metadata", metadata });
+}
+
+main().catch((error) => {
+  print({ step: "failed", error: String(error && error.stack ? error.stack : error) });
+  process.exit(1);
+});
