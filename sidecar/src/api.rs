@@ -97,7 +97,9 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1.0/metadata", get(crate::dapr::metadata::get))
         .route(
             "/v1.0/metadata/{key}",
-            axum::routing::put(crate::dapr::metadata::put),
+            axum::routing::put(crate::dapr::metadata::put).layer(
+                axum::extract::DefaultBodyLimit::max(crate::dapr::metadata::MAX_ATTRIBUTE_BYTES),
+            ),
         )
         .route("/v1/receive", post(crate::pull::receive))
         .route(

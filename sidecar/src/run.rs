@@ -244,19 +244,35 @@ async fn start_pushing(
     state: &ApiState,
     shutdown: &CancellationToken,
 ) -> Result<bool, SidecarError> {
+    let known = |subscription: &subscribe::Subscription| {
+        let _ = state.pubsub_name.set(subscription.pubsub_name.clone());
+        let declared = config.app_subscription.is_some();
+        let listed = crate::dapr::metadata::listed(subscription, &config.queue, declared);
+        let _ = state.subscription.set(listed);
+        state.subscribed.cancel();
+    };
+    // A declared subscription is known before the app answers: its pub/sub name is usable at
+    // once.
+    let declared = config
+        .app_subscription
+        .as_ref()
+        .map(|entry| subscribe::declared(entry, &config.queue))
+        .transpose()
+        .map_err(|e| SidecarError::Config(e.to_string()))?;
+    if let Some(subscription) = &declared {
+        known(subscription);
+    }
     if !wait_for_app(port, config, shutdown).await {
         return Ok(false);
     }
-    let subscription = match &config.app_subscription {
-        Some(entry) => subscribe::declared(entry, &config.queue).map(Some),
-        None => subscribe::discover(port, &config.queue, config.app_api_token.as_ref()).await,
-    }
-    .map_err(|e| SidecarError::Config(e.to_string()))?;
+    let subscription = match declared {
+        Some(subscription) => Some(subscription),
+        None => subscribe::discover(port, &config.queue, config.app_api_token.as_ref())
+            .await
+            .map_err(|e| SidecarError::Config(e.to_string()))?,
+    };
     if let Some(subscription) = subscription {
-        let _ = state.pubsub_name.set(subscription.pubsub_name.clone());
-        let declared = config.app_subscription.is_some();
-        let listed = crate::dapr::metadata::listed(&subscription, &config.queue, declared);
-        let _ = state.subscription.set(listed);
+        known(&subscription);
         app.transport().subscribe(subscription);
     }
     Ok(true)

@@ -1448,7 +1448,13 @@ async fn an_app_on_the_official_dapr_javascript_sdk_starts_subscribes_and_publis
         .iter()
         .find(|s| s["step"] == "published in bulk")
         .unwrap();
-    assert_eq!(bulk["failed"], 0, "every bulk entry enqueued: {bulk}");
+    // No failed entry reported (the SDK reads a failure answer's entries by `entryID`, so this
+    // alone would miss a refusal: the events received below are what prove the bulk).
+    assert_eq!(bulk["failed"], 0, "{bulk}");
+    assert_eq!(
+        metadata["extended"]["team"], "payments",
+        "the attribute the app set: {metadata}"
+    );
 
     let group = fixture.group(GroupConfig::new("orders-app"));
     eventually("every message settled", Duration::from_secs(30), || async {
@@ -1741,6 +1747,24 @@ async fn the_api_and_the_app_are_told_apart_by_dapr_api_tokens() {
     }
     let answer = enqueue(Some("api-s3cret")).await.unwrap();
     assert!(answer.status().is_success(), "{}", answer.status());
+    // Dapr's metadata API is behind the token too: it names the app and takes its attributes.
+    let metadata = format!("{}/v1.0/metadata", sidecar.api);
+    let answer = http.get(&metadata).send().await.unwrap();
+    assert_eq!(answer.status(), 401);
+    let answer = http
+        .put(format!("{metadata}/team"))
+        .body("payments")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 401);
+    let answer = http
+        .get(&metadata)
+        .header("dapr-api-token", "api-s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
     wait_on(&changed, "the delivery", || {
         presented
             .lock()

@@ -1,6 +1,6 @@
 // A Dapr pub/sub app written from the JavaScript SDK's documentation alone (`@dapr/dapr` from
 // npm, unchanged): a DaprServer subscribed to a topic, and a DaprClient that publishes one
-// event and a bulk of two, then reads the sidecar's metadata. It knows nothing of cosmosq.
+// event and a bulk of two, then sets an attribute and reads the sidecar's metadata. It knows nothing of cosmosq.
 //
 // Usage: node dapr_sdk_app.cjs APP_PORT TOPIC   (DAPR_HTTP_PORT: the sidecar's port)
 // Prints one JSON line per step and per event received.
@@ -43,6 +43,7 @@ async function main() {
     "node bulk text",
   ]);
   print({ step: "published in bulk", failed: bulk.failedMessages.length });
+  await client.metadata.set("team", "payments");
   const metadata = await client.metadata.get();
   print({ step: "metadata", metadata });
 }

@@ -6,8 +6,9 @@
 use serde_json::{Map, Value};
 
 /// Renames each key of `object` that spells one of `fields` in another case to the field's
-/// spelling. An exact key wins over one in another case; values are not touched (a message's
-/// own data keeps its keys). Pure.
+/// spelling; values are not touched (a message's own data keeps its keys). Where a body has
+/// the field under two spellings, the exact one wins (Go would take the last in the document,
+/// an order a parsed object no longer has). Pure.
 pub fn fold_keys(object: &mut Map<String, Value>, fields: &[&str]) {
     let renames: Vec<(String, &str)> = object
         .keys()
@@ -51,7 +52,7 @@ mod tests {
             (json!({"entryID": "1"}), json!({"entryId": "1"})),
             (json!({"ENTRYID": "1"}), json!({"entryId": "1"})),
             (json!({"entryId": "1"}), json!({"entryId": "1"})),
-            // The exact spelling wins; the other is dropped, as Go keeps one value per field.
+            // Two spellings of one field: the exact one wins, the other is dropped.
             (
                 json!({"entryID": "a", "entryId": "b"}),
                 json!({"entryId": "b"}),

@@ -31,8 +31,9 @@ pub struct About {
 }
 
 /// The subscription as Dapr's metadata lists it (pure): each rule with its CEL `match`, then
-/// the default route as the rule with an empty `match`, as daprd lists `routes.default`.
-/// `declared`: given by the operator (`spec.app.subscription`) rather than asked of the app.
+/// the default route as a rule without one, as daprd lists `routes.default` (it omits empty
+/// fields). `declared`: given by the operator (`spec.app.subscription`) rather than asked of
+/// the app.
 pub fn listed(subscription: &Subscription, topic: &str, declared: bool) -> Value {
     let mut rules: Vec<Value> = subscription
         .rules
@@ -40,23 +41,22 @@ pub fn listed(subscription: &Subscription, topic: &str, declared: bool) -> Value
         .map(|rule| json!({"match": rule.source, "path": rule.path}))
         .collect();
     if let Some(path) = &subscription.default {
-        rules.push(json!({"match": "", "path": path}));
+        rules.push(json!({"path": path}));
     }
-    let mut metadata = serde_json::Map::new();
-    if subscription.raw_payload {
-        metadata.insert("rawPayload".into(), "true".into());
-    }
-    json!({
+    let mut listed = json!({
         "pubsubname": subscription.pubsub_name,
         "topic": topic,
         "rules": rules,
-        "deadLetterTopic": "",
-        "metadata": metadata,
         "type": if declared { "DECLARATIVE" } else { "PROGRAMMATIC" },
-    })
+    });
+    if subscription.raw_payload {
+        listed["metadata"] = json!({"rawPayload": "true"});
+    }
+    listed
 }
 
-/// The whole `GET /v1.0/metadata` answer (pure). The pub/sub is listed under the sidecar's
+/// The whole `GET /v1.0/metadata` answer (pure), in the shape of daprd's (the fields a
+/// pub/sub sidecar has). The pub/sub is listed under the sidecar's
 /// name and, when the app subscribed under another, under that one too: both publish here.
 pub fn document(
     about: &About,
@@ -110,22 +110,30 @@ pub async fn get(State(state): State<Arc<ApiState>>) -> Json<Value> {
     ))
 }
 
+/// The most attributes kept: they live in the sidecar's memory, and a loop in the app must
+/// not be able to grow it without bound (daprd sets no limit).
+pub const MAX_ATTRIBUTES: usize = 128;
+
+/// The largest attribute value taken, in bytes (the route's body limit).
+pub const MAX_ATTRIBUTE_BYTES: usize = 64 * 1024;
+
 /// `PUT /v1.0/metadata/{key}`: the body, as text, is the attribute's value (daprd's
-/// behaviour); it lives in memory until the sidecar restarts.
+/// behaviour, bytes that are not UTF-8 replaced); it lives in memory until the sidecar
+/// restarts. A new key past [`MAX_ATTRIBUTES`] is refused; a value past
+/// [`MAX_ATTRIBUTE_BYTES`] is refused by the route's body limit (`413`).
 pub async fn put(
     State(state): State<Arc<ApiState>>,
     Path(key): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
-    let Ok(value) = String::from_utf8(body.to_vec()) else {
-        let body = json!({"errorCode": "ERR_MALFORMED_REQUEST", "message": format!("metadata {key:?}: the value is not UTF-8 text")});
+    let value = String::from_utf8_lossy(&body).into_owned();
+    let mut attributes = state.attributes.lock().unwrap_or_else(|e| e.into_inner());
+    if !attributes.contains_key(&key) && attributes.len() >= MAX_ATTRIBUTES {
+        let message = format!("metadata {key:?}: at most {MAX_ATTRIBUTES} attributes are kept");
+        let body = json!({"errorCode": "ERR_METADATA_SET", "message": message});
         return (StatusCode::BAD_REQUEST, Json(body)).into_response();
-    };
-    state
-        .attributes
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(key, value);
+    }
+    attributes.insert(key, value);
     StatusCode::NO_CONTENT.into_response()
 }
 
@@ -172,10 +180,8 @@ mod tests {
                 "topic": "q",
                 "rules": [
                     {"match": "event.type == \"widget\"", "path": "/widgets"},
-                    {"match": "", "path": "/orders"}
+                    {"path": "/orders"}
                 ],
-                "deadLetterTopic": "",
-                "metadata": {},
                 "type": "PROGRAMMATIC"
             }])
         );
@@ -204,6 +210,6 @@ mod tests {
         let listed = listed(&subscription, "q", true);
         assert_eq!(listed["type"], "DECLARATIVE");
         assert_eq!(listed["metadata"]["rawPayload"], "true");
-        assert_eq!(listed["rules"], json!([{"match": "", "path": "/jobs"}]));
+        assert_eq!(listed["rules"], json!([{"path": "/jobs"}]));
     }
 }
