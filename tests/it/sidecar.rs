@@ -1208,6 +1208,29 @@ async fn messages_the_official_python_sdk_wrote_are_delivered_with_their_key_typ
 /// Ends the child process when the test ends, passed or not.
 struct Killed(std::process::Child);
 
+/// Starts an app process and hands over its standard output line by line; the process ends
+/// with the returned guard.
+fn spawn_app(
+    command: &mut std::process::Command,
+) -> (Killed, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    use std::io::BufRead;
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{command:?} runs: {e}"));
+    let stdout = child.stdout.take().unwrap();
+    let (lines, events) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines.send(line);
+        }
+    });
+    (Killed(child), events)
+}
+
 impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -1233,7 +1256,6 @@ async fn an_unmodified_dapr_app_takes_messages_in_bulk() {
 }
 
 async fn dapr_app(bulk: bool) {
-    use std::io::BufRead;
     let fixture = Fixture::new(2).await;
     let (app_port, api_port) = (free_port(), free_port());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/dapr_app.py");
@@ -1244,25 +1266,13 @@ async fn dapr_app(bulk: bool) {
     let mut command = std::process::Command::new("python3");
     command
         .args([script, &app_port.to_string(), "q", mode])
-        .env("DAPR_HTTP_PORT", api_port.to_string())
-        .stdout(std::process::Stdio::piped());
+        .env("DAPR_HTTP_PORT", api_port.to_string());
     if bulk {
         command
             .env("DAPR_API_TOKEN", api_token)
             .env("APP_API_TOKEN", app_token);
     }
-    let mut child = command.spawn().expect("python3 runs the Dapr app");
-    let stdout = child.stdout.take().unwrap();
-    let _app = Killed(child);
-    let (lines, mut events) = tokio::sync::mpsc::unbounded_channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-        {
-            let _ = lines.send(line);
-        }
-    });
+    let (_app, mut events) = spawn_app(&mut command);
     let mut settings = settings("dapr", app_port, api_port);
     if bulk {
         settings.api_token = Some(api_token.parse().unwrap());
@@ -1380,28 +1390,15 @@ async fn dapr_app(bulk: bool) {
 /// comes back to its subscriber with what the queue already held, each once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_app_on_the_official_dapr_javascript_sdk_starts_subscribes_and_publishes() {
-    use std::io::BufRead;
     let fixture = Fixture::new(1).await;
     let (app_port, api_port) = (free_port(), free_port());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_sdk_app.cjs");
-    let mut child = std::process::Command::new("node")
-        .args([script, &app_port.to_string(), "q"])
-        .env("NODE_PATH", cosmosq_tests::dapr_js())
-        .env("DAPR_HTTP_PORT", api_port.to_string())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("node runs the app");
-    let stdout = child.stdout.take().unwrap();
-    let _app = Killed(child);
-    let (lines, mut events) = tokio::sync::mpsc::unbounded_channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-        {
-            let _ = lines.send(line);
-        }
-    });
+    let (_app, mut events) = spawn_app(
+        std::process::Command::new("node")
+            .args([script, &app_port.to_string(), "q"])
+            .env("NODE_PATH", cosmosq_tests::dapr_js())
+            .env("DAPR_HTTP_PORT", api_port.to_string()),
+    );
     fixture
         .queue
         .enqueue(NewMessage::json(json!({"from": "rust"})).with_id("from-rust"))
