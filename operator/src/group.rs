@@ -237,30 +237,16 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
         .find(|c| c.type_ == status::READY)
         .map(|c| (c.status == "True", c.reason.clone()));
     let changed = spec_changed || ready_before != Some((outcome.ok, outcome.reason.to_owned()));
-    if outcome.ok {
+    let kind = if outcome.ok {
         info!("{}", outcome.message);
-        if changed {
-            ctx.event(
-                qcg,
-                EventType::Normal,
-                outcome.reason,
-                "Apply",
-                outcome.message.clone(),
-            )
-            .await;
-        }
+        EventType::Normal
     } else {
         warn!(reason = outcome.reason, "{}", outcome.message);
-        if changed {
-            ctx.event(
-                qcg,
-                EventType::Warning,
-                outcome.reason,
-                "Apply",
-                outcome.message.clone(),
-            )
+        EventType::Warning
+    };
+    if changed {
+        ctx.event(qcg, kind, outcome.reason, "Apply", outcome.message.clone())
             .await;
-        }
     }
     let (progress_reason, progress_message) = match &outcome.progress_said {
         Some((reason, message)) => (*reason, message.clone()),
