@@ -42,30 +42,23 @@ pub fn init_tracing() {
 impl Fixture {
     /// A queue on a fresh in-process account with `partitions` physical partitions.
     pub async fn new(partitions: u32) -> Fixture {
-        Self::with(
-            EmulatorOptions {
-                partitions,
-                ..Default::default()
-            },
-            QueueConfig::new("db", "q"),
-            Clock::system(),
-        )
-        .await
+        Self::on_clock(partitions, Clock::system()).await
     }
 
     /// Like [`Self::new`] on tokio's clock, for tests on paused time (`start_paused`): lease
     /// expiries, locks and back-offs pass as the runtime advances it, not on the machine's
     /// clock. The in-process emulator opens no sockets, so nothing waits on real time.
     pub async fn paused(partitions: u32) -> Fixture {
-        Self::with(
-            EmulatorOptions {
-                partitions,
-                ..Default::default()
-            },
-            QueueConfig::new("db", "q"),
-            Clock::following_tokio(cosmosq_queue::clock::system_now_ms()),
-        )
-        .await
+        let clock = Clock::following_tokio(cosmosq_queue::clock::system_now_ms());
+        Self::on_clock(partitions, clock).await
+    }
+
+    async fn on_clock(partitions: u32, clock: Clock) -> Fixture {
+        let emulator = EmulatorOptions {
+            partitions,
+            ..Default::default()
+        };
+        Self::with(emulator, QueueConfig::new("db", "q"), clock).await
     }
 
     /// Like [`Self::new`] with a manual clock starting now.

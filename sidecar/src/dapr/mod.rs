@@ -207,14 +207,19 @@ fn from_cloud_event(body: &[u8]) -> Result<NewMessage, PublishError> {
 /// sidecar has asked the app (daprd knows its components' names from the start).
 pub const SUBSCRIPTION_WAIT: Duration = Duration::from_secs(10);
 
-/// The pub/sub name of the app's subscription; when a publish names another than the
-/// sidecar's own before the subscription is known, after waiting for it (at most
-/// [`SUBSCRIPTION_WAIT`]).
-async fn apps_pubsub<'a>(state: &'a ApiState, pubsub: &str) -> Option<&'a str> {
+/// [`check_target`] against the app's subscription's pub/sub name; when a publish names
+/// another than the sidecar's own before the subscription is known, after waiting for it (at
+/// most [`SUBSCRIPTION_WAIT`]).
+async fn check_published_target(
+    state: &ApiState,
+    pubsub: &str,
+    topic: &str,
+) -> Result<(), PublishError> {
     if pubsub != PUBSUB_NAME && state.pubsub_name.get().is_none() {
         let _ = tokio::time::timeout(SUBSCRIPTION_WAIT, state.subscribed.cancelled()).await;
     }
-    state.pubsub_name.get().map(String::as_str)
+    let apps_name = state.pubsub_name.get().map(String::as_str);
+    check_target(pubsub, topic, state.queue.name(), apps_name)
 }
 
 /// A publish's result in the enqueue metric.
@@ -236,8 +241,7 @@ pub async fn publish(
     body: axum::body::Bytes,
 ) -> Response {
     let published = async {
-        let apps_name = apps_pubsub(&state, &pubsub).await;
-        check_target(&pubsub, &topic, state.queue.name(), apps_name)?;
+        check_published_target(&state, &pubsub, &topic).await?;
         let content_type = headers
             .get(axum::http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok());
@@ -330,8 +334,8 @@ pub async fn publish_bulk(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let apps_name = apps_pubsub(&state, &pubsub).await;
-    let parsed = check_target(&pubsub, &topic, state.queue.name(), apps_name)
+    let parsed = check_published_target(&state, &pubsub, &topic)
+        .await
         .and_then(|()| bulk_messages(&query, &body));
     let Bulk {
         messages,
