@@ -220,6 +220,36 @@ impl Group {
         Ok(by_key)
     }
 
+    /// Messages the group holds unsettled in state documents (locked, waiting to retry,
+    /// scheduled), soonest due first, at most `limit`: what a console lists as in progress.
+    /// First deliveries of stream groups and of the lease write path have no state document
+    /// while they run (their range's lease records them), so they are not among these.
+    pub async fn unsettled(&self, limit: usize) -> Result<Vec<StateDoc>> {
+        let query = sql::query(
+            "SELECT TOP @limit * FROM c WHERE c.type = @type AND c.group = @group \
+             AND (c.state = 'locked' OR c.state = 'retry' OR c.state = 'scheduled') \
+             ORDER BY c.due",
+            &[
+                ("@limit", json!(limit)),
+                ("@type", json!(STATE_DOC_TYPE)),
+                ("@group", json!(self.name())),
+            ],
+        )?;
+        let docs: Vec<serde_json::Value> = sql::collect(
+            self.queue.leases(),
+            query,
+            FeedScope::full_container(),
+            Some(limit),
+            self.queue.charges(),
+            "list unsettled",
+        )
+        .await?;
+        Ok(docs
+            .into_iter()
+            .filter_map(|doc| self.parse_state(doc).ok())
+            .collect())
+    }
+
     /// The group's state of one message, if any. On the lease write path a completion writes
     /// no state document: a message the group's checkpoint has passed without one, or that
     /// the lease's window lists as done, is reported `Completed` (one attempt, no times;
