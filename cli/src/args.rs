@@ -33,6 +33,8 @@ pub enum Command {
     Leases(crate::inspect::InspectArgs),
     /// Look at the oldest retained messages without consuming them.
     Peek(crate::inspect::PeekArgs),
+    /// A web console: queues, groups, live charts, dead-letter triage, message lookup.
+    Console(crate::console::ConsoleArgs),
     /// Measure request units and throughput of the engine on the embedded emulator.
     #[cfg(feature = "emulator")]
     Bench(crate::bench::BenchArgs),
@@ -119,6 +121,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Stats(args) => crate::inspect::run_stats(args).await,
         Command::Leases(args) => crate::inspect::run_leases(args).await,
         Command::Peek(args) => crate::inspect::run_peek(args).await,
+        Command::Console(args) => crate::console::run(args).await,
         #[cfg(feature = "emulator")]
         Command::Bench(args) => crate::bench::run(args).await,
     }

@@ -76,7 +76,14 @@ pub struct DemoArgs {
     /// No live figures, only the summary.
     #[arg(long)]
     pub quiet: bool,
+    /// Also serve the web console (on this address, 127.0.0.1:8090 when none is given) and
+    /// keep it open after the demo, with its dead letters to triage, until Ctrl-C.
+    #[arg(long, value_name = "ADDRESS", num_args = 0..=1, default_missing_value = "127.0.0.1:8090")]
+    pub console: Option<std::net::SocketAddr>,
 }
+
+/// The demo's console reads its queue this often (the demo lasts seconds, not hours).
+const CONSOLE_SAMPLE_EVERY: Duration = Duration::from_secs(1);
 
 /// A scaling decision that changed a group's workers.
 #[derive(Clone, Debug, PartialEq)]
@@ -132,7 +139,9 @@ pub struct Summary {
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let summary = run_demo(&args).await?;
-    print!("{}", render(&summary));
+    if args.console.is_none() {
+        print!("{}", render(&summary));
+    }
     if let Some(g) = summary
         .groups
         .iter()
@@ -161,6 +170,13 @@ pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
         .apply_partition_count(&config.database, &config.container)
         .await?;
     let producer = Queue::open(&client, config.clone()).await?;
+    let console = CancellationToken::new();
+    let _stop_console = console.clone().drop_guard();
+    if let Some(listen) = args.console {
+        let mut options = cosmosq_console::ConsoleOptions::new(DATABASE);
+        options.sample_every = CONSOLE_SAMPLE_EVERY;
+        crate::console::start(client.clone(), options, listen, console.clone()).await?;
+    }
     let policy = Policy {
         min_replicas: 0,
         max_replicas: args.max_workers,
@@ -269,12 +285,19 @@ pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    Ok(Summary {
+    let summary = Summary {
         messages: args.messages,
         enqueue_seconds: enqueue_seconds.unwrap_or(seconds),
         seconds,
         groups: groups.iter().map(|g| g.summary(&app.ledger)).collect(),
-    })
+    };
+    if args.console.is_some() {
+        // The emulator lives in this process: the console stays open while it does.
+        print!("{}", render(&summary));
+        println!("The console stays open to look at the queue and its dead letters: Ctrl-C ends the demo.");
+        tokio::signal::ctrl_c().await?;
+    }
+    Ok(summary)
 }
 
 fn burst(args: &DemoArgs) -> Vec<NewMessage> {
@@ -803,6 +826,7 @@ mod tests {
             poison: 2,
             work: Duration::from_millis(1),
             quiet: true,
+            console: None,
         };
         let summary = run_demo(&args).await.unwrap();
         let text = render(&summary);

@@ -4,6 +4,7 @@
 mod args;
 #[cfg(feature = "emulator")]
 mod bench;
+mod console;
 #[cfg(feature = "emulator")]
 mod demo;
 mod dlq;

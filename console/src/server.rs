@@ -1,0 +1,428 @@
+//! Routes, the request guard and the live updates.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::routing::get;
+use axum::Router;
+use cosmosq_queue::clock::system_now_ms;
+use cosmosq_queue::{GroupConfig, MessageKey};
+use futures::Stream;
+use serde::Deserialize;
+use subtle::ConstantTimeEq;
+use tracing::{info, instrument};
+
+use crate::pages::{self, Act, Action, Scope};
+use crate::watch::Watch;
+use crate::{ConsoleError, ConsoleOptions};
+
+/// Dead letters one page lists.
+const LIST_LIMIT: usize = 500;
+/// Work in progress a group page lists.
+const IN_PROGRESS_LIMIT: usize = 100;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub(crate) struct App {
+    pub watch: Arc<Watch>,
+    /// The token every action must carry (random per process, in every form it renders).
+    pub token: Arc<str>,
+    hosts: Arc<Vec<String>>,
+}
+
+pub(crate) fn router(watch: Arc<Watch>, options: &ConsoleOptions, address: SocketAddr) -> Router {
+    let mut hosts = vec![
+        "localhost".to_owned(),
+        "127.0.0.1".to_owned(),
+        "[::1]".to_owned(),
+    ];
+    if !address.ip().is_unspecified() {
+        hosts.push(match address {
+            SocketAddr::V4(a) => a.ip().to_string(),
+            SocketAddr::V6(a) => format!("[{}]", a.ip()),
+        });
+    }
+    hosts.extend(options.allowed_hosts.iter().map(|h| h.to_ascii_lowercase()));
+    let app = App {
+        watch,
+        token: random_token().into(),
+        hosts: Arc::new(hosts),
+    };
+    Router::new()
+        .route("/", get(overview))
+        .route("/queues/{queue}/groups/{group}", get(group))
+        .route("/queues/{queue}/groups/{group}/charts", get(charts))
+        .route(
+            "/queues/{queue}/groups/{group}/dead-letters",
+            get(dead_letters).post(act),
+        )
+        .route("/queues/{queue}/messages", get(message))
+        .route("/events", get(events))
+        .route("/api/snapshot", get(snapshot))
+        .route("/assets/console.css", get(css))
+        .route("/assets/console.js", get(js))
+        .route("/assets/icon.svg", get(icon))
+        .route(
+            "/favicon.ico",
+            get(|| async { Redirect::permanent("/assets/icon.svg") }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .layer(middleware::from_fn_with_state(app.clone(), guard))
+        .with_state(app)
+}
+
+fn random_token() -> String {
+    use rand::Rng;
+    let bytes: [u8; 16] = rand::rng().random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether a `Host` header names the console: one of `allowed` (names, IPv4 addresses,
+/// bracketed IPv6 addresses), with any port. A page on another site that resolves its own
+/// name to 127.0.0.1 (DNS rebinding) sends its own name, and is refused.
+pub fn host_allowed(host: &str, allowed: &[String]) -> bool {
+    let host = host.trim().to_ascii_lowercase();
+    let name = if host.starts_with('[') {
+        host.split_inclusive(']').next().unwrap_or_default()
+    } else {
+        host.split(':').next().unwrap_or_default()
+    };
+    !name.is_empty() && allowed.iter().any(|a| a == name)
+}
+
+/// Refuses requests for other hosts and cross-site actions; adds the security headers.
+async fn guard(State(app): State<App>, request: Request, next: Next) -> Response {
+    let headers = request.headers();
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    if !host_allowed(&host, &app.hosts) {
+        return refused(StatusCode::MISDIRECTED_REQUEST, "this console does not answer to that host name (start it with --allow-host to add one)");
+    }
+    if request.method() == Method::POST {
+        let origin = headers.get(header::ORIGIN).and_then(|h| h.to_str().ok());
+        if origin.is_some_and(|o| o != format!("http://{host}") && o != format!("https://{host}")) {
+            return refused(StatusCode::FORBIDDEN, "a request from another site");
+        }
+    }
+    let mut response = next.run(request).await;
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
+             connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    // Not `no-referrer`: with it, browsers send `Origin: null` on the console's own forms.
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("same-origin"),
+    );
+    h.entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    response
+}
+
+fn refused(status: StatusCode, why: &str) -> Response {
+    (status, why.to_owned()).into_response()
+}
+
+impl IntoResponse for ConsoleError {
+    fn into_response(self) -> Response {
+        let status = match &self {
+            ConsoleError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ConsoleError::NotFound(_) => StatusCode::NOT_FOUND,
+            _ => StatusCode::BAD_GATEWAY,
+        };
+        (
+            status,
+            Html(pages::error(status, &self.to_string()).into_string()),
+        )
+            .into_response()
+    }
+}
+
+type Page = Result<Html<String>, ConsoleError>;
+
+async fn overview(State(app): State<App>) -> Page {
+    let snapshot = app.watch.latest();
+    Ok(Html(
+        app.watch
+            .with_history(|h| pages::overview(&snapshot, h, system_now_ms()))
+            .into_string(),
+    ))
+}
+
+/// The group as the last round saw it, or 404 when the round did not see it.
+fn known_group(app: &App, queue: &str, group: &str) -> Result<(), ConsoleError> {
+    let snapshot = app.watch.latest();
+    if snapshot.queue(queue).is_none() {
+        return Err(ConsoleError::NotFound(format!("no queue {queue} (yet)")));
+    }
+    if snapshot.group(queue, group).is_none() {
+        return Err(ConsoleError::NotFound(format!(
+            "no group {group} in queue {queue} (yet)"
+        )));
+    }
+    Ok(())
+}
+
+#[instrument(skip(app))]
+async fn group(State(app): State<App>, Path((queue, group)): Path<(String, String)>) -> Page {
+    known_group(&app, &queue, &group)?;
+    let handle = app
+        .watch
+        .queue(&queue)
+        .await?
+        .group(GroupConfig::new(group.clone()))?;
+    let in_progress = handle.unsettled(IN_PROGRESS_LIMIT).await?;
+    let snapshot = app.watch.latest();
+    let view = snapshot.group(&queue, &group).expect("checked above");
+    Ok(Html(
+        app.watch
+            .with_history(|h| pages::group(view, &in_progress, h, system_now_ms()))
+            .into_string(),
+    ))
+}
+
+async fn charts(State(app): State<App>, Path((queue, group)): Path<(String, String)>) -> Page {
+    known_group(&app, &queue, &group)?;
+    Ok(Html(
+        app.watch
+            .with_history(|h| pages::charts(h.get(&queue, &group), h.window_ms(), system_now_ms()))
+            .into_string(),
+    ))
+}
+
+/// The dead-letter list's filter and the result of the last action.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct ListQuery {
+    pub reason: Option<String>,
+    /// Dead-lettered within this long (`15m`, `2h`, `1d`).
+    pub within: Option<String>,
+    /// The last action's verb and counts (after its redirect).
+    pub done: Option<String>,
+    pub n: Option<usize>,
+    pub of: Option<usize>,
+}
+
+#[instrument(skip(app))]
+async fn dead_letters(
+    State(app): State<App>,
+    Path((queue, group)): Path<(String, String)>,
+    Query(query): Query<ListQuery>,
+) -> Page {
+    known_group(&app, &queue, &group)?;
+    let filter = pages::Filter::parse(query.reason.as_deref(), query.within.as_deref())?;
+    let handle = app
+        .watch
+        .queue(&queue)
+        .await?
+        .group(GroupConfig::new(group.clone()))?;
+    let all = handle.dead_letters(None).await?;
+    Ok(Html(
+        pages::dead_letters(
+            &queue,
+            &group,
+            &all,
+            &filter,
+            &query,
+            LIST_LIMIT,
+            &app.token,
+            system_now_ms(),
+        )
+        .into_string(),
+    ))
+}
+
+/// Replay or purge: a confirmation page first, then the action, then back to the list.
+#[instrument(skip(app, body))]
+async fn act(
+    State(app): State<App>,
+    Path((queue, group)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, ConsoleError> {
+    let pairs: Vec<(String, String)> = form_urlencoded::parse(&body).into_owned().collect();
+    let token = pairs
+        .iter()
+        .find(|(k, _)| k == "token")
+        .map(|(_, v)| v.as_str());
+    if !token.is_some_and(|t| bool::from(t.as_bytes().ct_eq(app.token.as_bytes()))) {
+        return Ok(refused(
+            StatusCode::FORBIDDEN,
+            "the form's token is not this console's: reload the page",
+        ));
+    }
+    known_group(&app, &queue, &group)?;
+    let act = Act::parse(&pairs)?;
+    let handle = app
+        .watch
+        .queue(&queue)
+        .await?
+        .group(GroupConfig::new(group.clone()))?;
+    let now = system_now_ms();
+    let targets: Vec<(String, MessageKey)> = match &act.scope {
+        Scope::Selected(list) => list.clone(),
+        Scope::Matching(filter) => handle
+            .dead_letters(None)
+            .await?
+            .into_iter()
+            .filter(|d| filter.matches(d, now))
+            .map(|d| (d.message_id, d.partition_key))
+            .collect(),
+    };
+    if !act.confirmed {
+        return Ok(
+            Html(pages::confirm(&queue, &group, &act, &targets, &app.token).into_string())
+                .into_response(),
+        );
+    }
+    let mut done = 0;
+    for (id, key) in &targets {
+        let changed = match act.action {
+            Action::Replay => handle.replay(key, id).await?,
+            Action::Purge => handle.purge(key, id).await?,
+        };
+        done += usize::from(changed);
+    }
+    info!(
+        queue,
+        group,
+        action = act.action.verb(),
+        done,
+        of = targets.len(),
+        "dead letters acted on from the console"
+    );
+    let back = pages::dead_letters_url(
+        &queue,
+        &group,
+        act.scope.filter(),
+        Some((act.action, done, targets.len())),
+    );
+    Ok(Redirect::to(&back).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct MessageQuery {
+    pub id: Option<String>,
+    /// The partition key as text (the id when empty).
+    pub key: Option<String>,
+    /// The partition key as JSON (exact: numbers, booleans, null).
+    #[serde(rename = "keyJson")]
+    pub key_json: Option<String>,
+}
+
+#[instrument(skip(app))]
+async fn message(
+    State(app): State<App>,
+    Path(queue): Path<String>,
+    Query(query): Query<MessageQuery>,
+) -> Page {
+    let Some(id) = query.id.as_deref().map(str::trim).filter(|s| !s.is_empty()) else {
+        return Err(ConsoleError::BadRequest(
+            "look a message up by its id".into(),
+        ));
+    };
+    let key = pages::message_key(id, query.key.as_deref(), query.key_json.as_deref())?;
+    let handle = app.watch.queue(&queue).await?;
+    let message = handle.read_message(&key, id).await?;
+    let mut states = Vec::new();
+    for name in handle.group_names().await? {
+        let state = handle
+            .group(GroupConfig::new(name.clone()))?
+            .read_state(&key, id)
+            .await?;
+        states.push((name, state));
+    }
+    Ok(Html(
+        pages::message(&queue, id, &key, message.as_ref(), &states, system_now_ms()).into_string(),
+    ))
+}
+
+async fn snapshot(State(app): State<App>) -> impl IntoResponse {
+    axum::Json(app.watch.latest().as_ref().clone())
+}
+
+/// Every round's figures as they come: the overview's cells and sparklines.
+async fn events(State(app): State<App>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let receiver = app.watch.subscribe();
+    let stream = futures::stream::unfold((app, receiver), |(app, mut receiver)| async move {
+        receiver.changed().await.ok()?;
+        let snapshot = receiver.borrow_and_update().clone();
+        let data = app
+            .watch
+            .with_history(|h| pages::live(&snapshot, h, system_now_ms()));
+        let event = Event::default().event("round").json_data(data).ok()?;
+        Some((Ok(event), (app, receiver)))
+    });
+    Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    let mut headers = HeaderMap::new();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("max-age=300"),
+    );
+    (headers, body).into_response()
+}
+
+async fn css() -> Response {
+    asset(
+        "text/css; charset=utf-8",
+        include_str!("assets/console.css"),
+    )
+}
+
+async fn icon() -> Response {
+    asset("image/svg+xml", include_str!("assets/icon.svg"))
+}
+
+async fn js() -> Response {
+    asset(
+        "text/javascript; charset=utf-8",
+        include_str!("assets/console.js"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_console_s_own_host_names_are_answered() {
+        let allowed: Vec<String> = ["localhost", "127.0.0.1", "[::1]", "console.example"]
+            .map(String::from)
+            .to_vec();
+        for (host, ok) in [
+            ("localhost:8090", true),
+            ("LOCALHOST", true),
+            ("127.0.0.1:8090", true),
+            ("[::1]:8090", true),
+            ("console.example:443", true),
+            ("evil.example:8090", false),
+            ("localhost.evil.example", false),
+            ("127.0.0.1.nip.io", false),
+            ("", false),
+            ("[::2]:8090", false),
+        ] {
+            assert_eq!(host_allowed(host, &allowed), ok, "{host}");
+        }
+    }
+}
