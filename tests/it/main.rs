@@ -1,6 +1,7 @@
 //! End-to-end tests through the Azure SDK against its in-memory emulator.
 //! One test binary on purpose: linking is the slow part here.
 
+mod console;
 mod consume;
 mod contract;
 mod crds;

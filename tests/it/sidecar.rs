@@ -197,7 +197,7 @@ impl TestApp {
 
 /// A sidecar on this machine's timings, reading group `group` of `db/q` from the beginning
 /// and posting to `app_port`, with a lock short enough that expiry tests take a second.
-fn settings(group: &str, app_port: u16, api_port: u16) -> SidecarSettings {
+pub(crate) fn settings(group: &str, app_port: u16, api_port: u16) -> SidecarSettings {
     SidecarSettings {
         start_from: StartFrom::Beginning,
         app_port: Some(app_port),
@@ -211,13 +211,13 @@ fn settings(group: &str, app_port: u16, api_port: u16) -> SidecarSettings {
     }
 }
 
-struct RunningSidecar {
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<Result<(), cosmosq_sidecar::error::SidecarError>>,
-    api: String,
+pub(crate) struct RunningSidecar {
+    pub(crate) stop: CancellationToken,
+    pub(crate) task: tokio::task::JoinHandle<Result<(), cosmosq_sidecar::error::SidecarError>>,
+    pub(crate) api: String,
 }
 
-fn start_sidecar(fixture: &Fixture, config: SidecarSettings) -> RunningSidecar {
+pub(crate) fn start_sidecar(fixture: &Fixture, config: SidecarSettings) -> RunningSidecar {
     let api = format!("http://{}", config.listen);
     let stop = CancellationToken::new();
     let task = tokio::spawn(cosmosq_sidecar::run::run_with_client(

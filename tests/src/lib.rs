@@ -263,6 +263,28 @@ pub fn dapr_js() -> std::path::PathBuf {
     modules
 }
 
+/// A headless browser for the console's tests: the `node_modules` folder that holds
+/// `playwright-core` (for `NODE_PATH`) and Debian's chromium it drives (`COSMOSQ_CHROMIUM`
+/// overrides the path), both from `.ci/install-test-tools`, installed on first use when missing.
+pub fn browser() -> (std::path::PathBuf, std::path::PathBuf) {
+    let modules = tools_dir().join("browser/node_modules");
+    let chromium = std::env::var_os("COSMOSQ_CHROMIUM")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/usr/bin/chromium".into());
+    let installed =
+        |m: &std::path::Path| m.join("playwright-core/package.json").exists() && chromium.exists();
+    if !installed(&modules) {
+        install_test_tools();
+    }
+    assert!(
+        installed(&modules),
+        "{} or {} is missing after .ci/install-test-tools",
+        modules.display(),
+        chromium.display()
+    );
+    (modules, chromium)
+}
+
 /// The repository's chart rendered by `helm template <release>` in `namespace` with `args`
 /// (`--set …`, `--show-only …`), one JSON value per document (empty documents left out).
 pub fn helm_template(release: &str, namespace: &str, args: &[&str]) -> Vec<serde_json::Value> {
