@@ -96,17 +96,6 @@ pub async fn stats(
     Ok(out)
 }
 
-fn range_label(min: &str, max: &str) -> String {
-    let short = |hex: &str| -> String {
-        if hex.is_empty() {
-            "00".into()
-        } else {
-            hex.chars().take(8).collect()
-        }
-    };
-    format!("{}..{}", short(min), short(max))
-}
-
 pub fn stats_table(stats: &[GroupStats]) -> String {
     let groups: Vec<Vec<String>> = stats
         .iter()
@@ -136,7 +125,7 @@ pub fn stats_table(stats: &[GroupStats]) -> String {
             s.ranges.iter().map(|r| {
                 vec![
                     s.group.clone(),
-                    range_label(&r.min_epk, &r.max_epk),
+                    cosmosq_queue::range::label(&r.min_epk, &r.max_epk),
                     r.owner.clone().unwrap_or_else(|| "-".into()),
                     r.lag.map_or("unknown".into(), |l| l.to_string()),
                     r.backlog.to_string(),
@@ -191,7 +180,7 @@ pub fn leases_table(leases: &[LeaseRow]) -> String {
         .map(|l| {
             vec![
                 l.group.clone(),
-                range_label(&l.min_epk, &l.max_epk),
+                cosmosq_queue::range::label(&l.min_epk, &l.max_epk),
                 l.owner.clone().unwrap_or_else(|| "-".into()),
                 l.heartbeat.clone(),
                 if l.expired { "expired" } else { "" }.into(),

@@ -116,7 +116,7 @@ impl Console {
             let every = self.options.sample_every;
             tokio::spawn(async move { watch.run(every, cancel).await })
         };
-        let app = server::router(self.watch, &self.options, address);
+        let app = server::router(self.watch, &self.options, address, cancel.clone());
         let served = axum::serve(self.listener, app)
             .with_graceful_shutdown(cancel.cancelled_owned())
             .await

@@ -17,10 +17,11 @@ use cosmosq_queue::{GroupConfig, MessageKey};
 use futures::Stream;
 use serde::Deserialize;
 use subtle::ConstantTimeEq;
-use tracing::{info, instrument};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, instrument, warn};
 
 use crate::pages::{self, Act, Action, Scope};
-use crate::watch::Watch;
+use crate::watch::{Snapshot, Watch};
 use crate::{ConsoleError, ConsoleOptions};
 
 /// Dead letters one page lists.
@@ -35,9 +36,16 @@ pub(crate) struct App {
     /// The token every action must carry (random per process, in every form it renders).
     pub token: Arc<str>,
     hosts: Arc<Vec<String>>,
+    /// Ends the live streams, so a graceful shutdown does not wait on an open tab.
+    stop: CancellationToken,
 }
 
-pub(crate) fn router(watch: Arc<Watch>, options: &ConsoleOptions, address: SocketAddr) -> Router {
+pub(crate) fn router(
+    watch: Arc<Watch>,
+    options: &ConsoleOptions,
+    address: SocketAddr,
+    stop: CancellationToken,
+) -> Router {
     let mut hosts = vec![
         "localhost".to_owned(),
         "127.0.0.1".to_owned(),
@@ -54,6 +62,7 @@ pub(crate) fn router(watch: Arc<Watch>, options: &ConsoleOptions, address: Socke
         watch,
         token: random_token().into(),
         hosts: Arc::new(hosts),
+        stop,
     };
     Router::new()
         .route("/", get(overview))
@@ -168,31 +177,39 @@ async fn overview(State(app): State<App>) -> Page {
     ))
 }
 
-/// The group as the last round saw it, or 404 when the round did not see it.
-fn known_group(app: &App, queue: &str, group: &str) -> Result<(), ConsoleError> {
-    let snapshot = app.watch.latest();
-    if snapshot.queue(queue).is_none() {
-        return Err(ConsoleError::NotFound(format!("no queue {queue} (yet)")));
-    }
+/// The last round's snapshot, when it saw the group; 404 when it did not.
+fn known_group(app: &App, queue: &str, group: &str) -> Result<Arc<Snapshot>, ConsoleError> {
+    let snapshot = known_queue(app, queue)?;
     if snapshot.group(queue, group).is_none() {
         return Err(ConsoleError::NotFound(format!(
             "no group {group} in queue {queue} (yet)"
         )));
     }
-    Ok(())
+    Ok(snapshot)
+}
+
+/// The last round's snapshot, when it saw the queue (only the queues the console shows are
+/// opened, whatever a URL names).
+fn known_queue(app: &App, queue: &str) -> Result<Arc<Snapshot>, ConsoleError> {
+    let snapshot = app.watch.latest();
+    if snapshot.queue(queue).is_none() {
+        return Err(ConsoleError::NotFound(format!("no queue {queue} (yet)")));
+    }
+    Ok(snapshot)
 }
 
 #[instrument(skip(app))]
 async fn group(State(app): State<App>, Path((queue, group)): Path<(String, String)>) -> Page {
-    known_group(&app, &queue, &group)?;
+    let snapshot = known_group(&app, &queue, &group)?;
+    let view = snapshot
+        .group(&queue, &group)
+        .ok_or_else(|| ConsoleError::NotFound(format!("no group {group}")))?;
     let handle = app
         .watch
         .queue(&queue)
         .await?
         .group(GroupConfig::new(group.clone()))?;
     let in_progress = handle.unsettled(IN_PROGRESS_LIMIT).await?;
-    let snapshot = app.watch.latest();
-    let view = snapshot.group(&queue, &group).expect("checked above");
     Ok(Html(
         app.watch
             .with_history(|h| pages::group(view, &in_progress, h, system_now_ms()))
@@ -275,36 +292,44 @@ async fn act(
         .queue(&queue)
         .await?
         .group(GroupConfig::new(group.clone()))?;
-    let now = system_now_ms();
+    // What matched when the confirmation page was shown: dead letters that arrive between
+    // it and the click are not acted on.
+    let as_of = act.as_of.unwrap_or_else(system_now_ms);
     let targets: Vec<(String, MessageKey)> = match &act.scope {
         Scope::Selected(list) => list.clone(),
         Scope::Matching(filter) => handle
             .dead_letters(None)
             .await?
             .into_iter()
-            .filter(|d| filter.matches(d, now))
+            .filter(|d| filter.matches(d, as_of) && d.dead_lettered_at.is_none_or(|t| t <= as_of))
             .map(|d| (d.message_id, d.partition_key))
             .collect(),
     };
     if !act.confirmed {
-        return Ok(
-            Html(pages::confirm(&queue, &group, &act, &targets, &app.token).into_string())
-                .into_response(),
-        );
+        let page = pages::confirm(&queue, &group, &act, &targets, as_of, &app.token);
+        return Ok(Html(page.into_string()).into_response());
     }
-    let mut done = 0;
+    // Each one on its own: an error on one leaves the others done, and the count says so.
+    let (mut done, mut failed) = (0, 0);
     for (id, key) in &targets {
         let changed = match act.action {
-            Action::Replay => handle.replay(key, id).await?,
-            Action::Purge => handle.purge(key, id).await?,
+            Action::Replay => handle.replay(key, id).await,
+            Action::Purge => handle.purge(key, id).await,
         };
-        done += usize::from(changed);
+        match changed {
+            Ok(changed) => done += usize::from(changed),
+            Err(e) => {
+                failed += 1;
+                warn!(queue, group, message_id = %id, error = %e, action = act.action.verb(), "a dead letter was not acted on");
+            }
+        }
     }
     info!(
         queue,
         group,
         action = act.action.verb(),
         done,
+        failed,
         of = targets.len(),
         "dead letters acted on from the console"
     );
@@ -361,6 +386,7 @@ async fn snapshot(State(app): State<App>) -> impl IntoResponse {
 /// Every round's figures as they come: the overview's cells and sparklines.
 async fn events(State(app): State<App>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let receiver = app.watch.subscribe();
+    let app_stop = app.stop.clone();
     let stream = futures::stream::unfold((app, receiver), |(app, mut receiver)| async move {
         receiver.changed().await.ok()?;
         let snapshot = receiver.borrow_and_update().clone();
@@ -370,7 +396,8 @@ async fn events(State(app): State<App>) -> Sse<impl Stream<Item = Result<Event, 
         let event = Event::default().event("round").json_data(data).ok()?;
         Some((Ok(event), (app, receiver)))
     });
-    Sse::new(stream).keep_alive(KeepAlive::default())
+    let stop = app_stop.cancelled_owned();
+    Sse::new(futures::StreamExt::take_until(stream, stop)).keep_alive(KeepAlive::default())
 }
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {

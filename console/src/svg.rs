@@ -81,6 +81,9 @@ pub fn sparkline(points: &[(i64, f64)], from_ms: i64, to_ms: i64) -> Markup {
 pub fn chart(title: &str, unit: &str, points: &[(i64, f64)], from_ms: i64, to_ms: i64) -> Markup {
     let (w, h) = (480.0, 120.0);
     let (low, high) = y_range(points);
+    // The labels say the values drawn, not the scale's padding around them.
+    let highest = points.iter().map(|p| p.1).fold(0.0, f64::max);
+    let lowest = points.iter().map(|p| p.1).fold(0.0, f64::min);
     let d = path(points, from_ms, to_ms, (low, high), w, h);
     let latest = points.last().map(|p| short(p.1));
     let over = span(to_ms - from_ms);
@@ -101,7 +104,7 @@ pub fn chart(title: &str, unit: &str, points: &[(i64, f64)], from_ms: i64, to_ms
             }
             div.scale {
                 span { "−" (over) }
-                span { @if low < 0.0 { (short(low)) " to " } "max " (short(high)) }
+                span { @if low < 0.0 { "min " (short(lowest)) ", " } "max " (short(highest)) }
                 span { "now" }
             }
         }
@@ -175,6 +178,10 @@ mod tests {
         let html = chart("Backlog", "msgs", &[(0, 1.0), (60_000, 2.0)], 0, 3_600_000).into_string();
         assert!(html.contains("Backlog"), "{html}");
         assert!(html.contains("2 msgs"), "{html}");
+        assert!(
+            html.contains("max 2<"),
+            "the highest value, not the scale: {html}"
+        );
         assert!(html.contains("−60 min"), "{html}");
         assert!(html.contains("<path d=\"M"), "{html}");
         let empty = chart("Backlog", "msgs", &[], 0, 3_600_000).into_string();

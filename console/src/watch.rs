@@ -60,6 +60,8 @@ pub struct GroupView {
     pub locked: usize,
     pub retrying: usize,
     pub scheduled: usize,
+    /// The unsettled documents read reached their limit: the three counts are lower bounds.
+    pub capped: bool,
     pub ranges: Vec<RangeView>,
     pub error: Option<String>,
 }
@@ -299,6 +301,7 @@ async fn read_group(queue: &Queue, view: &mut GroupView) -> Result<(), ConsoleEr
     view.locked = count(MessageState::Locked);
     view.retrying = count(MessageState::Retry);
     view.scheduled = count(MessageState::Scheduled);
+    view.capped = unsettled.len() >= UNSETTLED_LIMIT;
     view.ranges = estimate
         .ranges
         .into_iter()

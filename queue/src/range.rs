@@ -14,6 +14,19 @@ pub fn range_bounds(range: &FeedRange) -> (String, String) {
     )
 }
 
+/// A range for people: the first 8 hex digits of each bound, `00` for the open lower one
+/// (`00..20000000`).
+pub fn label(min: &str, max: &str) -> String {
+    let short = |hex: &str| -> String {
+        if hex.is_empty() {
+            "00".into()
+        } else {
+            hex.chars().take(8).collect()
+        }
+    };
+    format!("{}..{}", short(min), short(max))
+}
+
 /// Compares hex EPKs in key order ("" is the minimum, "FF" the maximum).
 pub fn epk_cmp(a: &str, b: &str) -> std::cmp::Ordering {
     a.to_ascii_uppercase().cmp(&b.to_ascii_uppercase())

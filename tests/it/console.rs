@@ -117,6 +117,8 @@ async fn a_dead_letter_is_found_read_and_replayed_in_a_real_browser() {
 
     let shots =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/console-screenshots");
+    // Written by this run only: an earlier run's screenshots must not pass for these.
+    let _ = std::fs::remove_dir_all(&shots);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/console_browser.cjs");
     let mut browser = tokio::process::Command::new("node")
         .arg(script)
@@ -153,6 +155,20 @@ async fn a_dead_letter_is_found_read_and_replayed_in_a_real_browser() {
                     app.completed.lock().unwrap()
                 )
             });
+            // The app answered; the browser looks once the sidecar has recorded it.
+            cosmosq_tests::eventually(
+                "the replayed order recorded completed",
+                std::time::Duration::from_secs(20),
+                || async {
+                    let key = cosmosq_queue::MessageKey::from_json(poison_key.clone()).unwrap();
+                    group
+                        .read_state(&key, "order-7")
+                        .await
+                        .unwrap()
+                        .is_some_and(|s| s.state == cosmosq_queue::MessageState::Completed)
+                },
+            )
+            .await;
             let mut input = stdin.take().expect("one replay");
             input.write_all(b"go\n").await.unwrap();
             drop(input); // the script's end of input: it may exit when done

@@ -47,8 +47,12 @@ async function expectText(page, selector, text, timeout = 20000) {
 
     // The group: its charts draw lines once the console has two samples.
     await page.click(`a[href="/queues/${queue}/groups/${group}"]`);
-    // (attached, not visible: a line of zeros along the axis has no height)
-    await page.waitForSelector("figure.chart svg path", { state: "attached", timeout: 20000 });
+    // Every chart has a line (the backlog's change needs three samples, the others two).
+    await page.waitForFunction(
+      () => [...document.querySelectorAll("figure.chart")].every((f) => f.querySelector("svg path")),
+      null,
+      { timeout: 20000 },
+    );
     const charts = await page.$$eval("figure.chart", (figs) =>
       figs.map((f) => ({ title: f.querySelector(".title").textContent, drawn: !!f.querySelector("svg path") })));
     say("group", { charts });

@@ -264,20 +264,30 @@ pub fn dapr_js() -> std::path::PathBuf {
 }
 
 /// A headless browser for the console's tests: the `node_modules` folder that holds
-/// `playwright-core` (for `NODE_PATH`) and Debian's chromium it drives (`COSMOSQ_CHROMIUM`
-/// overrides the path), both from `.ci/install-test-tools`, installed on first use when missing.
+/// `playwright-core` (for `NODE_PATH`) and Debian's chromium it drives (`chromium` on the
+/// `PATH`, as `.ci/install-test-tools` looks for it, or `COSMOSQ_CHROMIUM`), installed on
+/// first use when missing.
 pub fn browser() -> (std::path::PathBuf, std::path::PathBuf) {
     let modules = tools_dir().join("browser/node_modules");
-    let chromium = std::env::var_os("COSMOSQ_CHROMIUM")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| "/usr/bin/chromium".into());
-    let installed =
-        |m: &std::path::Path| m.join("playwright-core/package.json").exists() && chromium.exists();
-    if !installed(&modules) {
+    let find = || {
+        std::env::var_os("COSMOSQ_CHROMIUM")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+                    .map(|dir| dir.join("chromium"))
+                    .find(|path| path.is_file())
+            })
+            .unwrap_or_else(|| "chromium".into())
+    };
+    let installed = |chromium: &std::path::Path| {
+        modules.join("playwright-core/package.json").exists() && chromium.is_file()
+    };
+    if !installed(&find()) {
         install_test_tools();
     }
+    let chromium = find();
     assert!(
-        installed(&modules),
+        installed(&chromium),
         "{} or {} is missing after .ci/install-test-tools",
         modules.display(),
         chromium.display()

@@ -42,12 +42,15 @@
     events.addEventListener("error", () => dot?.classList.remove("on"));
     events.addEventListener("round", async (e) => {
       const round = JSON.parse(e.data);
-      const waiting = document.getElementById("waiting");
-      const shown = new Set([...document.querySelectorAll("[data-spark]")].map((el) => el.dataset.spark));
-      const listed = round.groups.map((g) => g + "/spark");
-      // A queue or group appeared or went away: the page's rows are no longer the right ones.
-      if (waiting || (shown.size > 0 && (listed.length !== shown.size || listed.some((g) => !shown.has(g))))) {
-        if (document.querySelector("section.queue, #waiting")) { location.reload(); return; }
+      // On the overview, a queue or group appeared or went away: its rows are not the right
+      // ones any more (nor is a first "reading…" or an empty page).
+      if (document.getElementById("overview")) {
+        const shown = new Set([...document.querySelectorAll("[data-spark]")].map((el) => el.dataset.spark));
+        const listed = round.groups.map((g) => g + "/spark");
+        if (document.getElementById("waiting") || listed.length !== shown.size || listed.some((g) => !shown.has(g))) {
+          location.reload();
+          return;
+        }
       }
       for (const el of document.querySelectorAll("[data-cell]")) {
         const value = round.cells[el.dataset.cell];

@@ -124,6 +124,9 @@ pub(crate) struct Act {
     pub scope: Scope,
     /// The confirmation page was shown and confirmed.
     pub confirmed: bool,
+    /// When the confirmation page listed what matched (epoch ms): a confirmed `Matching`
+    /// acts on what matched then, not on dead letters that came since.
+    pub as_of: Option<i64>,
 }
 
 impl Act {
@@ -160,10 +163,17 @@ impl Act {
             Some("matching") => Scope::Matching(Filter::parse(field("reason"), field("within"))?),
             other => return Err(bad(format!("scope is selected or matching, not {other:?}"))),
         };
+        let as_of = field("asOf")
+            .map(|t| {
+                t.parse::<i64>()
+                    .map_err(|e| bad(format!("asOf is epoch milliseconds: {e}")))
+            })
+            .transpose()?;
         Ok(Self {
             action,
             scope,
             confirmed: field("confirmed") == Some("1"),
+            as_of,
         })
     }
 }
@@ -229,7 +239,7 @@ pub(crate) fn dead_letters(
         @if let Some((action, n, of)) = result {
             p.result role="status" {
                 (action.done()) " " (n) " of " (of) "."
-                @if n < of { " The others were no longer dead letters (replayed or purged meanwhile)." }
+                @if n < of { " The others were no longer dead letters (replayed or purged meanwhile), or could not be reached (the console's log says which)." }
                 @if action == Action::Replay && n > 0 { " They are delivered again at the group's next sweep." }
             }
         }
@@ -306,6 +316,7 @@ pub(crate) fn confirm(
     group: &str,
     act: &Act,
     targets: &[(String, MessageKey)],
+    as_of: i64,
     token: &str,
 ) -> Markup {
     let url = dead_letters_url(queue, group, None, None);
@@ -337,6 +348,7 @@ pub(crate) fn confirm(
                 }
                 Scope::Matching(f) => {
                     input type="hidden" name="scope" value="matching";
+                    input type="hidden" name="asOf" value=(as_of);
                     @if let Some(r) = &f.reason { input type="hidden" name="reason" value=(r); }
                     @if let Some(w) = &f.within { input type="hidden" name="within" value=(w); }
                 }
@@ -425,8 +437,14 @@ mod tests {
             ("scope", "matching"),
             ("reason", "X"),
             ("confirmed", "1"),
+            ("asOf", "1700000000000"),
         ]))
         .unwrap();
+        assert_eq!(
+            act.as_of,
+            Some(1_700_000_000_000),
+            "what matched when it was confirmed"
+        );
         assert_eq!(
             act.scope,
             Scope::Matching(Filter::parse(Some("X"), None).unwrap())
@@ -437,6 +455,7 @@ mod tests {
             pairs(&[("action", "replay"), ("scope", "selected")]),
             pairs(&[("action", "replay"), ("scope", "selected"), ("m", "m1")]),
             pairs(&[("action", "replay")]),
+            pairs(&[("action", "purge"), ("scope", "matching"), ("asOf", "soon")]),
         ] {
             assert!(
                 matches!(Act::parse(&bad), Err(ConsoleError::BadRequest(_))),

@@ -3,6 +3,7 @@
 use cosmosq_queue::{MessageState, StateDoc};
 use maud::{html, Markup};
 
+use super::overview::at_least;
 use super::{encode, group_url, key_text, layout, message_url, when};
 use crate::history::{History, Series};
 use crate::svg;
@@ -22,9 +23,9 @@ pub(crate) fn group(
         dl.figures {
             div { dt { "Backlog" } dd { (view.backlog) } }
             div { dt { "Lag" } dd { (view.lag) } }
-            div { dt { "Locked" } dd { (view.locked) } }
-            div { dt { "Retrying" } dd { (view.retrying) } }
-            div { dt { "Scheduled" } dd { (view.scheduled) } }
+            div { dt { "Locked" } dd { (at_least(view.locked, view.capped)) } }
+            div { dt { "Retrying" } dd { (at_least(view.retrying, view.capped)) } }
+            div { dt { "Scheduled" } dd { (at_least(view.scheduled, view.capped)) } }
             div { dt { "Oldest" } dd { (when(now_ms, view.oldest_unsettled_at)) } }
             div { dt { "Dead letters" } dd { a href=(format!("{url}/dead-letters")) { (view.dead_letters) } } }
         }
@@ -39,7 +40,7 @@ pub(crate) fn group(
                 tbody {
                     @for r in &view.ranges {
                         tr {
-                            td { code { (range_label(&r.min_epk, &r.max_epk)) } }
+                            td { code { (cosmosq_queue::range::label(&r.min_epk, &r.max_epk)) } }
                             td { @match &r.owner { Some(o) => (o), None => span.muted { "free" } } @if r.expired { " " span.badge.warn { "expired" } } }
                             td { (when(now_ms, r.heartbeat_at)) }
                             td { (when(now_ms, r.checkpointed_at)) }
@@ -128,15 +129,4 @@ pub(crate) fn state_text(state: MessageState) -> &'static str {
         MessageState::DeadLettered => "dead-lettered",
         MessageState::Purged => "purged",
     }
-}
-
-fn range_label(min: &str, max: &str) -> String {
-    let short = |hex: &str| -> String {
-        if hex.is_empty() {
-            "00".into()
-        } else {
-            hex.chars().take(8).collect()
-        }
-    };
-    format!("{}..{}", short(min), short(max))
 }

@@ -19,8 +19,8 @@ fn cells(group: &GroupView, history: &History, now_ms: i64) -> Vec<(&'static str
     vec![
         ("backlog", group.backlog.to_string()),
         ("lag", group.lag.to_string()),
-        ("locked", group.locked.to_string()),
-        ("retrying", group.retrying.to_string()),
+        ("locked", at_least(group.locked, group.capped)),
+        ("retrying", at_least(group.retrying, group.capped)),
         (
             "oldest",
             group
@@ -50,6 +50,15 @@ fn trend_text(rate: f64) -> String {
     }
 }
 
+/// A count, with "+" when it was cut at the reading's limit.
+pub(crate) fn at_least(n: usize, capped: bool) -> String {
+    if capped {
+        format!("{n}+")
+    } else {
+        n.to_string()
+    }
+}
+
 fn dead_count(n: usize) -> String {
     if n >= DEAD_LETTER_COUNT_LIMIT {
         format!("{n}+")
@@ -74,7 +83,7 @@ fn cell_id(group: &GroupView, cell: &str) -> String {
 
 pub(crate) fn overview(snapshot: &Snapshot, history: &History, now_ms: i64) -> Markup {
     let content = html! {
-        h1 { "Queues" }
+        h1 #overview { "Queues" }
         @if let Some(error) = &snapshot.error { p.error { (error) } }
         @if snapshot.at_ms == 0 {
             p.muted #waiting { "Reading the queues for the first time…" }

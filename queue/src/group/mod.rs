@@ -151,13 +151,24 @@ impl Group {
             .map(|(k, v)| (k.as_str(), v.clone()))
             .collect();
         let query = sql::query(&text, &params)?;
+        self.state_docs(query, limit, "sweep").await
+    }
+
+    /// The state documents a query finds (at most `limit`), those this version cannot read
+    /// reported and left out: they are another version's to handle.
+    async fn state_docs(
+        &self,
+        query: azure_data_cosmos::Query,
+        limit: usize,
+        operation: &'static str,
+    ) -> Result<Vec<StateDoc>> {
         let docs: Vec<serde_json::Value> = sql::collect(
             self.queue.leases(),
             query,
             FeedScope::full_container(),
             Some(limit),
             self.queue.charges(),
-            "sweep",
+            operation,
         )
         .await?;
         Ok(docs
@@ -235,19 +246,7 @@ impl Group {
                 ("@group", json!(self.name())),
             ],
         )?;
-        let docs: Vec<serde_json::Value> = sql::collect(
-            self.queue.leases(),
-            query,
-            FeedScope::full_container(),
-            Some(limit),
-            self.queue.charges(),
-            "list unsettled",
-        )
-        .await?;
-        Ok(docs
-            .into_iter()
-            .filter_map(|doc| self.parse_state(doc).ok())
-            .collect())
+        self.state_docs(query, limit, "list unsettled").await
     }
 
     /// The group's state of one message, if any. On the lease write path a completion writes
