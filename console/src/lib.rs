@@ -22,6 +22,12 @@ use azure_data_cosmos::CosmosClient;
 use tokio_util::sync::CancellationToken;
 
 pub use server::host_allowed;
+
+/// The overview page as served, from a snapshot and its history: what the benchmark renders
+/// with a full window of history, which a run of minutes cannot gather.
+pub fn overview_html(snapshot: &Snapshot, history: &history::History, now_ms: i64) -> String {
+    pages::overview(snapshot, history, now_ms).into_string()
+}
 pub use watch::{Snapshot, Watch};
 
 /// What the console can fail at.

@@ -31,6 +31,30 @@ pub fn path(
     Some(d)
 }
 
+/// At most `buckets` points: the span cut into equal slices, each keeping its highest value
+/// (a spike must not vanish from a backlog line), at its slice's last time. A chart has no use
+/// for more points than pixels; an hour of samples per group would make the overview of
+/// 500 groups megabytes.
+pub fn thin(points: &[(i64, f64)], from_ms: i64, to_ms: i64, buckets: usize) -> Vec<(i64, f64)> {
+    if points.len() <= buckets || to_ms <= from_ms || buckets == 0 {
+        return points.to_vec();
+    }
+    let slice = |at: i64| -> usize {
+        let at = at.clamp(from_ms, to_ms);
+        (((at - from_ms) as f64 / (to_ms - from_ms) as f64 * buckets as f64) as usize)
+            .min(buckets - 1)
+    };
+    let mut out: Vec<(usize, (i64, f64))> = Vec::with_capacity(buckets);
+    for &(at, value) in points {
+        let b = slice(at);
+        match out.last_mut() {
+            Some((last, kept)) if *last == b => *kept = (at, kept.1.max(value)),
+            _ => out.push((b, (at, value))),
+        }
+    }
+    out.into_iter().map(|(_, p)| p).collect()
+}
+
 /// A number for an axis label: 950, 1.2k, 3.4M.
 pub fn short(value: f64) -> String {
     let abs = value.abs();
@@ -68,6 +92,7 @@ pub fn span(ms: i64) -> String {
 /// A small line of the recent past, for a table cell.
 pub fn sparkline(points: &[(i64, f64)], from_ms: i64, to_ms: i64) -> Markup {
     let (w, h) = (120.0, 24.0);
+    let points = &thin(points, from_ms, to_ms, w as usize);
     let d = path(points, from_ms, to_ms, y_range(points), w, h);
     html! {
         svg.spark viewBox=(format!("0 0 {w} {h}")) width=(w) height=(h) role="img"
@@ -80,6 +105,7 @@ pub fn sparkline(points: &[(i64, f64)], from_ms: i64, to_ms: i64) -> Markup {
 /// A chart with a title, the latest value, the scale and the time span.
 pub fn chart(title: &str, unit: &str, points: &[(i64, f64)], from_ms: i64, to_ms: i64) -> Markup {
     let (w, h) = (480.0, 120.0);
+    let points = &thin(points, from_ms, to_ms, w as usize);
     let (low, high) = y_range(points);
     // The labels say the values drawn, not the scale's padding around them.
     let highest = points.iter().map(|p| p.1).fold(0.0, f64::max);
@@ -154,6 +180,26 @@ mod tests {
         // A flat zero line still draws (the scale is 0..1, not 0..0).
         assert_eq!(y_range(&[(0, 0.0), (10, 0.0)]), (0.0, 1.0));
         assert!(path(&[(0, 0.0), (10, 0.0)], 0, 10, (0.0, 0.0), 10.0, 10.0).is_some());
+    }
+
+    #[test]
+    fn thinning_keeps_a_point_per_slice_and_every_spike() {
+        let points: Vec<(i64, f64)> = (0..100)
+            .map(|i| (i, if i == 37 { 50.0 } else { 1.0 }))
+            .collect();
+        let thin10 = thin(&points, 0, 100, 10);
+        assert_eq!(thin10.len(), 10);
+        assert_eq!(
+            thin10[3],
+            (39, 50.0),
+            "the spike at 37 kept, at its slice's last time"
+        );
+        assert!(thin10.iter().enumerate().all(|(i, p)| i == 3 || p.1 == 1.0));
+        assert_eq!(
+            thin(&points[..5], 0, 100, 10),
+            points[..5].to_vec(),
+            "few points stay as they are"
+        );
     }
 
     #[test]
