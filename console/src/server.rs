@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, instrument, warn};
 
 use crate::pages::{self, Act, Action, Scope};
-use crate::watch::{Snapshot, Watch};
+use crate::watch::{Snapshot, Watch, DEAD_LETTER_COUNT_LIMIT};
 use crate::{ConsoleError, ConsoleOptions};
 
 /// Dead letters one page lists.
@@ -251,7 +251,7 @@ async fn dead_letters(
         .queue(&queue)
         .await?
         .group(GroupConfig::new(group.clone()))?;
-    let all = handle.dead_letters(None).await?;
+    let all = handle.dead_letters(Some(DEAD_LETTER_COUNT_LIMIT)).await?;
     Ok(Html(
         pages::dead_letters(
             &queue,
@@ -298,7 +298,7 @@ async fn act(
     let targets: Vec<(String, MessageKey)> = match &act.scope {
         Scope::Selected(list) => list.clone(),
         Scope::Matching(filter) => handle
-            .dead_letters(None)
+            .dead_letters(Some(DEAD_LETTER_COUNT_LIMIT))
             .await?
             .into_iter()
             .filter(|d| filter.matches(d, as_of) && d.dead_lettered_at.is_none_or(|t| t <= as_of))

@@ -19,7 +19,9 @@ use tracing::{debug, instrument, warn};
 use crate::history::{History, Sample};
 use crate::ConsoleError;
 
-/// Dead letters counted per group each round; beyond it the console says "at least".
+/// Dead letters counted per group each round, and read at most by a list or an action:
+/// beyond it the console says "at least" (an action on everything matching does the first
+/// this many, and another click the next).
 pub const DEAD_LETTER_COUNT_LIMIT: usize = 10_000;
 /// Unsettled state documents read per group each round (locks, retries, schedules).
 const UNSETTLED_LIMIT: usize = 1_000;
@@ -285,10 +287,9 @@ async fn group_view(queue: Queue, name: String) -> GroupView {
 
 async fn read_group(queue: &Queue, view: &mut GroupView) -> Result<(), ConsoleError> {
     let group = queue.group(GroupConfig::new(view.name.clone()))?;
-    let store = LeaseStore::new(queue.clone(), &view.name);
-    let (estimate, leases, dead_letters, unsettled) = tokio::try_join!(
-        group.estimate(),
-        store.list(),
+    let leases = LeaseStore::new(queue.clone(), &view.name).list().await?;
+    let (estimate, dead_letters, unsettled) = tokio::try_join!(
+        group.estimate_of(leases.clone()),
         group.count_dead_letters(DEAD_LETTER_COUNT_LIMIT),
         group.unsettled(UNSETTLED_LIMIT),
     )?;

@@ -6,6 +6,7 @@ use maud::{html, Markup};
 
 use super::{group_url, key_text, layout, message_url, when};
 use crate::server::ListQuery;
+use crate::watch::DEAD_LETTER_COUNT_LIMIT;
 use crate::ConsoleError;
 
 /// Which dead letters a list or an action means.
@@ -254,7 +255,7 @@ pub(crate) fn dead_letters(
             button type="submit" { "Filter" }
             @if !filter.is_empty() { " " a href=(url) { "clear" } }
         }
-        p.muted { (matching.len()) " of " (all.len()) " dead letters match"
+        p.muted { (matching.len()) " of " @if all.len() >= DEAD_LETTER_COUNT_LIMIT { "the first " } (all.len()) " dead letters match"
             @if matching.len() > limit { "; the " (limit) " most recent are listed" } "." }
         @if !matching.is_empty() {
             form.act method="post" action=(url) {
