@@ -1,10 +1,11 @@
 //! `cosmosq console`: the web console on localhost.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use cosmosq_console::{Console, ConsoleOptions};
+use cosmosq_console::{Catalog, Console, ConsoleOptions, Database};
 use cosmosq_queue::ConnectionArgs;
 use tokio_util::sync::CancellationToken;
 
@@ -37,23 +38,23 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    pub fn options(&self, database: &str, queues: Vec<String>) -> ConsoleOptions {
-        let mut options = ConsoleOptions::new(database);
-        options.queues = queues;
-        options.sample_every = self.sample_every;
-        options.allowed_hosts = self.allow_host.clone();
-        options
+    pub fn options(&self) -> ConsoleOptions {
+        ConsoleOptions {
+            sample_every: self.sample_every,
+            allowed_hosts: self.allow_host.clone(),
+            ..ConsoleOptions::default()
+        }
     }
 }
 
 /// Binds and prints the link; the console then runs until `cancel`.
 pub async fn start(
-    client: azure_data_cosmos::CosmosClient,
+    catalog: Arc<dyn Catalog>,
     options: ConsoleOptions,
     listen: SocketAddr,
     cancel: CancellationToken,
 ) -> anyhow::Result<tokio::task::JoinHandle<Result<(), cosmosq_console::ConsoleError>>> {
-    let console = Console::bind(client, options, listen).await?;
+    let console = Console::bind_catalog(catalog, options, listen).await?;
     let address = console.local_addr();
     let host = if address.ip().is_loopback() || address.ip().is_unspecified() {
         format!("localhost:{}", address.port())
@@ -67,8 +68,14 @@ pub async fn start(
 pub async fn run(args: ConsoleArgs) -> anyhow::Result<()> {
     let client = args.connection.connect().await?;
     let cancel = CancellationToken::new();
-    let options = args.serve.options(&args.database, args.queue.clone());
-    let served = start(client, options, args.serve.listen, cancel.clone()).await?;
+    let catalog = Arc::new(Database::new(client, args.database, args.queue));
+    let served = start(
+        catalog,
+        args.serve.options(),
+        args.serve.listen,
+        cancel.clone(),
+    )
+    .await?;
     println!("Ctrl-C stops it.");
     tokio::select! {
         _ = tokio::signal::ctrl_c() => cancel.cancel(),

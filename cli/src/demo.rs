@@ -173,9 +173,16 @@ pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
     let console = CancellationToken::new();
     let _stop_console = console.clone().drop_guard();
     if let Some(listen) = args.console {
-        let mut options = cosmosq_console::ConsoleOptions::new(DATABASE);
-        options.sample_every = CONSOLE_SAMPLE_EVERY;
-        crate::console::start(client.clone(), options, listen, console.clone()).await?;
+        let options = cosmosq_console::ConsoleOptions {
+            sample_every: CONSOLE_SAMPLE_EVERY,
+            ..Default::default()
+        };
+        let catalog = Arc::new(cosmosq_console::Database::new(
+            client.clone(),
+            DATABASE.to_owned(),
+            vec![],
+        ));
+        crate::console::start(catalog, options, listen, console.clone()).await?;
     }
     let policy = Policy {
         min_replicas: 0,

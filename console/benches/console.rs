@@ -79,9 +79,11 @@ async fn main() {
         set_up.elapsed().as_secs_f64()
     );
 
-    let mut options = ConsoleOptions::new("bench");
-    options.sample_every = Duration::from_secs(1);
-    let console = Console::bind(client, options, ([127, 0, 0, 1], 0).into())
+    let options = ConsoleOptions {
+        sample_every: Duration::from_secs(1),
+        ..ConsoleOptions::default()
+    };
+    let console = Console::bind(client, "bench", vec![], options, ([127, 0, 0, 1], 0).into())
         .await
         .expect("bind");
     let base = format!("http://localhost:{}", console.local_addr().port());
@@ -161,6 +163,7 @@ fn full_window() {
             });
         }
         queues.push(QueueView {
+            namespace: None,
             name,
             groups,
             error: None,

@@ -1,6 +1,8 @@
-//! `cosmosq console`: a web console for the queues of one database — every queue and group
-//! with its backlog and a sparkline, a group's live charts, ranges and work in progress,
-//! dead-letter triage (filter, read, replay, purge), and a message's state in every group.
+//! `cosmosq console`: a web console for queues — every queue and group with its backlog and a
+//! sparkline, a group's live charts, ranges and work in progress, dead-letter triage (filter,
+//! read, replay, purge), and a message's state in every group. The CLI serves the queues of
+//! one database ([`watch::Database`]); the operator serves its cluster's, each request cut to
+//! what its caller's Kubernetes RBAC allows (an [`access::Gate`]).
 //!
 //! Pages are rendered on the server from the sampler's last round ([`watch`]); a small script
 //! updates them over server-sent events. Every asset is in the binary (it works air-gapped),
@@ -8,6 +10,7 @@
 //! Actions are POSTs that carry the console's own token and are checked against the `Host`
 //! and `Origin` headers, so a web page in the same browser cannot replay or purge through it.
 
+pub mod access;
 pub mod history;
 mod pages;
 mod server;
@@ -28,7 +31,8 @@ pub use server::host_allowed;
 pub fn overview_html(snapshot: &Snapshot, history: &history::History, now_ms: i64) -> String {
     pages::overview(snapshot, history, now_ms).into_string()
 }
-pub use watch::{Snapshot, Watch};
+pub use access::{Access, Gate, Refusal};
+pub use watch::{Catalog, Database, Listed, Snapshot, Watch};
 
 /// What the console can fail at.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +45,11 @@ pub enum ConsoleError {
     BadRequest(String),
     #[error("{0}")]
     NotFound(String),
+    #[error("{0}")]
+    Forbidden(String),
+    /// A queue of the catalog could not be opened (said without secrets).
+    #[error("could not open the queue: {0}")]
+    Open(String),
     #[error("could not serve the console on {address}: {source}")]
     Listen {
         address: SocketAddr,
@@ -51,10 +60,6 @@ pub enum ConsoleError {
 /// How the console samples and what it accepts.
 #[derive(Clone, Debug)]
 pub struct ConsoleOptions {
-    /// The database whose queues it shows.
-    pub database: String,
-    /// Only these queues (every queue of the database when empty).
-    pub queues: Vec<String>,
     /// Time between the end of one sampling round and the start of the next.
     pub sample_every: Duration,
     /// How much history the charts show.
@@ -64,11 +69,9 @@ pub struct ConsoleOptions {
     pub allowed_hosts: Vec<String>,
 }
 
-impl ConsoleOptions {
-    pub fn new(database: impl Into<String>) -> Self {
+impl Default for ConsoleOptions {
+    fn default() -> Self {
         Self {
-            database: database.into(),
-            queues: vec![],
             sample_every: Duration::from_secs(5),
             window: Duration::from_secs(3600),
             allowed_hosts: vec![],
@@ -81,29 +84,46 @@ pub struct Console {
     listener: tokio::net::TcpListener,
     watch: Arc<Watch>,
     options: ConsoleOptions,
+    gate: Option<Arc<dyn Gate>>,
 }
 
 impl Console {
-    /// Binds `address` (port 0 for any free port).
+    /// The queues of `database` (only `queues`, when any are named) on `client`'s account,
+    /// on `address` (port 0 for any free port).
     pub async fn bind(
         client: CosmosClient,
+        database: impl Into<String>,
+        queues: Vec<String>,
+        options: ConsoleOptions,
+        address: SocketAddr,
+    ) -> Result<Self, ConsoleError> {
+        let catalog = Arc::new(Database::new(client, database.into(), queues));
+        Self::bind_catalog(catalog, options, address).await
+    }
+
+    /// The queues `catalog` lists, on `address`.
+    pub async fn bind_catalog(
+        catalog: Arc<dyn Catalog>,
         options: ConsoleOptions,
         address: SocketAddr,
     ) -> Result<Self, ConsoleError> {
         let listener = tokio::net::TcpListener::bind(address)
             .await
             .map_err(|source| ConsoleError::Listen { address, source })?;
-        let watch = Arc::new(Watch::new(
-            client,
-            options.database.clone(),
-            options.queues.clone(),
-            options.window,
-        ));
+        let watch = Arc::new(Watch::new(catalog, options.window));
         Ok(Self {
             listener,
             watch,
             options,
+            gate: None,
         })
+    }
+
+    /// Every request (but the sign-in page and the assets) must carry a token `gate` admits,
+    /// and sees and does only what it allows.
+    pub fn with_gate(mut self, gate: Arc<dyn Gate>) -> Self {
+        self.gate = Some(gate);
+        self
     }
 
     /// The address it serves on.
@@ -122,7 +142,13 @@ impl Console {
             let every = self.options.sample_every;
             tokio::spawn(async move { watch.run(every, cancel).await })
         };
-        let app = server::router(self.watch, &self.options, address, cancel.clone());
+        let app = server::router(
+            self.watch,
+            self.gate,
+            &self.options,
+            address,
+            cancel.clone(),
+        );
         let served = axum::serve(self.listener, app)
             .with_graceful_shutdown(cancel.cancelled_owned())
             .await

@@ -11,6 +11,7 @@ use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::get;
+use axum::Extension;
 use axum::Router;
 use cosmosq_queue::clock::system_now_ms;
 use cosmosq_queue::{GroupConfig, MessageKey};
@@ -20,6 +21,7 @@ use subtle::ConstantTimeEq;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, instrument, warn};
 
+use crate::access::{self, Access, Gate, Refusal};
 use crate::pages::{self, Act, Action, Scope};
 use crate::watch::{Snapshot, Watch, DEAD_LETTER_COUNT_LIMIT};
 use crate::{ConsoleError, ConsoleOptions};
@@ -28,6 +30,9 @@ use crate::{ConsoleError, ConsoleOptions};
 const LIST_LIMIT: usize = 500;
 /// Work in progress a group page lists.
 const IN_PROGRESS_LIMIT: usize = 100;
+/// A gated console's live stream ends after this long, and the browser reconnects (asked
+/// again): a caller whose rights were taken away stops seeing updates within it.
+const STREAM_REAUTHORIZE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -36,12 +41,15 @@ pub(crate) struct App {
     /// The token every action must carry (random per process, in every form it renders).
     pub token: Arc<str>,
     hosts: Arc<Vec<String>>,
+    /// Who may see and do what, when the console serves several tenants.
+    gate: Option<Arc<dyn Gate>>,
     /// Ends the live streams, so a graceful shutdown does not wait on an open tab.
     stop: CancellationToken,
 }
 
 pub(crate) fn router(
     watch: Arc<Watch>,
+    gate: Option<Arc<dyn Gate>>,
     options: &ConsoleOptions,
     address: SocketAddr,
     stop: CancellationToken,
@@ -62,6 +70,7 @@ pub(crate) fn router(
         watch,
         token: random_token().into(),
         hosts: Arc::new(hosts),
+        gate,
         stop,
     };
     Router::new()
@@ -74,6 +83,7 @@ pub(crate) fn router(
         )
         .route("/queues/{queue}/messages", get(message))
         .route("/events", get(events))
+        .route("/login", get(sign_in_page).post(sign_in))
         .route("/api/snapshot", get(snapshot))
         .route("/assets/console.css", get(css))
         .route("/assets/console.js", get(js))
@@ -106,8 +116,10 @@ pub fn host_allowed(host: &str, allowed: &[String]) -> bool {
     !name.is_empty() && allowed.iter().any(|a| a == name)
 }
 
-/// Refuses requests for other hosts and cross-site actions; adds the security headers.
-async fn guard(State(app): State<App>, request: Request, next: Next) -> Response {
+/// Refuses requests for other hosts, cross-site actions and, on a gated console, callers
+/// without a token it admits; gives the handlers the caller's [`Access`]; adds the security
+/// headers to every answer.
+async fn guard(State(app): State<App>, mut request: Request, next: Next) -> Response {
     let headers = request.headers();
     let host = headers
         .get(header::HOST)
@@ -115,15 +127,100 @@ async fn guard(State(app): State<App>, request: Request, next: Next) -> Response
         .unwrap_or_default()
         .to_owned();
     if !host_allowed(&host, &app.hosts) {
-        return refused(StatusCode::MISDIRECTED_REQUEST, "this console does not answer to that host name (start it with --allow-host to add one)");
+        return secured(refused(StatusCode::MISDIRECTED_REQUEST, "this console does not answer to that host name (start it with --allow-host to add one)"));
     }
     if request.method() == Method::POST {
         let origin = headers.get(header::ORIGIN).and_then(|h| h.to_str().ok());
         if origin.is_some_and(|o| o != format!("http://{host}") && o != format!("https://{host}")) {
-            return refused(StatusCode::FORBIDDEN, "a request from another site");
+            return secured(refused(
+                StatusCode::FORBIDDEN,
+                "a request from another site",
+            ));
         }
     }
-    let mut response = next.run(request).await;
+    // The request itself is not `Sync`: the gate is asked with what it needs of it.
+    let asked = (
+        request.method().clone(),
+        request.uri().path().to_owned(),
+        request.headers().clone(),
+    );
+    match admit(&app, &asked.0, &asked.1, &asked.2).await {
+        Ok(access) => {
+            request.extensions_mut().insert(access);
+            secured(next.run(request).await)
+        }
+        Err(refusal) => secured(refusal),
+    }
+}
+
+/// Paths a gated console serves to anyone who reaches it: the sign-in page and what draws it.
+fn open_path(path: &str) -> bool {
+    matches!(path, "/login" | "/healthz" | "/favicon.ico") || path.starts_with("/assets/")
+}
+
+/// The caller's access: everything without a gate; with one, what it admits for the
+/// request's token over the namespaces shown now.
+async fn admit(
+    app: &App,
+    method: &Method,
+    path: &str,
+    headers: &HeaderMap,
+) -> Result<Access, Response> {
+    let Some(gate) = &app.gate else {
+        return Ok(Access::Everything);
+    };
+    if open_path(path) {
+        return Ok(Access::Namespaces {
+            read: Default::default(),
+            act: Default::default(),
+        });
+    }
+    let wants_page = method == Method::GET && accepts_html(headers);
+    let Some(token) = access::request_token(headers) else {
+        return Err(gate_refusal(
+            gate.as_ref(),
+            Refusal {
+                status: StatusCode::UNAUTHORIZED,
+                message: "sign in with a Kubernetes token".into(),
+                retry_after: None,
+            },
+            wants_page,
+        ));
+    };
+    let namespaces = app.watch.latest().namespaces();
+    gate.admit(&token, &namespaces)
+        .await
+        .map_err(|refusal| gate_refusal(gate.as_ref(), refusal, wants_page))
+}
+
+fn accepts_html(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/html"))
+}
+
+/// A gate's refusal: the sign-in page for a browser that is not signed in, text otherwise.
+fn gate_refusal(gate: &dyn Gate, refusal: Refusal, wants_page: bool) -> Response {
+    let mut response = if refusal.status == StatusCode::UNAUTHORIZED && wants_page {
+        (
+            refusal.status,
+            Html(pages::sign_in(&gate.sign_in_hint(), Some(&refusal.message)).into_string()),
+        )
+            .into_response()
+    } else {
+        refused(refusal.status, &refusal.message)
+    };
+    if let Some(seconds) = refusal.retry_after {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    response
+}
+
+/// The headers every answer carries.
+fn secured(mut response: Response) -> Response {
     let h = response.headers_mut();
     h.insert(
         header::CONTENT_SECURITY_POLICY,
@@ -147,6 +244,49 @@ async fn guard(State(app): State<App>, request: Request, next: Next) -> Response
     response
 }
 
+async fn sign_in_page(State(app): State<App>) -> Response {
+    match &app.gate {
+        Some(gate) => {
+            Html(pages::sign_in(&gate.sign_in_hint(), None).into_string()).into_response()
+        }
+        None => Redirect::to("/").into_response(),
+    }
+}
+
+/// Checks the pasted token with the gate and keeps it in the console's cookie.
+async fn sign_in(State(app): State<App>, body: Bytes) -> Response {
+    let Some(gate) = &app.gate else {
+        return Redirect::to("/").into_response();
+    };
+    let token = form_urlencoded::parse(&body)
+        .find(|(k, _)| k == "token")
+        .map(|(_, v)| v.trim().to_owned())
+        .unwrap_or_default();
+    let page = |status: StatusCode, why: &str| {
+        (
+            status,
+            Html(pages::sign_in(&gate.sign_in_hint(), Some(why)).into_string()),
+        )
+            .into_response()
+    };
+    if !access::cookie_safe(&token) {
+        return page(
+            StatusCode::BAD_REQUEST,
+            "that is not a token: paste the output of the command below",
+        );
+    }
+    match gate.admit(&token, &Default::default()).await {
+        Ok(_) => {
+            let mut response = Redirect::to("/").into_response();
+            if let Ok(cookie) = HeaderValue::from_str(&access::token_cookie(&token)) {
+                response.headers_mut().insert(header::SET_COOKIE, cookie);
+            }
+            response
+        }
+        Err(refusal) => page(refusal.status, &refusal.message),
+    }
+}
+
 fn refused(status: StatusCode, why: &str) -> Response {
     (status, why.to_owned()).into_response()
 }
@@ -156,6 +296,7 @@ impl IntoResponse for ConsoleError {
         let status = match &self {
             ConsoleError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ConsoleError::NotFound(_) => StatusCode::NOT_FOUND,
+            ConsoleError::Forbidden(_) => StatusCode::FORBIDDEN,
             _ => StatusCode::BAD_GATEWAY,
         };
         (
@@ -168,8 +309,8 @@ impl IntoResponse for ConsoleError {
 
 type Page = Result<Html<String>, ConsoleError>;
 
-async fn overview(State(app): State<App>) -> Page {
-    let snapshot = app.watch.latest();
+async fn overview(State(app): State<App>, Extension(access): Extension<Access>) -> Page {
+    let snapshot = app.watch.latest().visible(&access);
     Ok(Html(
         app.watch
             .with_history(|h| pages::overview(&snapshot, h, system_now_ms()))
@@ -177,9 +318,14 @@ async fn overview(State(app): State<App>) -> Page {
     ))
 }
 
-/// The last round's snapshot, when it saw the group; 404 when it did not.
-fn known_group(app: &App, queue: &str, group: &str) -> Result<Arc<Snapshot>, ConsoleError> {
-    let snapshot = known_queue(app, queue)?;
+/// The last round's snapshot, when it saw the group and the caller may read its queue.
+fn known_group(
+    app: &App,
+    access: &Access,
+    queue: &str,
+    group: &str,
+) -> Result<Arc<Snapshot>, ConsoleError> {
+    let snapshot = known_queue(app, access, queue)?;
     if snapshot.group(queue, group).is_none() {
         return Err(ConsoleError::NotFound(format!(
             "no group {group} in queue {queue} (yet)"
@@ -188,19 +334,29 @@ fn known_group(app: &App, queue: &str, group: &str) -> Result<Arc<Snapshot>, Con
     Ok(snapshot)
 }
 
-/// The last round's snapshot, when it saw the queue (only the queues the console shows are
-/// opened, whatever a URL names).
-fn known_queue(app: &App, queue: &str) -> Result<Arc<Snapshot>, ConsoleError> {
+/// The last round's snapshot, when it saw the queue and the caller may read it (only the
+/// queues the console shows are opened, whatever a URL names).
+fn known_queue(app: &App, access: &Access, queue: &str) -> Result<Arc<Snapshot>, ConsoleError> {
     let snapshot = app.watch.latest();
-    if snapshot.queue(queue).is_none() {
+    let Some(view) = snapshot.queue(queue) else {
         return Err(ConsoleError::NotFound(format!("no queue {queue} (yet)")));
+    };
+    if !access.may_read(view.namespace.as_deref()) {
+        return Err(ConsoleError::Forbidden(format!(
+            "you may not read the queues of namespace {}",
+            view.namespace.as_deref().unwrap_or("(none)")
+        )));
     }
     Ok(snapshot)
 }
 
-#[instrument(skip(app))]
-async fn group(State(app): State<App>, Path((queue, group)): Path<(String, String)>) -> Page {
-    let snapshot = known_group(&app, &queue, &group)?;
+#[instrument(skip(app, access))]
+async fn group(
+    State(app): State<App>,
+    Extension(access): Extension<Access>,
+    Path((queue, group)): Path<(String, String)>,
+) -> Page {
+    let snapshot = known_group(&app, &access, &queue, &group)?;
     let view = snapshot
         .group(&queue, &group)
         .ok_or_else(|| ConsoleError::NotFound(format!("no group {group}")))?;
@@ -217,8 +373,12 @@ async fn group(State(app): State<App>, Path((queue, group)): Path<(String, Strin
     ))
 }
 
-async fn charts(State(app): State<App>, Path((queue, group)): Path<(String, String)>) -> Page {
-    known_group(&app, &queue, &group)?;
+async fn charts(
+    State(app): State<App>,
+    Extension(access): Extension<Access>,
+    Path((queue, group)): Path<(String, String)>,
+) -> Page {
+    known_group(&app, &access, &queue, &group)?;
     Ok(Html(
         app.watch
             .with_history(|h| pages::charts(h.get(&queue, &group), h.window_ms(), system_now_ms()))
@@ -238,13 +398,14 @@ pub(crate) struct ListQuery {
     pub of: Option<usize>,
 }
 
-#[instrument(skip(app))]
+#[instrument(skip(app, access))]
 async fn dead_letters(
     State(app): State<App>,
+    Extension(access): Extension<Access>,
     Path((queue, group)): Path<(String, String)>,
     Query(query): Query<ListQuery>,
 ) -> Page {
-    known_group(&app, &queue, &group)?;
+    known_group(&app, &access, &queue, &group)?;
     let filter = pages::Filter::parse(query.reason.as_deref(), query.within.as_deref())?;
     let handle = app
         .watch
@@ -268,9 +429,10 @@ async fn dead_letters(
 }
 
 /// Replay or purge: a confirmation page first, then the action, then back to the list.
-#[instrument(skip(app, body))]
+#[instrument(skip(app, access, body))]
 async fn act(
     State(app): State<App>,
+    Extension(access): Extension<Access>,
     Path((queue, group)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<Response, ConsoleError> {
@@ -285,7 +447,14 @@ async fn act(
             "the form's token is not this console's: reload the page",
         ));
     }
-    known_group(&app, &queue, &group)?;
+    let snapshot = known_group(&app, &access, &queue, &group)?;
+    let namespace = snapshot.queue(&queue).and_then(|q| q.namespace.as_deref());
+    if !access.may_act(namespace) {
+        return Err(ConsoleError::Forbidden(format!(
+            "you may read but not act on the queues of namespace {}",
+            namespace.unwrap_or("(none)")
+        )));
+    }
     let act = Act::parse(&pairs)?;
     let handle = app
         .watch
@@ -352,9 +521,10 @@ pub(crate) struct MessageQuery {
     pub key_json: Option<String>,
 }
 
-#[instrument(skip(app))]
+#[instrument(skip(app, access))]
 async fn message(
     State(app): State<App>,
+    Extension(access): Extension<Access>,
     Path(queue): Path<String>,
     Query(query): Query<MessageQuery>,
 ) -> Page {
@@ -364,6 +534,7 @@ async fn message(
         ));
     };
     let key = pages::message_key(id, query.key.as_deref(), query.key_json.as_deref())?;
+    known_queue(&app, &access, &queue)?;
     let handle = app.watch.queue(&queue).await?;
     let message = handle.read_message(&key, id).await?;
     let mut states = Vec::new();
@@ -379,25 +550,47 @@ async fn message(
     ))
 }
 
-async fn snapshot(State(app): State<App>) -> impl IntoResponse {
-    axum::Json(app.watch.latest().as_ref().clone())
+async fn snapshot(
+    State(app): State<App>,
+    Extension(access): Extension<Access>,
+) -> impl IntoResponse {
+    axum::Json(app.watch.latest().visible(&access))
 }
 
-/// Every round's figures as they come: the overview's cells and sparklines.
-async fn events(State(app): State<App>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+/// Every round's figures as they come: the overview's cells and sparklines, of the queues the
+/// caller may read. On a gated console the stream ends after [`STREAM_REAUTHORIZE`] and the
+/// browser opens a new one, admitted again.
+async fn events(
+    State(app): State<App>,
+    Extension(access): Extension<Access>,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let receiver = app.watch.subscribe();
-    let app_stop = app.stop.clone();
-    let stream = futures::stream::unfold((app, receiver), |(app, mut receiver)| async move {
+    let stop = app.stop.clone();
+    let reauthorize = app.gate.is_some();
+    let state = (app, access, receiver);
+    let stream = futures::stream::unfold(state, |(app, access, mut receiver)| async move {
         receiver.changed().await.ok()?;
-        let snapshot = receiver.borrow_and_update().clone();
+        let snapshot = receiver.borrow_and_update().visible(&access);
         let data = app
             .watch
             .with_history(|h| pages::live(&snapshot, h, system_now_ms()));
         let event = Event::default().event("round").json_data(data).ok()?;
-        Some((Ok(event), (app, receiver)))
+        Some((Ok(event), (app, access, receiver)))
     });
-    let stop = app_stop.cancelled_owned();
-    Sse::new(futures::StreamExt::take_until(stream, stop)).keep_alive(KeepAlive::default())
+    let end = async move {
+        let expiry = async {
+            if reauthorize {
+                tokio::time::sleep(STREAM_REAUTHORIZE).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = expiry => {}
+        }
+    };
+    Sse::new(futures::StreamExt::take_until(stream, end)).keep_alive(KeepAlive::default())
 }
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {

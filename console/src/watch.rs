@@ -1,8 +1,9 @@
-//! The sampler: finds the queues of a database and their groups, reads each group's figures
-//! every few seconds, and keeps the latest snapshot and the history the pages draw. Pages
-//! never wait on Cosmos DB for the overview: they read what the last round found.
+//! The sampler: finds the queues (a [`Catalog`]: a database's, or the cluster's) and their
+//! groups, reads each group's figures every few seconds, and keeps the latest snapshot and the
+//! history the pages draw. Pages never wait on Cosmos DB for the overview: they read what the
+//! last round found.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -10,12 +11,14 @@ use azure_data_cosmos::CosmosClient;
 use cosmosq_queue::clock::system_now_ms;
 use cosmosq_queue::lease::LeaseStore;
 use cosmosq_queue::{GroupConfig, MessageState, Queue, QueueConfig};
-use futures::{StreamExt, TryStreamExt};
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, instrument, warn};
 
+use crate::access::Access;
 use crate::history::{History, Sample};
 use crate::ConsoleError;
 
@@ -45,6 +48,9 @@ pub struct Snapshot {
 #[serde(rename_all = "camelCase")]
 pub struct QueueView {
     pub name: String,
+    /// The namespace whose readers may see it, on a console serving several tenants.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
     pub groups: Vec<GroupView>,
     pub error: Option<String>,
 }
@@ -93,38 +99,130 @@ impl Snapshot {
     pub fn queue(&self, queue: &str) -> Option<&QueueView> {
         self.queues.iter().find(|q| q.name == queue)
     }
+
+    /// What a caller with `access` may see of it.
+    pub fn visible(&self, access: &Access) -> Snapshot {
+        Snapshot {
+            at_ms: self.at_ms,
+            queues: self
+                .queues
+                .iter()
+                .filter(|q| access.may_read(q.namespace.as_deref()))
+                .cloned()
+                .collect(),
+            error: self.error.clone(),
+        }
+    }
+
+    /// The namespaces of its queues.
+    pub fn namespaces(&self) -> BTreeSet<String> {
+        self.queues
+            .iter()
+            .filter_map(|q| q.namespace.clone())
+            .collect()
+    }
 }
 
-/// The account and the queues the console looks at.
-pub struct Watch {
+/// A queue a catalog lists: its name in pages and URLs, and its namespace where the console
+/// serves several tenants.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listed {
+    pub name: String,
+    pub namespace: Option<String>,
+}
+
+/// Where the console finds its queues and how it opens them.
+pub trait Catalog: Send + Sync + 'static {
+    /// The queues to show now.
+    fn list(&self) -> BoxFuture<'_, Result<Vec<Listed>, ConsoleError>>;
+    /// One of them, by the name [`Catalog::list`] gave it.
+    fn open<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Queue, ConsoleError>>;
+}
+
+/// The queues of one database, on one account: the CLI's console.
+pub struct Database {
     client: CosmosClient,
     database: String,
     /// The queues named on the command line; every queue of the database when empty.
     only: Vec<String>,
     opened: tokio::sync::Mutex<BTreeMap<String, Queue>>,
-    latest: watch::Sender<Arc<Snapshot>>,
-    history: Mutex<History>,
 }
 
-impl Watch {
-    pub fn new(
-        client: CosmosClient,
-        database: String,
-        only: Vec<String>,
-        window: Duration,
-    ) -> Self {
+impl Database {
+    pub fn new(client: CosmosClient, database: String, only: Vec<String>) -> Self {
         Self {
             client,
             database,
             only,
             opened: Default::default(),
-            latest: watch::channel(Arc::new(Snapshot::default())).0,
-            history: Mutex::new(History::new(window.as_millis() as i64)),
         }
     }
 
-    pub fn database(&self) -> &str {
-        &self.database
+    /// The queues: those named, or every container of the database with a lease container
+    /// beside it (`<name>-leases`).
+    async fn names(&self) -> Result<Vec<Listed>, ConsoleError> {
+        let names = if self.only.is_empty() {
+            let containers: Vec<String> = self
+                .client
+                .database_client(&self.database)
+                .query_containers("SELECT * FROM root", None)
+                .await
+                .map_err(|e| ConsoleError::List(e.to_string()))?
+                .map_ok(|c| c.id.to_string())
+                .try_collect()
+                .await
+                .map_err(|e| ConsoleError::List(e.to_string()))?;
+            queues_among(&containers)
+        } else {
+            self.only.clone()
+        };
+        Ok(names
+            .into_iter()
+            .map(|name| Listed {
+                name,
+                namespace: None,
+            })
+            .collect())
+    }
+
+    async fn opened(&self, name: &str) -> Result<Queue, ConsoleError> {
+        if let Some(queue) = self.opened.lock().await.get(name) {
+            return Ok(queue.clone());
+        }
+        let queue =
+            Queue::open(&self.client, QueueConfig::new(self.database.clone(), name)).await?;
+        self.opened
+            .lock()
+            .await
+            .insert(name.to_owned(), queue.clone());
+        Ok(queue)
+    }
+}
+
+impl Catalog for Database {
+    fn list(&self) -> BoxFuture<'_, Result<Vec<Listed>, ConsoleError>> {
+        self.names().boxed()
+    }
+
+    fn open<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Queue, ConsoleError>> {
+        self.opened(name).boxed()
+    }
+}
+
+/// The queues the console looks at, their last round and their history.
+pub struct Watch {
+    catalog: Arc<dyn Catalog>,
+    latest: watch::Sender<Arc<Snapshot>>,
+    history: Mutex<History>,
+}
+
+impl Watch {
+    pub fn new(catalog: Arc<dyn Catalog>, window: Duration) -> Self {
+        Self {
+            catalog,
+            latest: watch::channel(Arc::new(Snapshot::default())).0,
+            history: Mutex::new(History::new(window.as_millis() as i64)),
+        }
     }
 
     pub fn latest(&self) -> Arc<Snapshot> {
@@ -140,18 +238,9 @@ impl Watch {
         read(&self.history.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// An opened queue by name (opened on first use).
+    /// A queue by the name its catalog lists it under.
     pub async fn queue(&self, name: &str) -> Result<Queue, ConsoleError> {
-        if let Some(queue) = self.opened.lock().await.get(name) {
-            return Ok(queue.clone());
-        }
-        let queue =
-            Queue::open(&self.client, QueueConfig::new(self.database.clone(), name)).await?;
-        self.opened
-            .lock()
-            .await
-            .insert(name.to_owned(), queue.clone());
-        Ok(queue)
+        self.catalog.open(name).await
     }
 
     /// Rounds every `every` (from the end of one to the start of the next) until cancelled.
@@ -167,10 +256,10 @@ impl Watch {
     }
 
     /// One round: every queue, every group.
-    #[instrument(skip(self), fields(database = %self.database))]
+    #[instrument(skip(self))]
     pub async fn round(&self) -> Snapshot {
-        let names = match self.queue_names().await {
-            Ok(names) => names,
+        let listed = match self.catalog.list().await {
+            Ok(listed) => listed,
             Err(e) => {
                 warn!(error = %e, "could not list the queues");
                 return Snapshot {
@@ -181,8 +270,8 @@ impl Watch {
             }
         };
         let mut queues = Vec::new();
-        for name in names {
-            queues.push(self.queue_view(&name).await);
+        for queue in listed {
+            queues.push(self.queue_view(queue).await);
         }
         let at_ms = system_now_ms();
         let mut history = self.history.lock().unwrap_or_else(|e| e.into_inner());
@@ -199,26 +288,8 @@ impl Watch {
         }
     }
 
-    /// The queues: those named, or every container of the database with a lease container
-    /// beside it (`<name>-leases`).
-    async fn queue_names(&self) -> Result<Vec<String>, ConsoleError> {
-        if !self.only.is_empty() {
-            return Ok(self.only.clone());
-        }
-        let containers: Vec<String> = self
-            .client
-            .database_client(&self.database)
-            .query_containers("SELECT * FROM root", None)
-            .await
-            .map_err(|e| ConsoleError::List(e.to_string()))?
-            .map_ok(|c| c.id.to_string())
-            .try_collect()
-            .await
-            .map_err(|e| ConsoleError::List(e.to_string()))?;
-        Ok(queues_among(&containers))
-    }
-
-    async fn queue_view(&self, name: &str) -> QueueView {
+    async fn queue_view(&self, listed: Listed) -> QueueView {
+        let name = listed.name.as_str();
         let groups = async {
             let queue = self.queue(name).await?;
             let names = queue.group_names().await?;
@@ -227,13 +298,14 @@ impl Watch {
         match groups.await {
             Ok((queue, names)) => {
                 let mut groups: Vec<GroupView> = futures::stream::iter(names)
-                    .map(|g| group_view(queue.clone(), g))
+                    .map(|g| group_view(name, queue.clone(), g))
                     .buffer_unordered(CONCURRENCY)
                     .collect()
                     .await;
                 groups.sort_by(|a, b| a.name.cmp(&b.name));
                 QueueView {
                     name: name.to_owned(),
+                    namespace: listed.namespace.clone(),
                     groups,
                     error: None,
                 }
@@ -242,6 +314,7 @@ impl Watch {
                 warn!(queue = name, error = %e, "could not read the queue");
                 QueueView {
                     name: name.to_owned(),
+                    namespace: listed.namespace.clone(),
                     groups: vec![],
                     error: Some(e.to_string()),
                 }
@@ -271,10 +344,10 @@ fn sample(group: &GroupView, at_ms: i64) -> Sample {
     }
 }
 
-#[instrument(skip(queue), fields(queue = %queue.name()))]
-async fn group_view(queue: Queue, name: String) -> GroupView {
+#[instrument(skip(queue))]
+async fn group_view(listed_as: &str, queue: Queue, name: String) -> GroupView {
     let mut view = GroupView {
-        queue: queue.name().to_owned(),
+        queue: listed_as.to_owned(),
         name: name.clone(),
         ..GroupView::default()
     };

@@ -53,6 +53,14 @@ pub struct Config {
     /// namespace's queues and backlogs.
     #[arg(long, env = "COSMOSQ_INSECURE_METRICS_LISTEN")]
     pub insecure_metrics_listen: Option<SocketAddr>,
+    /// Serve the web console here (off by default): the queues of every CosmosQueue, to
+    /// callers who sign in with a Kubernetes token, each cut to what its RBAC allows. Keep it
+    /// on loopback (`127.0.0.1:8090`): `kubectl port-forward` reaches it, other pods do not.
+    #[arg(long, env = "COSMOSQ_CONSOLE_LISTEN")]
+    pub console_listen: Option<SocketAddr>,
+    /// How often the console reads every queue and group (each read costs request units).
+    #[arg(long, env = "COSMOSQ_CONSOLE_SAMPLE_EVERY", default_value = "15s", value_parser = duration)]
+    pub console_sample_every: Duration,
     /// The serving certificate (PEM) of the TLS listener.
     #[arg(
         long,
@@ -203,6 +211,7 @@ mod tests {
             config.insecure_metrics_listen, None,
             "no /metrics without auth"
         );
+        assert_eq!(config.console_listen, None, "no console unless asked for");
         assert_eq!(config.token_audience, "cosmosq");
         assert_eq!(config.reconcile_concurrency, 8);
         assert!(config.sidecar_image.starts_with("ghcr.io/cosmosq/sidecar:"));

@@ -19,6 +19,7 @@ pub mod auth;
 pub mod build;
 pub mod certs;
 pub mod config;
+pub mod console;
 pub mod context;
 pub mod cosmos;
 pub mod endpoint;

@@ -60,6 +60,9 @@ pub enum RunError {
     /// The span export settings are unusable.
     #[error(transparent)]
     Telemetry(#[from] cosmosq_program::telemetry::TelemetryError),
+    /// The console cannot listen.
+    #[error(transparent)]
+    Console(#[from] cosmosq_console::ConsoleError),
     /// The ARM client (--identity-management) cannot be set up.
     #[error("--identity-management: {0}")]
     Management(String),
@@ -194,11 +197,37 @@ pub async fn run_with_management(
             shutdown.clone(),
         ));
     }
+    let authorizer = Arc::new(Authorizer::new(client.clone()));
+    if let Some(address) = config.console_listen {
+        if !address.ip().is_loopback() {
+            warn!(%address, "the console listens where other pods may reach it: sign-in tokens cross the pod network in clear text");
+        }
+        let options = cosmosq_console::ConsoleOptions {
+            sample_every: config.console_sample_every,
+            ..Default::default()
+        };
+        let console = crate::console::bind(
+            watch_api(&client, config.watch_namespace.as_deref()),
+            ctx.clone(),
+            authorizer.clone(),
+            options,
+            address,
+        )
+        .await?;
+        info!(address = %console.local_addr(), "serving the console (kubectl port-forward reaches it)");
+        let stop = shutdown.clone();
+        servers.spawn(async move {
+            if let Err(e) = console.run(stop).await {
+                warn!(error = %e, "the console stopped");
+            }
+            Ok(())
+        });
+    }
     match secure {
         Some((listener, tls)) => {
             let router = http::secure_router(
                 shared.clone(),
-                Arc::new(Authorizer::new(client.clone())),
+                authorizer,
                 config.keda_endpoint.then(|| config.token_audience.clone()),
             );
             let reload = tls.clone().run(shutdown.clone());

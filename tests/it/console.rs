@@ -64,11 +64,19 @@ impl App {
 }
 
 async fn start_console(fixture: &Fixture, cancel: &CancellationToken) -> String {
-    let mut options = ConsoleOptions::new("db");
-    options.sample_every = std::time::Duration::from_millis(300);
-    let console = Console::bind(fixture.client.clone(), options, ([127, 0, 0, 1], 0).into())
-        .await
-        .unwrap();
+    let options = ConsoleOptions {
+        sample_every: std::time::Duration::from_millis(300),
+        ..ConsoleOptions::default()
+    };
+    let console = Console::bind(
+        fixture.client.clone(),
+        "db",
+        vec![],
+        options,
+        ([127, 0, 0, 1], 0).into(),
+    )
+    .await
+    .unwrap();
     let url = format!("http://localhost:{}/", console.local_addr().port());
     tokio::spawn(console.run(cancel.clone()));
     url
@@ -374,5 +382,268 @@ async fn the_console_refuses_other_sites_and_actions_without_its_token() {
         "/queues/q/groups/billing/dead-letters?done=purge&n=1&of=1"
     );
     assert_eq!(group.count_dead_letters(10).await.unwrap(), 0);
+    cancel.cancel();
+}
+
+/// A queue of `namespace` on the emulator, as a CosmosQueue in the API server, with one dead
+/// letter (`poison-<namespace>`) in its group `billing`.
+async fn tenant_queue(
+    server: &cosmosq_testkit::fake::FakeApiServer,
+    cosmos: &cosmosq_queue::CosmosClient,
+    namespace: &str,
+    name: &str,
+) -> cosmosq_queue::Group {
+    let cq: cosmosq_crds::CosmosQueue = serde_json::from_value(json!({
+        "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"endpoint": "https://acct.documents.azure.com:443/",
+                 "credentials": {"secretKeyRef": {"name": "cosmos-key"}},
+                 "database": namespace, "container": name}
+    }))
+    .unwrap();
+    kube::Api::<cosmosq_crds::CosmosQueue>::namespaced(server.client(), namespace)
+        .create(&Default::default(), &cq)
+        .await
+        .unwrap();
+    let config = cosmosq_operator::spec::queue(&cq.spec).unwrap();
+    let (queue, _) = cosmosq_queue::cosmos::provision::provision(cosmos, &config)
+        .await
+        .unwrap();
+    cosmosq_queue::lease::LeaseStore::new(queue.clone(), "billing")
+        .reconcile(cosmosq_queue::clock::system_now_ms(), 60_000)
+        .await
+        .unwrap();
+    let id = format!("poison-{namespace}");
+    queue
+        .enqueue(NewMessage::json(json!({"tenant": namespace})).with_id(id.clone()))
+        .await
+        .unwrap();
+    let message = queue
+        .read_message(&id.as_str().into(), &id)
+        .await
+        .unwrap()
+        .unwrap();
+    let group = queue.group(GroupConfig::new("billing")).unwrap();
+    let cosmosq_queue::ClaimOutcome::Claimed(claim) = group.claim(&message, "t").await.unwrap()
+    else {
+        panic!("{id} is free")
+    };
+    group.dead_letter(&claim, "poison", "bad").await.unwrap();
+    group
+}
+
+/// The operator's console in the cluster: each caller, named by its Kubernetes token, sees
+/// the queues of the namespaces where it may get CosmosQueues and acts only where it may also
+/// update QueueConsumerGroups (the in-memory API server answers the reviews from its grants).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_s_console_shows_and_does_only_what_the_caller_s_rbac_allows() {
+    use cosmosq_operator::auth::Authorizer;
+    use cosmosq_operator::cosmos::{Backend, Cosmos};
+    use cosmosq_testkit::fake::FakeApiServer;
+
+    let server = FakeApiServer::new();
+    let emulator = cosmosq_emulator::Emulator::in_process(Default::default()).unwrap();
+    let cosmos = emulator.client().await.unwrap();
+    let shop = tenant_queue(&server, &cosmos, "shop", "orders").await;
+    let bank = tenant_queue(&server, &cosmos, "bank", "payments").await;
+    let (q, crd) = ("cosmosq.io", "cosmosqueues");
+    // Alice runs the shop; Bob audits both and acts on neither; Carol is cluster-wide.
+    server.issue_token("alice-token", "alice");
+    server.grant("alice", "get", q, crd, "shop");
+    server.grant("alice", "update", q, "queueconsumergroups", "shop");
+    server.issue_token("bob-token", "bob");
+    server.grant("bob", "get", q, crd, "shop");
+    server.grant("bob", "get", q, crd, "bank");
+    server.issue_token("carol-token", "carol");
+    server.grant("carol", "get", q, crd, "");
+    server.grant("carol", "update", q, "queueconsumergroups", "");
+
+    let operator = server.client_as("operator");
+    let ctx = cosmosq_operator::context::Context::new(
+        operator.clone(),
+        cosmosq_operator::build::Defaults::new("s:t"),
+        Cosmos::new(Backend::Fixed(cosmos.clone()), operator.clone()),
+        None,
+    );
+    let options = ConsoleOptions {
+        sample_every: std::time::Duration::from_millis(300),
+        ..ConsoleOptions::default()
+    };
+    let console = cosmosq_operator::console::bind(
+        kube::Api::all(operator.clone()),
+        Arc::new(ctx),
+        Arc::new(Authorizer::new(operator)),
+        options,
+        ([127, 0, 0, 1], 0).into(),
+    )
+    .await
+    .unwrap();
+    let base = format!("http://localhost:{}", console.local_addr().port());
+    let cancel = CancellationToken::new();
+    tokio::spawn(console.run(cancel.clone()));
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let get = |path: &str, token: Option<&str>| {
+        let request = http
+            .get(format!("{base}{path}"))
+            .header("accept", "text/html");
+        match token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    };
+    let queues_seen = |token: &'static str| {
+        let request = get("/api/snapshot", Some(token));
+        async move {
+            let text = request.send().await.unwrap().text().await.unwrap();
+            let snapshot: Value = serde_json::from_str(&text).unwrap();
+            snapshot["queues"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|q| q["name"].as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        }
+    };
+    cosmosq_tests::eventually(
+        "the console read both tenants' queues",
+        std::time::Duration::from_secs(20),
+        || async { queues_seen("carol-token").await.len() == 2 },
+    )
+    .await;
+
+    // Nobody signed in: the sign-in page (a browser) or 401; a token the API server does not
+    // know: 401 too.
+    let anonymous = get("/", None).send().await.unwrap();
+    assert_eq!(anonymous.status(), 401);
+    assert!(anonymous.text().await.unwrap().contains("Sign in"));
+    assert_eq!(
+        get("/api/snapshot", Some("forged"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+
+    // Each sees its namespaces only: in the list, the pages, and message lookups.
+    assert_eq!(queues_seen("alice-token").await, ["shop/orders"]);
+    assert_eq!(
+        queues_seen("bob-token").await,
+        ["bank/payments", "shop/orders"]
+    );
+    let bank_list = "/queues/bank%2Fpayments/groups/billing/dead-letters";
+    let shop_list = "/queues/shop%2Forders/groups/billing/dead-letters";
+    let refused = get(bank_list, Some("alice-token")).send().await.unwrap();
+    assert_eq!(refused.status(), 403);
+    assert!(refused.text().await.unwrap().contains("namespace bank"));
+    let lookup = "/queues/bank%2Fpayments/messages?id=poison-bank";
+    assert_eq!(
+        get(lookup, Some("alice-token"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        403
+    );
+    let page = get(lookup, Some("bob-token")).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    let html = page.text().await.unwrap();
+    assert!(
+        html.contains("tenant") && html.contains("(poison)"),
+        "{html}"
+    );
+
+    // Acting needs `update` on the namespace's groups: Bob reads the bank's dead letters and
+    // may not purge them; Alice purges the shop's.
+    let purge = |path: &str, token: &str, form_token: &str| {
+        http.post(format!("{base}{path}"))
+            .bearer_auth(token)
+            .header("origin", &base)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!(
+                "token={form_token}&action=purge&scope=matching&confirmed=1"
+            ))
+    };
+    let form_token = |html: String| {
+        html.split(r#"name="token" value=""#)
+            .nth(1)
+            .and_then(|s| s.split('"').next())
+            .expect("the page's forms carry the token")
+            .to_owned()
+    };
+    let listed = get(bank_list, Some("bob-token")).send().await.unwrap();
+    assert_eq!(listed.status(), 200);
+    let html = listed.text().await.unwrap();
+    assert!(html.contains("poison-bank"), "{html}");
+    let bob_form = form_token(html);
+    let refused = purge(bank_list, "bob-token", &bob_form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    assert_eq!(
+        bank.count_dead_letters(10).await.unwrap(),
+        1,
+        "nothing purged"
+    );
+    let alice_form = form_token(
+        get(shop_list, Some("alice-token"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap(),
+    );
+    let done = purge(shop_list, "alice-token", &alice_form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(done.status(), 303);
+    assert_eq!(shop.count_dead_letters(10).await.unwrap(), 0);
+
+    // A browser signs in once: the token is kept in the console's cookie.
+    let signed_in = http
+        .post(format!("{base}/login"))
+        .header("origin", &base)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("token=alice-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(signed_in.status(), 303);
+    let cookie = signed_in.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
+        "{cookie}"
+    );
+    let overview = http
+        .get(format!("{base}/"))
+        .header("cookie", cookie.split(';').next().unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(overview.status(), 200);
+    let html = overview.text().await.unwrap();
+    assert!(
+        html.contains("shop/orders") && !html.contains("bank/payments"),
+        "{html}"
+    );
+    let wrong = http
+        .post(format!("{base}/login"))
+        .header("origin", &base)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("token=forged")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    assert!(wrong.headers().get("set-cookie").is_none());
     cancel.cancel();
 }

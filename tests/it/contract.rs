@@ -349,3 +349,25 @@ fn the_operator_reads_the_identity_settings_the_chart_renders() {
         "{args:?}"
     );
 }
+
+#[test]
+fn the_operator_reads_the_console_settings_the_chart_renders() {
+    use cosmosq_operator::config::Config;
+    let parse = |args: Vec<String>| {
+        <Config as clap::Parser>::try_parse_from(
+            std::iter::once("cosmosq-operator".to_owned()).chain(args),
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let config = parse(rendered_operator_args(&[
+        "console.enabled=true",
+        "console.sampleEvery=30s",
+    ]));
+    // On the pod's loopback: kubectl port-forward reaches it, other pods do not.
+    assert_eq!(config.console_listen, Some(([127, 0, 0, 1], 8090).into()));
+    assert_eq!(
+        config.console_sample_every,
+        std::time::Duration::from_secs(30)
+    );
+    assert_eq!(parse(rendered_operator_args(&[])).console_listen, None);
+}

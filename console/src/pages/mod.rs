@@ -98,6 +98,24 @@ pub(crate) fn layout(title: &str, crumbs: &[(&str, String)], content: Markup) ->
     }
 }
 
+/// A gated console's sign-in: a token pasted once, kept in the console's cookie.
+pub(crate) fn sign_in(hint: &str, problem: Option<&str>) -> Markup {
+    layout(
+        "Sign in",
+        &[],
+        html! {
+            h1 { "Sign in" }
+            @if let Some(problem) = problem { p.error #problem { (problem) } }
+            p { "This console shows the queues of the namespaces your Kubernetes account may read, and acts where it may update. Paste a token of that account:" }
+            pre { code { (hint) } }
+            form.sign-in method="post" action="/login" {
+                label { "Token " textarea name="token" rows="4" required autofocus spellcheck="false" autocomplete="off" {} }
+                button type="submit" { "Sign in" }
+            }
+        },
+    )
+}
+
 pub(crate) fn error(status: StatusCode, message: &str) -> Markup {
     layout(
         status.canonical_reason().unwrap_or("error"),

@@ -76,7 +76,8 @@ fn sparkline(group: &GroupView, history: &History, now_ms: i64) -> Markup {
     svg::sparkline(&points, from, now_ms)
 }
 
-/// The cell's id in the page: `<queue>/<group>/<cell>` (names cannot hold `/`).
+/// The cell's id in the page: `<queue>/<group>/<cell>` (group names cannot hold `/`; a
+/// queue's may, as `<namespace>/<name>`, so the last two parts are the group's and the cell's).
 fn cell_id(group: &GroupView, cell: &str) -> String {
     format!("{}/{}/{cell}", group.queue, group.name)
 }
@@ -88,7 +89,7 @@ pub(crate) fn overview(snapshot: &Snapshot, history: &History, now_ms: i64) -> M
         @if snapshot.at_ms == 0 {
             p.muted #waiting { "Reading the queues for the first time…" }
         } @else if snapshot.queues.is_empty() && snapshot.error.is_none() {
-            p.muted { "No queues in this database yet: a queue is a container with its " code { "-leases" } " container beside it." }
+            p.muted { "No queues to show yet: a queue is a container with its " code { "-leases" } " container beside it (in the operator's console, a CosmosQueue of a namespace you may read)." }
         }
         @for queue in &snapshot.queues {
             section.queue data-queue=(queue.name) {
@@ -216,11 +217,13 @@ mod tests {
             queues: vec![
                 QueueView {
                     name: "orders".into(),
+                    namespace: None,
                     groups: vec![group],
                     error: None,
                 },
                 QueueView {
                     name: "empty".into(),
+                    namespace: None,
                     groups: vec![],
                     error: None,
                 },
