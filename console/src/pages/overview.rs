@@ -3,10 +3,11 @@
 use maud::{html, Markup};
 use serde_json::{json, Value};
 
-use super::{encode, group_url, layout, relative, when};
+use super::{encode, group_url, layout, relative};
 use crate::history::History;
 use crate::svg;
 use crate::watch::{GroupView, Snapshot, DEAD_LETTER_COUNT_LIMIT};
+use cosmosq_queue::clock::format_ms;
 
 /// A group's cells, by name: what the page shows and what a round's event updates.
 fn cells(group: &GroupView, history: &History, now_ms: i64) -> Vec<(&'static str, String)> {
@@ -140,8 +141,9 @@ pub(crate) fn overview(snapshot: &Snapshot, history: &History, now_ms: i64) -> M
 fn footer(snapshot: &Snapshot, now_ms: i64) -> Markup {
     html! {
         footer.muted {
-            "Read " span #round { (if snapshot.at_ms == 0 { "–".to_owned() } else { relative(now_ms, snapshot.at_ms) }) }
-            " · " (when(now_ms, (snapshot.at_ms > 0).then_some(snapshot.at_ms)))
+            "Read " span #round title=(if snapshot.at_ms == 0 { String::new() } else { format_ms(snapshot.at_ms) }) {
+                (if snapshot.at_ms == 0 { "–".to_owned() } else { relative(now_ms, snapshot.at_ms) })
+            }
         }
     }
 }
