@@ -203,11 +203,7 @@ fn accepts_html(headers: &HeaderMap) -> bool {
 /// A gate's refusal: the sign-in page for a browser that is not signed in, text otherwise.
 fn gate_refusal(gate: &dyn Gate, refusal: Refusal, wants_page: bool) -> Response {
     let mut response = if refusal.status == StatusCode::UNAUTHORIZED && wants_page {
-        (
-            refusal.status,
-            Html(pages::sign_in(&gate.sign_in_hint(), Some(&refusal.message)).into_string()),
-        )
-            .into_response()
+        sign_in_answer(gate, refusal.status, Some(&refusal.message))
     } else {
         refused(refusal.status, &refusal.message)
     };
@@ -244,11 +240,15 @@ fn secured(mut response: Response) -> Response {
     response
 }
 
+/// The sign-in page, with what went wrong if anything did.
+fn sign_in_answer(gate: &dyn Gate, status: StatusCode, problem: Option<&str>) -> Response {
+    let page = pages::sign_in(&gate.sign_in_hint(), problem).into_string();
+    (status, Html(page)).into_response()
+}
+
 async fn sign_in_page(State(app): State<App>) -> Response {
     match &app.gate {
-        Some(gate) => {
-            Html(pages::sign_in(&gate.sign_in_hint(), None).into_string()).into_response()
-        }
+        Some(gate) => sign_in_answer(gate.as_ref(), StatusCode::OK, None),
         None => Redirect::to("/").into_response(),
     }
 }
@@ -262,17 +262,11 @@ async fn sign_in(State(app): State<App>, body: Bytes) -> Response {
         .find(|(k, _)| k == "token")
         .map(|(_, v)| v.trim().to_owned())
         .unwrap_or_default();
-    let page = |status: StatusCode, why: &str| {
-        (
-            status,
-            Html(pages::sign_in(&gate.sign_in_hint(), Some(why)).into_string()),
-        )
-            .into_response()
-    };
     if !access::cookie_safe(&token) {
-        return page(
+        return sign_in_answer(
+            gate.as_ref(),
             StatusCode::BAD_REQUEST,
-            "that is not a token: paste the output of the command below",
+            Some("that is not a token: paste the output of the command below"),
         );
     }
     match gate.admit(&token, &Default::default()).await {
@@ -283,7 +277,7 @@ async fn sign_in(State(app): State<App>, body: Bytes) -> Response {
             }
             response
         }
-        Err(refusal) => page(refusal.status, &refusal.message),
+        Err(refusal) => sign_in_answer(gate.as_ref(), refusal.status, Some(&refusal.message)),
     }
 }
 

@@ -606,14 +606,14 @@ async fn the_operator_s_console_shows_and_does_only_what_the_caller_s_rbac_allow
     assert_eq!(shop.count_dead_letters(10).await.unwrap(), 0);
 
     // A browser signs in once: the token is kept in the console's cookie.
-    let signed_in = http
-        .post(format!("{base}/login"))
-        .header("origin", &base)
-        .header("content-type", "application/x-www-form-urlencoded")
-        .body("token=alice-token")
-        .send()
-        .await
-        .unwrap();
+    let sign_in = |token: &str| {
+        http.post(format!("{base}/login"))
+            .header("origin", &base)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!("token={token}"))
+            .send()
+    };
+    let signed_in = sign_in("alice-token").await.unwrap();
     assert_eq!(signed_in.status(), 303);
     let cookie = signed_in.headers()["set-cookie"]
         .to_str()
@@ -635,14 +635,7 @@ async fn the_operator_s_console_shows_and_does_only_what_the_caller_s_rbac_allow
         html.contains("shop/orders") && !html.contains("bank/payments"),
         "{html}"
     );
-    let wrong = http
-        .post(format!("{base}/login"))
-        .header("origin", &base)
-        .header("content-type", "application/x-www-form-urlencoded")
-        .body("token=forged")
-        .send()
-        .await
-        .unwrap();
+    let wrong = sign_in("forged").await.unwrap();
     assert_eq!(wrong.status(), 401);
     assert!(wrong.headers().get("set-cookie").is_none());
     cancel.cancel();
