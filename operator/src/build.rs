@@ -858,7 +858,7 @@ mod tests {
     }
 
     fn defaults() -> Defaults {
-        Defaults::new("ghcr.io/cosmosq/sidecar:0.1.0")
+        Defaults::new("ghcr.io/cosmosq/cosmosq-sidecar:0.1.0")
     }
 
     fn key_queue() -> CosmosQueue {
@@ -948,7 +948,7 @@ mod tests {
         let sidecar = &pod.containers[1];
         assert_eq!(
             sidecar.image.as_deref(),
-            Some("ghcr.io/cosmosq/sidecar:0.1.0")
+            Some("ghcr.io/cosmosq/cosmosq-sidecar:0.1.0")
         );
         let sc = sidecar.security_context.as_ref().unwrap();
         assert_eq!(sc.run_as_non_root, Some(true));

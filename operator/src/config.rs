@@ -25,7 +25,7 @@ pub struct Config {
     #[arg(
         long,
         env = "COSMOSQ_SIDECAR_IMAGE",
-        default_value = concat!("ghcr.io/cosmosq/sidecar:", env!("CARGO_PKG_VERSION"))
+        default_value = concat!("ghcr.io/cosmosq/cosmosq-sidecar:", env!("CARGO_PKG_VERSION"))
     )]
     pub sidecar_image: String,
     /// Whether an upgrade of the operator (a new sidecar image or pod template) rolls the
@@ -186,6 +186,17 @@ pub struct Config {
     /// endpoint).
     #[command(flatten)]
     pub otlp: cosmosq_program::telemetry::OtlpArgs,
+    /// Without a command the operator runs.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// What else the operator's binary does.
+#[derive(clap::Subcommand, Clone, Debug)]
+pub enum Command {
+    /// Checks an installed operator and exits: its CRDs established, a ready replica, a leader
+    /// renewing its Lease (the chart's `helm test`).
+    Check(crate::check::CheckArgs),
 }
 
 impl Config {
@@ -214,7 +225,9 @@ mod tests {
         assert_eq!(config.console_listen, None, "no console unless asked for");
         assert_eq!(config.token_audience, "cosmosq");
         assert_eq!(config.reconcile_concurrency, 8);
-        assert!(config.sidecar_image.starts_with("ghcr.io/cosmosq/sidecar:"));
+        assert!(config
+            .sidecar_image
+            .starts_with("ghcr.io/cosmosq/cosmosq-sidecar:"));
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod arm;
 pub mod auth;
 pub mod build;
 pub mod certs;
+pub mod check;
 pub mod config;
 pub mod console;
 pub mod context;

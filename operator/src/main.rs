@@ -5,7 +5,8 @@
 #![recursion_limit = "256"]
 
 use clap::Parser;
-use cosmosq_operator::{config::Config, run};
+use cosmosq_operator::config::{Command, Config};
+use cosmosq_operator::{check::CheckArgs, run};
 use cosmosq_program::process::{self, Stopping};
 use tokio_util::sync::CancellationToken;
 
@@ -13,6 +14,9 @@ use tokio_util::sync::CancellationToken;
 async fn main() -> std::process::ExitCode {
     let config = Config::parse();
     process::init_tracing();
+    if let Some(Command::Check(args)) = &config.command {
+        return check(args).await;
+    }
     let grace = config.grace_period;
     let shutdown = CancellationToken::new();
     let stopping = Stopping {
@@ -27,4 +31,27 @@ async fn main() -> std::process::ExitCode {
         stopping,
     )
     .await
+}
+
+/// `cosmosq-operator check`: one line per condition that held, or the one that did not.
+async fn check(args: &CheckArgs) -> std::process::ExitCode {
+    let client = match kube::Client::try_default().await {
+        Ok(client) => client,
+        Err(e) => {
+            eprintln!("check failed: no Kubernetes client: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match cosmosq_operator::check::run(client, args).await {
+        Ok(passed) => {
+            for line in passed {
+                println!("ok: {line}");
+            }
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("check failed: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }

@@ -371,3 +371,305 @@ fn the_operator_reads_the_console_settings_the_chart_renders() {
     );
     assert_eq!(parse(rendered_operator_args(&[])).console_listen, None);
 }
+
+/// One of the chart's rendered objects, by kind and name.
+fn rendered<'a>(objects: &'a [serde_json::Value], kind: &str, name: &str) -> &'a serde_json::Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("the chart renders no {kind} {name}"))
+}
+
+/// The release workflow publishes each image under the name the chart installs and the
+/// operator injects, built from the Dockerfile of the binary it names; the workspace, the chart
+/// and the operator's default agree on the version. A renamed image or a moved Dockerfile fails
+/// here, not at a user's `helm install`.
+#[test]
+fn the_release_publishes_the_images_the_chart_installs() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let read = |path: &str| {
+        std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    let workflow: serde_json::Value =
+        serde_yaml::from_str(&read(".github/workflows/release.yml")).unwrap();
+    let values: serde_json::Value =
+        serde_yaml::from_str(&read("charts/cosmosq/values.yaml")).unwrap();
+    let chart: serde_json::Value =
+        serde_yaml::from_str(&read("charts/cosmosq/Chart.yaml")).unwrap();
+    // The chart's defaults are the project's own organisation's images.
+    let owner = "cosmosq";
+    let registry = workflow["env"]["REGISTRY"].as_str().expect("env.REGISTRY");
+
+    let build = &workflow["jobs"]["image"];
+    let components: Vec<&str> = build["strategy"]["matrix"]["component"]
+        .as_array()
+        .expect("a component matrix")
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert_eq!(components, ["operator", "sidecar"]);
+    let platforms = &build["strategy"]["matrix"]["platform"];
+    assert_eq!(platforms, &json!(["linux/amd64", "linux/arm64"]));
+    let step = build["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == "build")
+        .expect("the build step");
+    let publish = workflow["jobs"]["publish"]["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == "tags")
+        .expect("the tagging step");
+
+    for (component, chart_value) in [("operator", "image"), ("sidecar", "sidecarImage")] {
+        let expand = |text: &str| {
+            text.replace("${{ env.REGISTRY }}", registry)
+                .replace("${{ github.repository_owner }}", owner)
+                .replace("${{ matrix.component }}", component)
+        };
+        let dockerfile = expand(step["with"]["file"].as_str().unwrap());
+        let binary = format!("/cosmosq-{component}");
+        assert!(
+            read(&dockerfile).contains(&format!("ENTRYPOINT [\"{binary}\"]")),
+            "{dockerfile} builds {binary}"
+        );
+        let outputs = expand(step["with"]["outputs"].as_str().unwrap());
+        let pushed = outputs
+            .split(',')
+            .find_map(|o| o.strip_prefix("name="))
+            .expect("an image name");
+        let installed = values[chart_value]["repository"].as_str().unwrap();
+        assert_eq!(pushed, installed, "{component}: pushed ≠ installed");
+        let tagged = format!(
+            "{}-{component}",
+            expand(publish["env"]["PREFIX"].as_str().unwrap())
+        );
+        assert_eq!(tagged, installed, "{component}: tagged ≠ installed");
+    }
+
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(chart["appVersion"], version, "Chart.yaml appVersion");
+    assert_eq!(chart["version"], version, "Chart.yaml version");
+    let config =
+        <cosmosq_operator::config::Config as clap::Parser>::try_parse_from(["cosmosq-operator"])
+            .unwrap();
+    assert_eq!(
+        config.sidecar_image,
+        format!(
+            "{}:{version}",
+            values["sidecarImage"]["repository"].as_str().unwrap()
+        ),
+        "the operator's default sidecar is the chart's"
+    );
+}
+
+#[test]
+fn the_chart_pins_images_by_digest() {
+    let operator = format!("sha256:{}", "a".repeat(64));
+    let sidecar = format!("sha256:{}", "b".repeat(64));
+    let (image, sidecar_image) = (
+        format!("image.digest={operator}"),
+        format!("sidecarImage.digest={sidecar}"),
+    );
+    let objects = cosmosq_tests::helm_template(
+        "cosmosq",
+        "cosmosq",
+        &[
+            "--set",
+            &image,
+            "--set",
+            &sidecar_image,
+            "--set",
+            "image.tag=1.2.3",
+        ],
+    );
+    let deployment = rendered(&objects, "Deployment", "cosmosq");
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    // The digest pins the bytes; a tag beside it would only be a label.
+    assert_eq!(
+        container["image"],
+        format!("ghcr.io/cosmosq/cosmosq-operator@{operator}")
+    );
+    assert!(
+        container["args"]
+            .as_array()
+            .unwrap()
+            .contains(&json!(format!(
+                "--sidecar-image=ghcr.io/cosmosq/cosmosq-sidecar@{sidecar}"
+            ))),
+        "{}",
+        container["args"]
+    );
+    // A digest that is not one is refused before anything is installed.
+    let refused = std::process::Command::new(cosmosq_tests::helm())
+        .args(["template", "cosmosq"])
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/cosmosq"))
+        .args(["--set", "image.digest=latest"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("digest"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}
+
+/// `helm test`: the chart's hook runs `cosmosq-operator check` with the names the chart gave
+/// the operator's Deployment and Lease, may only read those objects and the two CRDs, and is
+/// never adopted by the operator's ReplicaSet. The check itself, run with the rendered
+/// arguments against an API server: it passes while a leader renews the Lease, and fails,
+/// naming the condition, when the operator's pods are not ready (Pending, as on a cluster
+/// without nodes).
+#[tokio::test(start_paused = true)]
+async fn helm_test_checks_the_operator_with_only_the_rights_it_needs() {
+    use cosmosq_operator::config::{Command, Config};
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::coordination::v1::Lease;
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Patch, PatchParams, PostParams};
+    use kube::Api;
+
+    let objects = cosmosq_tests::helm_template("platform", "ops", &[]);
+    let pod = rendered(&objects, "Pod", "platform-cosmosq-test");
+    assert_eq!(pod["metadata"]["annotations"]["helm.sh/hook"], "test");
+    let operator = rendered(&objects, "Deployment", "platform-cosmosq");
+    let selector = operator["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .unwrap();
+    assert!(
+        selector
+            .iter()
+            .any(|(k, v)| pod["metadata"]["labels"][k] != *v),
+        "the operator's ReplicaSet would adopt the test pod"
+    );
+    let container = &pod["spec"]["containers"][0];
+    assert_eq!(
+        container["image"],
+        operator["spec"]["template"]["spec"]["containers"][0]["image"]
+    );
+    let args = container["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap());
+    let config =
+        <Config as clap::Parser>::try_parse_from(std::iter::once("cosmosq-operator").chain(args))
+            .unwrap_or_else(|e| panic!("{e}"));
+    let Some(Command::Check(check)) = config.command else {
+        panic!("the hook runs something else: {container}")
+    };
+    let operator_args = operator["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
+    assert_eq!(check.namespace, "ops");
+    assert_eq!(check.deployment, "platform-cosmosq");
+    assert!(operator_args.contains(&format!("--lease-name={}", check.lease_name)));
+    // Least privilege: get, of exactly the objects the check reads.
+    let role = rendered(&objects, "Role", "platform-cosmosq-test");
+    let cluster_role = rendered(&objects, "ClusterRole", "platform-cosmosq-test");
+    assert_eq!(
+        role["rules"],
+        json!([
+            {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": ["platform-cosmosq"], "verbs": ["get"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["platform-cosmosq"], "verbs": ["get"]}
+        ])
+    );
+    assert_eq!(
+        cluster_role["rules"],
+        json!([{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+                "resourceNames": cosmosq_operator::check::CRDS, "verbs": ["get"]}])
+    );
+
+    // The cluster the check reads.
+    let server = cosmosq_testkit::fake::FakeApiServer::new();
+    let client = server.client();
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for name in cosmosq_operator::check::CRDS {
+        let (plural, group) = name.split_once('.').unwrap();
+        let crd = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"group": group, "scope": "Namespaced", "versions": [],
+                     "names": {"plural": plural, "kind": plural}}
+        }))
+        .unwrap();
+        crds.create(&PostParams::default(), &crd).await.unwrap();
+        let established =
+            json!({"status": {"conditions": [{"type": "Established", "status": "True"}]}});
+        crds.patch_status(name, &PatchParams::default(), &Patch::Merge(established))
+            .await
+            .unwrap();
+    }
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), "ops");
+    let d = serde_json::from_value(json!({"metadata": {"name": "platform-cosmosq"}})).unwrap();
+    deployments
+        .create(&PostParams::default(), &d)
+        .await
+        .unwrap();
+    let set_ready = |ready: i32| {
+        let deployments = deployments.clone();
+        async move {
+            let status = json!({"status": {"observedGeneration": 1, "replicas": 1,
+                                           "updatedReplicas": 1, "readyReplicas": ready}});
+            deployments
+                .patch_status(
+                    "platform-cosmosq",
+                    &PatchParams::default(),
+                    &Patch::Merge(status),
+                )
+                .await
+                .unwrap();
+        }
+    };
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "ops");
+    let lease = serde_json::from_value(json!({"metadata": {"name": "platform-cosmosq"},
+        "spec": {"holderIdentity": "platform-cosmosq-7d9-x2", "renewTime": "2026-12-05T10:00:00.000000Z"}}))
+    .unwrap();
+    leases.create(&PostParams::default(), &lease).await.unwrap();
+    // The leader renews every 2 s.
+    let renewing = tokio::spawn({
+        let leases = leases.clone();
+        async move {
+            for second in (2..).step_by(2) {
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                let renewed = json!({"spec": {"renewTime": format!("2026-12-05T10:00:{:02}.000000Z", second % 60)}});
+                leases
+                    .patch(
+                        "platform-cosmosq",
+                        &PatchParams::default(),
+                        &Patch::Merge(renewed),
+                    )
+                    .await
+                    .unwrap();
+            }
+        }
+    });
+
+    // Pods Pending: no ready replica, and the check says so.
+    set_ready(0).await;
+    let error = cosmosq_operator::check::run(client.clone(), &check)
+        .await
+        .expect_err("no ready replica");
+    let message = error.to_string();
+    assert!(
+        message.contains("Deployment ops/platform-cosmosq ready") && message.contains("0 ready"),
+        "{message}"
+    );
+
+    set_ready(1).await;
+    let passed = cosmosq_operator::check::run(client.clone(), &check)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(passed.len(), 4, "{passed:?}");
+    assert!(
+        passed[3].contains("renewed by platform-cosmosq-7d9-x2"),
+        "{passed:?}"
+    );
+
+    // A leader that stopped renewing is not an operator that acts.
+    renewing.abort();
+    let error = cosmosq_operator::check::run(client, &check)
+        .await
+        .expect_err("a stale lease");
+    assert!(error.to_string().contains("has not renewed it"), "{error}");
+}

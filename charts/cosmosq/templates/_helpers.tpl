@@ -19,12 +19,24 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{/*
+An image reference: repository@digest when a digest is given (it pins the bytes; the tag is
+then only a label and is left out), repository:tag otherwise (the tag defaults to appVersion).
+*/}}
+{{- define "cosmosq.imageRef" -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .image.repository (default .appVersion .image.tag) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "cosmosq.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- include "cosmosq.imageRef" (dict "image" .Values.image "appVersion" .Chart.AppVersion) -}}
 {{- end -}}
 
 {{- define "cosmosq.sidecarImage" -}}
-{{- printf "%s:%s" .Values.sidecarImage.repository (default .Chart.AppVersion .Values.sidecarImage.tag) -}}
+{{- include "cosmosq.imageRef" (dict "image" .Values.sidecarImage "appVersion" .Chart.AppVersion) -}}
 {{- end -}}
 
 {{- define "cosmosq.externalMetricsSecret" -}}
