@@ -101,6 +101,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
                 axum::extract::DefaultBodyLimit::max(crate::dapr::metadata::MAX_ATTRIBUTE_BYTES),
             ),
         )
+        .route("/v1.0/shutdown", post(crate::dapr::shutdown))
         .route("/v1/receive", post(crate::pull::receive))
         .route(
             "/v1/messages/{lock_token}/{action}",

@@ -560,6 +560,66 @@ async fn sigterm_with_fifty_in_flight_loses_nothing_and_releases_leases() {
     );
 }
 
+/// Dapr's shutdown API (a Job's app calls it when done): behind the API token; the sidecar
+/// drains as on SIGTERM — what is in flight is settled once, leases are released — and ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shutdown_api_drains_like_sigterm() {
+    let fixture = Fixture::new(1).await;
+    let app = TestApp::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app_port = listener.local_addr().unwrap().port();
+    app.serve(listener, Arc::new(|_: &str, _: u32| Act::Wait))
+        .await;
+    let batch = (0..5)
+        .map(|i| NewMessage::json(json!(i)).with_id(format!("m{i}")))
+        .collect();
+    fixture.enqueue_all(batch).await;
+    let settings = SidecarSettings {
+        lock_duration: Duration::from_secs(10),
+        app_timeout: Duration::from_secs(30),
+        api_token: Some("api-s3cret".parse().unwrap()),
+        ..settings("g", app_port, free_port())
+    };
+    let sidecar = start_sidecar(&fixture, settings);
+    app.wait_for("5 in flight", |a| *a.waiting.lock().unwrap() == 5)
+        .await;
+
+    let url = format!("{}/v1.0/shutdown", sidecar.api);
+    let client = reqwest::Client::new();
+    let refused = client.post(&url).send().await.unwrap();
+    assert_eq!(refused.status(), 401, "without the API token");
+    assert!(!sidecar.stop.is_cancelled());
+    let answer = client
+        .post(&url)
+        .header("dapr-api-token", "api-s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 204);
+    assert!(sidecar.stop.is_cancelled(), "the drain has begun");
+    assert!(!sidecar.task.is_finished(), "and waits for the app");
+    app.release.notify_waiters();
+    sidecar.task.await.unwrap().unwrap();
+
+    for i in 0..5 {
+        let id = format!("m{i}");
+        assert_eq!(
+            state(&fixture, "g", &id).await,
+            Some(MessageState::Completed),
+            "{id}"
+        );
+        assert_eq!(app.deliveries(&id), vec![1]);
+    }
+    let leases = LeaseStore::new(fixture.queue.clone(), "g")
+        .list()
+        .await
+        .unwrap();
+    assert!(
+        leases.iter().all(|l| l.owner.is_none()),
+        "released: {leases:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_through_one_sidecar_consume_through_another() {
     let fixture = Fixture::new(2).await;

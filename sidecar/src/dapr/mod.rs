@@ -24,6 +24,15 @@ use crate::spans::Publish;
 pub mod go_json;
 pub mod metadata;
 
+/// `POST /v1.0/shutdown`, Dapr's shutdown API (Jobs call it when their work is done): the
+/// sidecar stops as on SIGTERM — no new deliveries, those in flight settled, leases released —
+/// then exits, within its grace period. `204` at once, as daprd answers. Behind the API token.
+pub async fn shutdown(State(state): State<Arc<ApiState>>) -> StatusCode {
+    tracing::info!("shutdown requested through the API: draining, then exiting");
+    state.stopping.cancel();
+    StatusCode::NO_CONTENT
+}
+
 /// Why a publish was refused, each with Dapr's error code.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
