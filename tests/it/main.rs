@@ -15,3 +15,8 @@ mod operator;
 mod sidecar;
 mod sim;
 mod state_machine;
+
+/// The emulator allocates on every request; mimalloc runs the suite ~10 % faster than glibc's
+/// allocator (see the workspace's Cargo.toml). Production binaries keep the system allocator.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
