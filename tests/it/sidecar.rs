@@ -495,6 +495,28 @@ async fn the_sidecar_waits_for_an_app_that_starts_late() {
     sidecar.task.await.unwrap().unwrap();
 }
 
+/// After a drain: messages `m0..m{count}` of `group` completed, each delivered once, and every
+/// lease of the group released.
+async fn drained_once_and_released(fixture: &Fixture, app: &TestApp, group: &str, count: usize) {
+    for i in 0..count {
+        let id = format!("m{i}");
+        assert_eq!(
+            state(fixture, group, &id).await,
+            Some(MessageState::Completed),
+            "{id}"
+        );
+        assert_eq!(app.deliveries(&id), vec![1]);
+    }
+    let leases = LeaseStore::new(fixture.queue.clone(), group)
+        .list()
+        .await
+        .unwrap();
+    assert!(
+        leases.iter().all(|l| l.owner.is_none()),
+        "released: {leases:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_fifty_in_flight_loses_nothing_and_releases_leases() {
     let fixture = Fixture::new(2).await;
@@ -541,23 +563,7 @@ async fn sigterm_with_fifty_in_flight_loses_nothing_and_releases_leases() {
     assert_eq!(text, "drained");
     assert!(answered >= released);
 
-    for i in 0..50 {
-        let id = format!("m{i}");
-        assert_eq!(
-            state(&fixture, "g", &id).await,
-            Some(MessageState::Completed),
-            "{id}"
-        );
-        assert_eq!(app.deliveries(&id), vec![1]);
-    }
-    let leases = LeaseStore::new(fixture.queue.clone(), "g")
-        .list()
-        .await
-        .unwrap();
-    assert!(
-        leases.iter().all(|l| l.owner.is_none()),
-        "released: {leases:?}"
-    );
+    drained_once_and_released(&fixture, &app, "g", 50).await;
 }
 
 /// Dapr's shutdown API (a Job's app calls it when done): behind the API token; the sidecar
@@ -601,23 +607,7 @@ async fn the_shutdown_api_drains_like_sigterm() {
     app.release.notify_waiters();
     sidecar.task.await.unwrap().unwrap();
 
-    for i in 0..5 {
-        let id = format!("m{i}");
-        assert_eq!(
-            state(&fixture, "g", &id).await,
-            Some(MessageState::Completed),
-            "{id}"
-        );
-        assert_eq!(app.deliveries(&id), vec![1]);
-    }
-    let leases = LeaseStore::new(fixture.queue.clone(), "g")
-        .list()
-        .await
-        .unwrap();
-    assert!(
-        leases.iter().all(|l| l.owner.is_none()),
-        "released: {leases:?}"
-    );
+    drained_once_and_released(&fixture, &app, "g", 5).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1533,6 +1523,135 @@ async fn an_app_on_the_official_dapr_javascript_sdk_starts_subscribes_and_publis
             r#"{"from":"rust"}"#
         ],
         "each message once, its data as published"
+    );
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+}
+
+/// An app on Dapr's Python SDK (`dapr-ext-fastapi` from PyPI, unchanged, in
+/// `tests/python/dapr_fastapi_app.py`): `DaprApp.subscribe` is discovered, every message reaches
+/// its handler as a CloudEvent with the pub/sub and topic it subscribed to (an id repeated
+/// under a number key included), and the handler's exception (FastAPI's 500) is retried as
+/// Dapr retries it, until it succeeds, each message settled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_on_dapr_s_python_fastapi_extension_subscribes_and_is_retried() {
+    let fixture = Fixture::new(2).await;
+    let (app_port, api_port) = (free_port(), free_port());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/dapr_fastapi_app.py");
+    let python = cosmosq_tests::python_with("dapr.ext.fastapi");
+    let (_app, mut events) = spawn_app(
+        std::process::Command::new(python)
+            .args([script, &app_port.to_string(), "q"])
+            .env("DAPR_HTTP_PORT", api_port.to_string()),
+    );
+    let messages = [
+        NewMessage::json(json!({"n": 1})).with_id("one"),
+        NewMessage::json(json!({"n": 2}))
+            .with_id("one")
+            .with_partition_key(7_i64),
+        NewMessage::json(json!({"flaky": true})).with_id("flaky"),
+        NewMessage::json(json!("text")).with_id("three"),
+    ];
+    fixture.enqueue_all(messages.into()).await;
+    let sidecar = start_sidecar(&fixture, settings("fastapi-app", app_port, api_port));
+
+    let mut handled: Vec<serde_json::Value> = Vec::new();
+    let mut failed_once = 0;
+    while handled.len() < 4 {
+        let line = tokio::time::timeout(Duration::from_secs(60), events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("the app printed only {handled:#?}"))
+            .unwrap_or_else(|| panic!("the app exited: {handled:#?}"));
+        let event: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+        if event["step"] == "failed once" {
+            failed_once += 1;
+            continue;
+        }
+        assert_eq!(
+            (&event["pubsubname"], &event["topic"]),
+            (&json!("pubsub"), &json!("q")),
+            "{event}"
+        );
+        handled.push(event);
+    }
+    assert_eq!(failed_once, 1, "the flaky message failed once");
+    let mut data: Vec<String> = handled.iter().map(|e| e["data"].to_string()).collect();
+    data.sort();
+    assert_eq!(
+        data,
+        [r#""text""#, r#"{"flaky":true}"#, r#"{"n":1}"#, r#"{"n":2}"#],
+        "each message once (the same id under two keys is two messages)"
+    );
+    let group = fixture.group(GroupConfig::new("fastapi-app"));
+    eventually("every message settled", Duration::from_secs(30), || async {
+        group.estimate().await.unwrap().backlog() == 0
+            && state(&fixture, "fastapi-app", "flaky").await == Some(MessageState::Completed)
+            && state(&fixture, "fastapi-app", "three").await == Some(MessageState::Completed)
+    })
+    .await;
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+}
+
+/// The JavaScript SDK's `subscribeWithOptions` with a routing rule (CEL over the CloudEvent)
+/// and a default, each route with its own `subscribeToRoute` handler: a widget the SDK's
+/// client publishes reaches the widgets handler, a gadget and a message another producer
+/// enqueued the default's, each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_javascript_sdk_s_routing_rules_route_what_it_publishes() {
+    let fixture = Fixture::new(1).await;
+    let (app_port, api_port) = (free_port(), free_port());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_sdk_app.cjs");
+    let (_app, mut events) = spawn_app(
+        std::process::Command::new("node")
+            .args([script, &app_port.to_string(), "q", "rules"])
+            .env("NODE_PATH", cosmosq_tests::dapr_js())
+            .env("DAPR_HTTP_PORT", api_port.to_string()),
+    );
+    fixture
+        .queue
+        .enqueue(NewMessage::json(json!({"kind": "rust"})).with_id("from-rust"))
+        .await
+        .unwrap();
+    let sidecar = start_sidecar(&fixture, settings("routed-app", app_port, api_port));
+
+    let mut received: Vec<(String, String)> = Vec::new();
+    let mut published = false;
+    while received.len() < 3 || !published {
+        let line = tokio::time::timeout(Duration::from_secs(60), events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("the app printed only {received:?}"))
+            .unwrap_or_else(|| panic!("the app exited: {received:?}"));
+        let step: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+        assert_ne!(step["step"], "failed", "{step}");
+        published |= step["step"] == "published";
+        if step["step"] == "received" {
+            let route = step["route"].as_str().unwrap().to_owned();
+            received.push((route, step["data"]["kind"].as_str().unwrap().to_owned()));
+        }
+    }
+    let group = fixture.group(GroupConfig::new("routed-app"));
+    eventually("every message settled", Duration::from_secs(30), || async {
+        group.estimate().await.unwrap().backlog() == 0
+            && state(&fixture, "routed-app", "from-rust").await == Some(MessageState::Completed)
+    })
+    .await;
+    while let Ok(line) = events.try_recv() {
+        let step: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+        if step["step"] == "received" {
+            let route = step["route"].as_str().unwrap().to_owned();
+            received.push((route, step["data"]["kind"].as_str().unwrap().to_owned()));
+        }
+    }
+    received.sort();
+    assert_eq!(
+        received,
+        [
+            ("others".to_owned(), "gadget".to_owned()),
+            ("others".to_owned(), "rust".to_owned()),
+            ("widgets".to_owned(), "widget".to_owned()),
+        ],
+        "each message once, on the route its rule chose"
     );
     sidecar.stop.cancel();
     sidecar.task.await.unwrap().unwrap();

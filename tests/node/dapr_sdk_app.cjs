@@ -2,11 +2,15 @@
 // npm, unchanged): a DaprServer subscribed to a topic, and a DaprClient that publishes one
 // event and a bulk of two, then sets an attribute and reads the sidecar's metadata. It knows nothing of cosmosq.
 //
-// Usage: node dapr_sdk_app.cjs APP_PORT TOPIC   (DAPR_HTTP_PORT: the sidecar's port)
+// With MODE "rules" the subscription is made with `subscribeWithOptions`: a routing rule (CEL
+// over the CloudEvent) sends widgets to one handler and everything else to the default's, and
+// the client publishes one of each.
+//
+// Usage: node dapr_sdk_app.cjs APP_PORT TOPIC [MODE]   (DAPR_HTTP_PORT: the sidecar's port)
 // Prints one JSON line per step and per event received.
 const { DaprServer, DaprClient, CommunicationProtocolEnum, LogLevel } = require("@dapr/dapr");
 
-const [appPort, topic] = process.argv.slice(2);
+const [appPort, topic, mode] = process.argv.slice(2);
 const daprHost = "127.0.0.1";
 const daprPort = process.env.DAPR_HTTP_PORT;
 const print = (line) => console.log(JSON.stringify(line));
@@ -20,9 +24,23 @@ async function main() {
     clientOptions: { daprHost, daprPort, logger },
     logger,
   });
-  await server.pubsub.subscribe("pubsub", topic, async (data, headers) => {
-    print({ step: "received", data, traceparent: headers["traceparent"] || null });
-  });
+  if (mode === "rules") {
+    await server.pubsub.subscribeWithOptions("pubsub", topic, {
+      route: {
+        rules: [{ match: 'event.data.kind == "widget"', path: "widgets" }],
+        default: "others",
+      },
+    });
+    for (const route of ["widgets", "others"]) {
+      server.pubsub.subscribeToRoute("pubsub", topic, route, async (data) => {
+        print({ step: "received", route, data });
+      });
+    }
+  } else {
+    await server.pubsub.subscribe("pubsub", topic, async (data, headers) => {
+      print({ step: "received", data, traceparent: headers["traceparent"] || null });
+    });
+  }
   // Starts the app's server, then waits until the sidecar answers its metadata.
   await server.start();
   print({ step: "server started" });
@@ -35,6 +53,14 @@ async function main() {
   });
   await client.start();
 
+  if (mode === "rules") {
+    for (const kind of ["widget", "gadget"]) {
+      const published = await client.pubsub.publish("pubsub", topic, { kind });
+      if (published.error) throw published.error;
+    }
+    print({ step: "published" });
+    return;
+  }
   const published = await client.pubsub.publish("pubsub", topic, { from: "node" });
   if (published.error) throw published.error;
   print({ step: "published" });
