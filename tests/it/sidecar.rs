@@ -1562,7 +1562,8 @@ async fn an_app_on_dapr_s_python_fastapi_extension_subscribes_and_is_retried() {
             .await
             .unwrap_or_else(|_| panic!("the app printed only {handled:#?}"))
             .unwrap_or_else(|| panic!("the app exited: {handled:#?}"));
-        let event: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+        let event: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("the app printed {line:?}, not a JSON line: {e}"));
         if event["step"] == "failed once" {
             failed_once += 1;
             continue;

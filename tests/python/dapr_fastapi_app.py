@@ -10,6 +10,7 @@ Prints one JSON line per event handled: {"id", "data", "pubsubname", "topic"}, a
 """
 import json
 import sys
+import threading
 
 import uvicorn
 from dapr.ext.fastapi import DaprApp
@@ -21,10 +22,14 @@ TOPIC = sys.argv[2]
 app = FastAPI()
 dapr_app = DaprApp(app)
 failed_once = set()
+# FastAPI runs plain `def` handlers on a thread pool: one line at a time.
+printing = threading.Lock()
 
 
 def say(line):
-    print(json.dumps(line), flush=True)
+    with printing:
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
 
 
 @dapr_app.subscribe(pubsub="pubsub", topic=TOPIC)
