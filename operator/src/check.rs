@@ -2,8 +2,8 @@
 //! (no other image to pull or mirror). It passes when the CRDs are established (the API server
 //! serves the kinds), the operator's Deployment has a ready replica (the kubelet's readiness
 //! probe got an answer from `/readyz`) and a leader renewed the leader Lease while the check
-//! watched (an operator that acts, not only one that runs). Each condition is awaited up to
-//! `--timeout`; a failure names the condition and what was seen last.
+//! watched (an operator that acts, not only one that runs). The conditions are awaited in turn,
+//! all within `--timeout`; a failure names the condition and what was seen last.
 //!
 //! The decisions are pure (`crd_established`, `deployment_ready`, `lease_renewed`); `run`
 //! does the reads.
@@ -19,7 +19,11 @@ use kube::{Api, Client};
 pub const CRDS: [&str; 2] = ["cosmosqueues.cosmosq.io", "queueconsumergroups.cosmosq.io"];
 
 fn duration(text: &str) -> Result<Duration, String> {
-    humantime::parse_duration(text).map_err(|e| e.to_string())
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d < Duration::from_secs(5) {
+        return Err("at least 5s (a leader renews every few seconds)".into());
+    }
+    Ok(d)
 }
 
 /// What `check` looks at (the chart's test hook sets them).
@@ -34,8 +38,9 @@ pub struct CheckArgs {
     /// The leader Lease (the operator's --lease-name).
     #[arg(long, default_value = "cosmosq-operator")]
     pub lease_name: String,
-    /// How long each condition may take to hold.
-    #[arg(long, default_value = "90s", value_parser = duration)]
+    /// How long all the conditions together may take to hold (keep it under `helm test
+    /// --timeout`, 5 minutes by default, so that the check's own message is what fails).
+    #[arg(long, default_value = "120s", value_parser = duration)]
     pub timeout: Duration,
 }
 
@@ -92,15 +97,22 @@ pub fn deployment_ready(deployment: &Deployment) -> Result<(), String> {
     let generation = deployment.metadata.generation.unwrap_or(0);
     let ready = status.ready_replicas.unwrap_or(0);
     let updated = status.updated_replicas.unwrap_or(0);
+    let available = status.available_replicas.unwrap_or(0);
+    let replicas = status.replicas.unwrap_or(0);
     if observed < generation {
         return Err(format!(
             "the Deployment controller has not seen generation {generation} yet"
         ));
     }
-    if ready < 1 || updated < 1 {
+    // Mid-rollout an old ready pod beside a new unready one would pass a looser test.
+    if updated < replicas {
         return Err(format!(
-            "{ready} ready and {updated} updated of {} replicas (pods not running or not answering /readyz)",
-            status.replicas.unwrap_or(0)
+            "{updated} of {replicas} replicas run the current template (a rollout in progress)"
+        ));
+    }
+    if ready < 1 || available < 1 {
+        return Err(format!(
+            "{ready} ready of {replicas} replicas (pods not running or not answering /readyz)"
         ));
     }
     Ok(())
@@ -121,28 +133,32 @@ pub fn lease_renewed(first: &Lease, now: &Lease) -> Result<String, String> {
     }
 }
 
-/// Polls `read` every second until `decide` accepts what it returns or `timeout` passes.
+/// Polls `read` every second until `decide` accepts what it returns or the deadline passes.
+/// A failed read (a 429, a 5xx, a 403 while the hook's RoleBinding propagates) is tried again;
+/// the last one is the answer when time runs out.
 async fn await_condition<T, R, F>(
     condition: &str,
-    timeout: Duration,
+    (deadline, timeout): (tokio::time::Instant, Duration),
     mut read: impl FnMut() -> F,
     mut decide: impl FnMut(Option<&T>) -> Result<R, String>,
 ) -> Result<R, CheckError>
 where
     F: std::future::Future<Output = Result<Option<T>, CheckError>>,
 {
-    let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let seen = match decide(read().await?.as_ref()) {
-            Ok(result) => return Ok(result),
-            Err(seen) => seen,
+        let failure = match read().await {
+            Ok(seen) => match decide(seen.as_ref()) {
+                Ok(result) => return Ok(result),
+                Err(seen) => CheckError::NotMet {
+                    condition: condition.to_owned(),
+                    timeout,
+                    seen,
+                },
+            },
+            Err(error) => error,
         };
         if tokio::time::Instant::now() >= deadline {
-            return Err(CheckError::NotMet {
-                condition: condition.to_owned(),
-                timeout,
-                seen,
-            });
+            return Err(failure);
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
@@ -161,12 +177,13 @@ where
 /// Runs the checks in order; returns one line per condition that held.
 pub async fn run(client: Client, args: &CheckArgs) -> Result<Vec<String>, CheckError> {
     let mut passed = Vec::new();
+    let within = (tokio::time::Instant::now() + args.timeout, args.timeout);
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for name in CRDS {
         let what = format!("CustomResourceDefinition {name}");
         await_condition(
             &format!("{what} established"),
-            args.timeout,
+            within,
             || get_opt(&crds, name, &what),
             |crd| crd.map_or(Err("not found".into()), crd_established),
         )
@@ -178,7 +195,7 @@ pub async fn run(client: Client, args: &CheckArgs) -> Result<Vec<String>, CheckE
     let what = format!("Deployment {}/{}", args.namespace, args.deployment);
     await_condition(
         &format!("{what} ready"),
-        args.timeout,
+        within,
         || get_opt(&deployments, &args.deployment, &what),
         |d| d.map_or(Err("not found".into()), deployment_ready),
     )
@@ -190,7 +207,7 @@ pub async fn run(client: Client, args: &CheckArgs) -> Result<Vec<String>, CheckE
     let mut first: Option<Lease> = None;
     let holder = await_condition(
         &format!("{what} renewed by a leader"),
-        args.timeout,
+        within,
         || get_opt(&leases, &args.lease_name, &what),
         |lease| {
             let lease = lease.ok_or_else(|| "not found".to_owned())?;
@@ -248,7 +265,8 @@ mod tests {
 
     #[test]
     fn a_deployment_counts_with_a_ready_replica_of_its_current_generation() {
-        let ready = json!({"observedGeneration": 2, "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1});
+        let ready = json!({"observedGeneration": 2, "replicas": 1, "readyReplicas": 1,
+                           "availableReplicas": 1, "updatedReplicas": 1});
         assert!(deployment_ready(&deployment(2, ready.clone())).is_ok());
         // Pods Pending (no node), or running but not answering /readyz.
         let pending = json!({"observedGeneration": 2, "replicas": 1, "updatedReplicas": 1});
@@ -256,6 +274,11 @@ mod tests {
         assert!(why.contains("0 ready"), "{why}");
         // A new spec the controller has not rolled yet: the old replica does not count.
         assert!(deployment_ready(&deployment(3, ready)).is_err());
+        // Mid-rollout: the old pod ready, the new one not.
+        let rolling = json!({"observedGeneration": 2, "replicas": 2, "readyReplicas": 1,
+                             "availableReplicas": 1, "updatedReplicas": 1});
+        let why = deployment_ready(&deployment(2, rolling)).unwrap_err();
+        assert!(why.contains("rollout"), "{why}");
         assert!(deployment_ready(&deployment(1, json!(null))).is_err());
     }
 

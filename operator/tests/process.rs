@@ -142,3 +142,48 @@ async fn a_taken_port_stops_the_binary_with_a_clear_error() {
     stop.cancel();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `cosmosq-operator check` (the chart's `helm test`) speaks TLS to the API server as the
+/// operator does: against an https endpoint that answers nothing it fails with the condition
+/// and the read error named and exit code 1, never a panic (two TLS providers are linked in,
+/// and a client without a process default panics on its first connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_check_reaches_an_https_api_server_and_fails_with_a_message() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // Accepts and closes: every TLS handshake fails.
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            drop(stream);
+        }
+    });
+    let dir = std::env::temp_dir().join(format!("cosmosq-operator-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: c\n\
+             clusters: [{{name: c, cluster: {{server: 'https://127.0.0.1:{port}', insecure-skip-tls-verify: true}}}}]\n\
+             users: [{{name: u, user: {{token: t}}}}]\n\
+             contexts: [{{name: c, context: {{cluster: c, user: u}}}}]\n"
+        ),
+    )
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_cosmosq-operator"))
+        .args(["check", "--namespace=ops", "--timeout=5s"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("check failed: reading CustomResourceDefinition cosmosqueues.cosmosq.io"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -34,11 +34,10 @@ pub struct Stopping {
 /// Exit code of a second signal during the drain (128 + SIGINT, as shells report it).
 pub const INTERRUPTED: u8 = 130;
 
-/// Runs `task` until it ends, or until a signal or a stop the program asked for itself
-/// (`shutdown` cancelled, e.g. the sidecar's `POST /v1.0/shutdown`): then cancels `shutdown`
-/// and waits for the task at most `grace`. A second signal ends the process at once. Errors are
-/// logged; the exit code is 0 for a clean end or an expired grace period, 1 for an error,
-/// [`INTERRUPTED`] for a second signal.
+/// Runs `task` until it ends, or until a signal: then cancels `shutdown` and waits for the task
+/// at most `grace`. A second signal ends the process at once. Errors are logged; the exit code
+/// is 0 for a clean end or an expired grace period, 1 for an error, [`INTERRUPTED`] for a
+/// second signal.
 pub async fn run_until_signalled<F, E>(
     task: F,
     shutdown: CancellationToken,
@@ -52,7 +51,7 @@ where
     let mut task = tokio::spawn(task);
     let result = tokio::select! {
         result = &mut task => result,
-        _ = async { tokio::select! { _ = terminated() => {}, _ = shutdown.cancelled() => {} } } => {
+        _ = terminated() => {
             info!(grace_period = ?grace, "{}", stopping.draining);
             shutdown.cancel();
             tokio::select! {
@@ -99,53 +98,4 @@ async fn terminated() {
     }
     #[cfg(not(unix))]
     let _ = tokio::signal::ctrl_c().await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const STOPPING: Stopping = Stopping {
-        draining: "draining",
-        grace_over: "grace over",
-        interrupted: "interrupted",
-    };
-
-    fn same(a: ExitCode, b: ExitCode) -> bool {
-        format!("{a:?}") == format!("{b:?}")
-    }
-
-    /// A stop the program asks for itself (the sidecar's shutdown API) drains like a signal,
-    /// and is bounded by the same grace period.
-    #[tokio::test(start_paused = true)]
-    async fn a_stop_the_program_asks_for_drains_within_the_grace_period() {
-        let started = tokio::time::Instant::now();
-        let asked = |shutdown: &CancellationToken| {
-            let stop = shutdown.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                stop.cancel();
-            });
-        };
-        // A task that drains for 3 s once told.
-        let shutdown = CancellationToken::new();
-        asked(&shutdown);
-        let token = shutdown.clone();
-        let draining = async move {
-            token.cancelled().await;
-            tokio::time::sleep(Duration::from_secs(3)).await;
-            Ok::<(), String>(())
-        };
-        let code = run_until_signalled(draining, shutdown, Duration::from_secs(20), STOPPING).await;
-        assert!(same(code, ExitCode::SUCCESS));
-        assert_eq!(started.elapsed(), Duration::from_secs(4));
-
-        // A task that never finishes: the grace period ends it.
-        let shutdown = CancellationToken::new();
-        asked(&shutdown);
-        let stuck = std::future::pending::<Result<(), String>>();
-        let code = run_until_signalled(stuck, shutdown, Duration::from_secs(20), STOPPING).await;
-        assert!(same(code, ExitCode::SUCCESS));
-        assert_eq!(started.elapsed(), Duration::from_secs(4 + 21));
-    }
 }

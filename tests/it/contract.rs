@@ -426,7 +426,7 @@ fn the_release_publishes_the_images_the_chart_installs() {
     for (component, chart_value) in [("operator", "image"), ("sidecar", "sidecarImage")] {
         let expand = |text: &str| {
             text.replace("${{ env.REGISTRY }}", registry)
-                .replace("${{ github.repository_owner }}", owner)
+                .replace("${{ needs.versions.outputs.owner }}", owner)
                 .replace("${{ matrix.component }}", component)
         };
         let dockerfile = expand(step["with"]["file"].as_str().unwrap());
@@ -610,7 +610,8 @@ async fn helm_test_checks_the_operator_with_only_the_rights_it_needs() {
         let deployments = deployments.clone();
         async move {
             let status = json!({"status": {"observedGeneration": 1, "replicas": 1,
-                                           "updatedReplicas": 1, "readyReplicas": ready}});
+                                           "updatedReplicas": 1, "readyReplicas": ready,
+                                           "availableReplicas": ready}});
             deployments
                 .patch_status(
                     "platform-cosmosq",

@@ -26,7 +26,8 @@ pub mod metadata;
 
 /// `POST /v1.0/shutdown`, Dapr's shutdown API (Jobs call it when their work is done): the
 /// sidecar stops as on SIGTERM — no new deliveries, those in flight settled, leases released —
-/// then exits, within its grace period. `204` at once, as daprd answers. Behind the API token.
+/// then exits (a SIGTERM meanwhile starts the usual grace period). `204` at once, as daprd
+/// answers. Behind the API token when one is set.
 pub async fn shutdown(State(state): State<Arc<ApiState>>) -> StatusCode {
     tracing::info!("shutdown requested through the API: draining, then exiting");
     state.stopping.cancel();
