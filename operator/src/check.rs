@@ -1,9 +1,10 @@
 //! `cosmosq-operator check`: what the chart's `helm test` runs, from the operator's own image
 //! (no other image to pull or mirror). It passes when the CRDs are established (the API server
-//! serves the kinds), the operator's Deployment has a ready replica (the kubelet's readiness
-//! probe got an answer from `/readyz`) and a leader renewed the leader Lease while the check
-//! watched (an operator that acts, not only one that runs). The conditions are awaited in turn,
-//! all within `--timeout`; a failure names the condition and what was seen last.
+//! serves the kinds), every replica of the operator's Deployment runs its current template and
+//! one is ready (the kubelet's readiness probe got an answer from `/readyz`), and a leader
+//! renewed the leader Lease while the check watched (an operator that acts, not only one that
+//! runs). The conditions are awaited in turn, all within `--timeout`; a failure names the
+//! condition and what was seen last.
 //!
 //! The decisions are pure (`crd_established`, `deployment_ready`, `lease_renewed`); `run`
 //! does the reads.
@@ -89,8 +90,8 @@ pub fn crd_established(crd: &CustomResourceDefinition) -> Result<(), String> {
     }
 }
 
-/// Whether the Deployment has a ready replica of its current revision: the kubelet's readiness
-/// probe (`/readyz`) answered.
+/// Whether every replica of the Deployment runs its current template and one is ready and
+/// available: the kubelet's readiness probe (`/readyz`) answered.
 pub fn deployment_ready(deployment: &Deployment) -> Result<(), String> {
     let status = deployment.status.clone().unwrap_or_default();
     let observed = status.observed_generation.unwrap_or(0);

@@ -1281,6 +1281,36 @@ fn spawn_app(
     (Killed(child), events)
 }
 
+/// The app's next printed line, as JSON, within a minute; `so_far` is shown if none comes.
+async fn next_event(
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    so_far: &impl std::fmt::Debug,
+) -> serde_json::Value {
+    let line = tokio::time::timeout(Duration::from_secs(60), events.recv())
+        .await
+        .unwrap_or_else(|_| panic!("the app printed only {so_far:#?}"))
+        .unwrap_or_else(|| panic!("the app exited: {so_far:#?}"));
+    serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("the app printed {line:?}, not a JSON line: {e}"))
+}
+
+/// `tests/node/dapr_sdk_app.cjs` on the official JavaScript SDK, subscribed to topic `q`,
+/// with the sidecar's API at `api_port`.
+fn node_sdk_app(
+    app_port: u16,
+    api_port: u16,
+    mode: &[&str],
+) -> (Killed, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_sdk_app.cjs");
+    spawn_app(
+        std::process::Command::new("node")
+            .args([script, &app_port.to_string(), "q"])
+            .args(mode)
+            .env("NODE_PATH", cosmosq_tests::dapr_js())
+            .env("DAPR_HTTP_PORT", api_port.to_string()),
+    )
+}
+
 impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -1442,13 +1472,7 @@ async fn dapr_app(bulk: bool) {
 async fn an_app_on_the_official_dapr_javascript_sdk_starts_subscribes_and_publishes() {
     let fixture = Fixture::new(1).await;
     let (app_port, api_port) = (free_port(), free_port());
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_sdk_app.cjs");
-    let (_app, mut events) = spawn_app(
-        std::process::Command::new("node")
-            .args([script, &app_port.to_string(), "q"])
-            .env("NODE_PATH", cosmosq_tests::dapr_js())
-            .env("DAPR_HTTP_PORT", api_port.to_string()),
-    );
+    let (_app, mut events) = node_sdk_app(app_port, api_port, &[]);
     fixture
         .queue
         .enqueue(NewMessage::json(json!({"from": "rust"})).with_id("from-rust"))
@@ -1465,11 +1489,7 @@ async fn an_app_on_the_official_dapr_javascript_sdk_starts_subscribes_and_publis
             .collect::<Vec<_>>()
     };
     while received(&steps).len() < 4 || !steps.iter().any(|s| s["step"] == "metadata") {
-        let line = tokio::time::timeout(Duration::from_secs(60), events.recv())
-            .await
-            .unwrap_or_else(|_| panic!("the app printed only {steps:#?}"))
-            .unwrap_or_else(|| panic!("the app exited: {steps:#?}"));
-        let step: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+        let step = next_event(&mut events, &steps).await;
         assert_ne!(step["step"], "failed", "{step}");
         steps.push(step);
     }
@@ -1558,12 +1578,7 @@ async fn an_app_on_dapr_s_python_fastapi_extension_subscribes_and_is_retried() {
     let mut handled: Vec<serde_json::Value> = Vec::new();
     let mut failed_once = 0;
     while handled.len() < 4 {
-        let line = tokio::time::timeout(Duration::from_secs(60), events.recv())
-            .await
-            .unwrap_or_else(|_| panic!("the app printed only {handled:#?}"))
-            .unwrap_or_else(|| panic!("the app exited: {handled:#?}"));
-        let event: serde_json::Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("the app printed {line:?}, not a JSON line: {e}"));
+        let event = next_event(&mut events, &handled).await;
         if event["step"] == "failed once" {
             failed_once += 1;
             continue;
@@ -1602,13 +1617,7 @@ async fn an_app_on_dapr_s_python_fastapi_extension_subscribes_and_is_retried() {
 async fn the_javascript_sdk_s_routing_rules_route_what_it_publishes() {
     let fixture = Fixture::new(1).await;
     let (app_port, api_port) = (free_port(), free_port());
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_sdk_app.cjs");
-    let (_app, mut events) = spawn_app(
-        std::process::Command::new("node")
-            .args([script, &app_port.to_string(), "q", "rules"])
-            .env("NODE_PATH", cosmosq_tests::dapr_js())
-            .env("DAPR_HTTP_PORT", api_port.to_string()),
-    );
+    let (_app, mut events) = node_sdk_app(app_port, api_port, &["rules"]);
     fixture
         .queue
         .enqueue(NewMessage::json(json!({"kind": "rust"})).with_id("from-rust"))
@@ -1616,20 +1625,20 @@ async fn the_javascript_sdk_s_routing_rules_route_what_it_publishes() {
         .unwrap();
     let sidecar = start_sidecar(&fixture, settings("routed-app", app_port, api_port));
 
+    // (route, the data's kind) of each event a handler received.
     let mut received: Vec<(String, String)> = Vec::new();
-    let mut published = false;
-    while received.len() < 3 || !published {
-        let line = tokio::time::timeout(Duration::from_secs(60), events.recv())
-            .await
-            .unwrap_or_else(|_| panic!("the app printed only {received:?}"))
-            .unwrap_or_else(|| panic!("the app exited: {received:?}"));
-        let step: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
-        assert_ne!(step["step"], "failed", "{step}");
-        published |= step["step"] == "published";
+    let record = |step: &serde_json::Value, received: &mut Vec<(String, String)>| {
         if step["step"] == "received" {
             let route = step["route"].as_str().unwrap().to_owned();
             received.push((route, step["data"]["kind"].as_str().unwrap().to_owned()));
         }
+    };
+    let mut published = false;
+    while received.len() < 3 || !published {
+        let step = next_event(&mut events, &received).await;
+        assert_ne!(step["step"], "failed", "{step}");
+        published |= step["step"] == "published";
+        record(&step, &mut received);
     }
     let group = fixture.group(GroupConfig::new("routed-app"));
     eventually("every message settled", Duration::from_secs(30), || async {
@@ -1638,11 +1647,10 @@ async fn the_javascript_sdk_s_routing_rules_route_what_it_publishes() {
     })
     .await;
     while let Ok(line) = events.try_recv() {
-        let step: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
-        if step["step"] == "received" {
-            let route = step["route"].as_str().unwrap().to_owned();
-            received.push((route, step["data"]["kind"].as_str().unwrap().to_owned()));
-        }
+        record(
+            &serde_json::from_str(&line).expect("a JSON line"),
+            &mut received,
+        );
     }
     received.sort();
     assert_eq!(
