@@ -288,6 +288,7 @@ pub struct CosmosQueueStatus {
         priority = 1
     )
 )]
+#[x_kube(validation = Rule::new("!has(self.publishTo) || self.publishTo.all(t, t.queueRef.name != self.queueRef.name)").message("publishTo lists other queues: a group publishes to its own queue without it"))]
 #[x_kube(validation = Rule::new("has(self.group) == has(oldSelf.group) && (!has(self.group) || self.group == oldSelf.group)").message("group is immutable: it names the group's state and leases in the queue (create a new group)"))]
 #[serde(rename_all = "camelCase")]
 pub struct QueueConsumerGroupSpec {
@@ -345,6 +346,34 @@ pub struct QueueConsumerGroupSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 10_000))]
     pub replicas: Option<i32>,
+    /// Other queues of the namespace the workers may publish to (a pipeline: orders →
+    /// invoices): the app publishes with Dapr's API under the topic of the queue's container,
+    /// and the sidecar enqueues there. A topic not listed is refused (`ERR_PUBSUB_FORBIDDEN`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    #[x_kube(validation = Rule::new("self.all(t, self.exists_one(u, u.queueRef.name == t.queueRef.name))").message("publishTo names each queue once"))]
+    pub publish_to: Vec<PublishTarget>,
+}
+
+/// A queue a group's workers may publish to.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishTarget {
+    /// The CosmosQueue (same namespace).
+    pub queue_ref: QueueRef,
+}
+
+impl QueueConsumerGroup {
+    /// Whether the group consumes the queue `name` or publishes to it: its workers' settings
+    /// follow that queue's spec.
+    pub fn uses_queue(&self, name: &str) -> bool {
+        self.spec.queue_ref.name == name
+            || self
+                .spec
+                .publish_to
+                .iter()
+                .any(|t| t.queue_ref.name == name)
+    }
 }
 
 fn default_concurrency() -> i32 {

@@ -192,22 +192,49 @@ async fn apply_binding(
     }
 }
 
-/// The digest of the account key the queue's Secret holds now (`None` with workload identity).
+/// The digest of the account keys the sidecars read, as their Secrets hold them now: the
+/// queue's (`None` with workload identity) and those of the queues of `spec.publishTo` (a
+/// group without them keeps the digest it always had, so an upgrade rolls nothing).
 async fn key_digest(
     client: &Client,
     namespace: &str,
     queue: &CosmosQueue,
+    targets: &[CosmosQueue],
     deployment: &str,
 ) -> Result<Option<String>, ApplyError> {
-    let Some(key_ref) = &queue.spec.credentials.secret_key_ref else {
+    let keyed = |q: &CosmosQueue| q.spec.credentials.secret_key_ref.is_some();
+    if !std::iter::once(queue).chain(targets).any(keyed) {
         return Ok(None);
+    }
+    let secrets = Api::<Secret>::namespaced(client.clone(), namespace);
+    let digest_of = |queue: &CosmosQueue| {
+        let secrets = secrets.clone();
+        let key_ref = queue.spec.credentials.secret_key_ref.clone();
+        async move {
+            let Some(key_ref) = key_ref else {
+                return Ok::<_, kube::Error>(Some(None));
+            };
+            let secret = secrets.get_opt(&key_ref.name).await?;
+            // The outer `None`: a Secret or key that is not there (yet).
+            Ok(secret
+                .and_then(|s| s.data)
+                .and_then(|d| d.get(&key_ref.key).map(|v| Some(build::key_digest(&v.0)))))
+        }
     };
-    let secret = Api::<Secret>::namespaced(client.clone(), namespace)
-        .get_opt(&key_ref.name)
-        .await?;
-    let digest = secret
-        .and_then(|s| s.data)
-        .and_then(|d| d.get(&key_ref.key).map(|v| build::key_digest(&v.0)));
+    let own = digest_of(queue).await?;
+    let digest = if targets.is_empty() {
+        own.flatten()
+    } else {
+        let mut all = vec![own];
+        for target in targets {
+            all.push(digest_of(target).await?);
+        }
+        // Every key read (`-` for identity), or none: an unreadable one keeps the running one.
+        all.into_iter()
+            .map(|d| d.map(|key| key.unwrap_or_else(|| "-".into())))
+            .collect::<Option<Vec<String>>>()
+            .map(|keys| build::key_digest(keys.join("/").as_bytes()))
+    };
     or_running(
         client,
         namespace,
@@ -301,16 +328,17 @@ pub async fn apply_group(
     client: &Client,
     qcg: &QueueConsumerGroup,
     queue: &CosmosQueue,
+    targets: &[CosmosQueue],
     defaults: &Defaults,
 ) -> Result<Applied, ApplyError> {
     let namespace = qcg
         .namespace()
         .ok_or_else(|| ApplyError::NoNamespace(qcg.name_any()))?;
     let settings = spec::group(qcg)?;
-    let mut deployment = build::deployment(qcg, &settings, queue, defaults)?;
+    let mut deployment = build::deployment(qcg, &settings, queue, targets, defaults)?;
     let name = build::workers_name(qcg);
     let (digest, (tokens, make_tokens)) = tokio::try_join!(
-        key_digest(client, &namespace, queue, &name),
+        key_digest(client, &namespace, queue, targets, &name),
         tokens_digest(client, &namespace, qcg, &name),
     )?;
     if let Some(digest) = &digest {
@@ -644,7 +672,7 @@ mod tests {
             );
             server
         });
-        let applied = apply_group(&client, &group(json!({})), &queue(), &defaults())
+        let applied = apply_group(&client, &group(json!({})), &queue(), &[], &defaults())
             .await
             .unwrap();
         let server = verifier.await.unwrap();
@@ -732,7 +760,7 @@ mod tests {
                 }
                 server
             });
-            let applied = apply_group(&client, &group(json!({})), &queue(), &defaults())
+            let applied = apply_group(&client, &group(json!({})), &queue(), &[], &defaults())
                 .await
                 .unwrap();
             let server = verifier.await.unwrap();
@@ -801,7 +829,7 @@ mod tests {
             );
             server
         });
-        apply_group(&client, &group(json!({})), &queue(), &defaults())
+        apply_group(&client, &group(json!({})), &queue(), &[], &defaults())
             .await
             .unwrap();
         let server = verifier.await.unwrap();
@@ -865,7 +893,7 @@ mod tests {
                     .await;
                 server
             });
-            let result = apply_group(&client, &group(json!({})), &queue(), &defaults()).await;
+            let result = apply_group(&client, &group(json!({})), &queue(), &[], &defaults()).await;
             if role_owner.is_some() {
                 result.unwrap();
             } else {
@@ -906,6 +934,7 @@ mod tests {
                 &client,
                 &group(json!({"mode": "HPA", "maxReplicas": 5})),
                 &queue(),
+                &[],
                 &defaults(),
             )
             .await
@@ -952,7 +981,7 @@ mod tests {
             let deployment = server.expect_applies().await;
             (server, made, deployment)
         });
-        let applied = apply_group(&client, &tokens_group(), &queue(), &defaults())
+        let applied = apply_group(&client, &tokens_group(), &queue(), &[], &defaults())
             .await
             .unwrap();
         let (server, made, deployment) = verifier.await.unwrap();
@@ -995,7 +1024,7 @@ mod tests {
             server.expect_applies().await;
             server
         });
-        let applied = apply_group(&client, &tokens_group(), &queue(), &defaults())
+        let applied = apply_group(&client, &tokens_group(), &queue(), &[], &defaults())
             .await
             .unwrap();
         assert_eq!(
@@ -1040,7 +1069,7 @@ mod tests {
                 let deployment = server.expect_applies().await;
                 (server, deployment)
             });
-            apply_group(&client, &g, &queue(), &defaults())
+            apply_group(&client, &g, &queue(), &[], &defaults())
                 .await
                 .unwrap();
             let (server, deployment) = verifier.await.unwrap();
@@ -1081,7 +1110,7 @@ mod tests {
                     .await;
                 server
             });
-            let err = apply_group(&client, &tokens_group(), &queue(), &defaults())
+            let err = apply_group(&client, &tokens_group(), &queue(), &[], &defaults())
                 .await
                 .unwrap_err();
             assert!(
@@ -1115,6 +1144,7 @@ mod tests {
             &client,
             &group(json!({"mode": "HPA", "maxReplicas": 5})),
             &queue(),
+            &[],
             &defaults(),
         )
         .await
@@ -1159,7 +1189,7 @@ mod tests {
             switched.metadata.generation = Some(3);
             switched.status =
                 Some(serde_json::from_value(json!({"observedGeneration": 2})).unwrap());
-            let applied = apply_group(&client, &switched, &queue(), &defaults())
+            let applied = apply_group(&client, &switched, &queue(), &[], &defaults())
                 .await
                 .unwrap();
             assert!(!applied.hpa);
@@ -1174,7 +1204,7 @@ mod tests {
         let (client, server) = client();
         let mut bad = group(json!({}));
         bad.spec.template = json!({"spec": {"containers": []}});
-        let err = apply_group(&client, &bad, &queue(), &defaults())
+        let err = apply_group(&client, &bad, &queue(), &[], &defaults())
             .await
             .unwrap_err();
         assert!(

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use cosmosq_crds::{CosmosQueue, Credentials, QueueConsumerGroup, ScalingMode};
+use cosmosq_crds::{CosmosQueue, Credentials, QueueConsumerGroup, ScalingMode, SecretKeyRef};
 use cosmosq_queue::env as env_names;
 use cosmosq_queue::metric_names;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
@@ -31,7 +31,7 @@ use kube::{Resource, ResourceExt};
 
 use crate::spec::{self, control, group_name, invalid, Control, GroupSettings, SpecError};
 use cosmosq_queue::Auth;
-use cosmosq_sidecar::settings::SidecarSettings;
+use cosmosq_sidecar::settings::{PublishTarget, PublishTargets, SidecarSettings};
 
 /// The injected container's name.
 pub const SIDECAR_CONTAINER: &str = "cosmosq-sidecar";
@@ -39,6 +39,9 @@ pub const SIDECAR_CONTAINER: &str = "cosmosq-sidecar";
 pub const PROBE_PORT: i32 = 9464;
 const KEY_VOLUME: &str = "cosmosq-account-key";
 const KEY_DIR: &str = "/var/run/cosmosq";
+/// Where the keys of other accounts' queues a group publishes to are mounted, one directory
+/// each (not under [`KEY_DIR`], a read-only volume of its own).
+const PUBLISH_KEY_DIR: &str = "/var/run/cosmosq-publish";
 /// The sidecar drains for 25 s; the pod gets a little more.
 const MIN_TERMINATION_GRACE_SECONDS: i64 = 30;
 /// Beyond `app.timeout`, what the sidecar's drain allows for settling the last deliveries.
@@ -310,6 +313,7 @@ pub fn sidecar_settings(
     qcg: &QueueConsumerGroup,
     settings: &GroupSettings,
     queue: &CosmosQueue,
+    targets: &[CosmosQueue],
 ) -> SidecarSettings {
     let (s, q, group) = (&qcg.spec, &queue.spec, &settings.config);
     let by_key = q.credentials.secret_key_ref.is_some();
@@ -343,8 +347,95 @@ pub fn sidecar_settings(
         listen: SocketAddr::from(([127, 0, 0, 1], SIDECAR_API_PORT)),
         probe_listen: format!("0.0.0.0:{PROBE_PORT}"),
         grace_period: drain(settings),
+        publish_to: PublishTargets(
+            targets
+                .iter()
+                .map(|target| publish_target(queue, target))
+                .collect(),
+        ),
         ..sidecar
     }
+}
+
+/// Where the sidecar finds the account key of a queue it publishes to, unless it is the one
+/// of the group's own queue (the same Secret and key): each other key is a volume of its own.
+fn publish_key_dir(target: &CosmosQueue) -> String {
+    format!("{PUBLISH_KEY_DIR}/{}", target.name_any())
+}
+
+/// The volume of [`publish_key_dir`]: `cosmosq-publish-<queue>`, a DNS label of at most 63
+/// characters (a queue's name may be longer, and have dots: such a name is cut, its dots made
+/// dashes, and told apart by a digest).
+fn publish_key_volume(target: &CosmosQueue) -> String {
+    const PREFIX: &str = "cosmosq-publish-";
+    let name = target.name_any();
+    if name.len() <= 63 - PREFIX.len() && !name.contains('.') {
+        return format!("{PREFIX}{name}");
+    }
+    let digest = key_digest(name.as_bytes());
+    let cut: String = name
+        .chars()
+        .take(30)
+        .map(|c| if c == '.' { '-' } else { c })
+        .collect();
+    format!("{PREFIX}{}-{}", cut.trim_end_matches('-'), &digest[..8])
+}
+
+/// The Secret key of `target` the sidecar needs mounted, if it is not the consumed queue's.
+fn own_publish_key<'a>(queue: &CosmosQueue, target: &'a CosmosQueue) -> Option<&'a SecretKeyRef> {
+    target
+        .spec
+        .credentials
+        .secret_key_ref
+        .as_ref()
+        .filter(|key| Some(*key) != queue.spec.credentials.secret_key_ref.as_ref())
+}
+
+/// A queue the group's sidecar publishes to, as the sidecar's `--publish-to` names it.
+fn publish_target(queue: &CosmosQueue, target: &CosmosQueue) -> PublishTarget {
+    let t = &target.spec;
+    let key_file = match (
+        &t.credentials.secret_key_ref,
+        own_publish_key(queue, target),
+    ) {
+        (None, _) => None,
+        (Some(_), Some(_)) => Some(format!("{}/key", publish_key_dir(target)).into()),
+        (Some(_), None) => Some(format!("{KEY_DIR}/key").into()),
+    };
+    PublishTarget {
+        database: t.database.clone(),
+        queue: t.container.clone(),
+        endpoint: t.endpoint.clone(),
+        auth: if key_file.is_some() {
+            Auth::Key
+        } else {
+            Auth::Identity
+        },
+        key_file,
+    }
+}
+
+/// Refuses `spec.publishTo` queues whose topics (their containers' names) would be taken for
+/// another's: the group's own, or one another's (pure).
+pub fn check_publish_targets(
+    queue: &CosmosQueue,
+    targets: &[CosmosQueue],
+) -> Result<(), SpecError> {
+    let mut topics = BTreeMap::from([(queue.spec.container.as_str(), queue.name_any())]);
+    for target in targets {
+        if let Some(first) = topics.insert(&target.spec.container, target.name_any()) {
+            return Err(invalid(
+                "spec.publishTo",
+                format!(
+                    "CosmosQueue {} and {first} both have the container {:?}, which is the topic \
+                     an app publishes under: list one of them",
+                    target.name_any(),
+                    target.spec.container
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// How long the sidecar drains on SIGTERM: the longest delivery plus a margin to settle it.
@@ -358,8 +449,9 @@ pub fn sidecar_env(
     qcg: &QueueConsumerGroup,
     settings: &GroupSettings,
     queue: &CosmosQueue,
+    targets: &[CosmosQueue],
 ) -> Vec<EnvVar> {
-    let mut vars: Vec<EnvVar> = sidecar_settings(qcg, settings, queue)
+    let mut vars: Vec<EnvVar> = sidecar_settings(qcg, settings, queue, targets)
         .to_env()
         .into_iter()
         .map(|(name, value)| env(name, value))
@@ -384,6 +476,7 @@ fn sidecar_container(
     qcg: &QueueConsumerGroup,
     settings: &GroupSettings,
     queue: &CosmosQueue,
+    targets: &[CosmosQueue],
     defaults: &Defaults,
 ) -> Result<Container, SpecError> {
     let resources = match &qcg.spec.sidecar.resources {
@@ -419,7 +512,7 @@ fn sidecar_container(
                 .clone()
                 .unwrap_or_else(|| defaults.sidecar_image.clone()),
         ),
-        env: Some(sidecar_env(qcg, settings, queue)),
+        env: Some(sidecar_env(qcg, settings, queue, targets)),
         ports: Some(vec![ContainerPort {
             name: Some("cosmosq-metrics".into()),
             container_port: PROBE_PORT,
@@ -444,26 +537,61 @@ fn sidecar_container(
             }),
             ..SecurityContext::default()
         }),
-        volume_mounts: queue.spec.credentials.secret_key_ref.as_ref().map(|_| {
-            vec![VolumeMount {
-                name: KEY_VOLUME.into(),
-                mount_path: KEY_DIR.into(),
-                read_only: Some(true),
-                ..VolumeMount::default()
-            }]
-        }),
+        volume_mounts: Some(key_mounts(queue, targets)).filter(|m| !m.is_empty()),
         ..Container::default()
     })
 }
 
+/// The sidecar's mounts of account keys: the consumed queue's, and each other one of the
+/// queues it publishes to.
+fn key_mounts(queue: &CosmosQueue, targets: &[CosmosQueue]) -> Vec<VolumeMount> {
+    let mount = |name: String, path: String| VolumeMount {
+        name,
+        mount_path: path,
+        read_only: Some(true),
+        ..VolumeMount::default()
+    };
+    let own = queue
+        .spec
+        .credentials
+        .secret_key_ref
+        .as_ref()
+        .map(|_| mount(KEY_VOLUME.into(), KEY_DIR.into()));
+    let published = targets
+        .iter()
+        .filter(|target| own_publish_key(queue, target).is_some())
+        .map(|target| mount(publish_key_volume(target), publish_key_dir(target)));
+    own.into_iter().chain(published).collect()
+}
+
+/// A volume of one key of a Secret, as the file `key`.
+fn key_volume(name: String, key: &SecretKeyRef) -> Volume {
+    Volume {
+        name,
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(key.name.clone()),
+            items: Some(vec![KeyToPath {
+                key: key.key.clone(),
+                path: "key".into(),
+                ..KeyToPath::default()
+            }]),
+            ..SecretVolumeSource::default()
+        }),
+        ..Volume::default()
+    }
+}
+
 /// The worker Deployment: the user's pod template plus the sidecar. Replicas are left out:
-/// the scaler (or the HPA) owns them through the scale subresource.
+/// the scaler (or the HPA) owns them through the scale subresource. `targets` are the queues
+/// of `spec.publishTo`, in its order.
 pub fn deployment(
     qcg: &QueueConsumerGroup,
     settings: &GroupSettings,
     queue: &CosmosQueue,
+    targets: &[CosmosQueue],
     defaults: &Defaults,
 ) -> Result<Deployment, SpecError> {
+    check_publish_targets(queue, targets)?;
     let mut template: PodTemplateSpec = strict("spec.template", &qcg.spec.template)?;
     let mut pod = template
         .spec
@@ -490,7 +618,7 @@ pub fn deployment(
         ));
     }
     pod.containers
-        .push(sidecar_container(qcg, settings, queue, defaults)?);
+        .push(sidecar_container(qcg, settings, queue, targets, defaults)?);
     // The workers run as the group's own ServiceAccount: the operator binds the worker role
     // to no account it did not make (`default`, another team's).
     let account = workers_name(qcg);
@@ -577,32 +705,31 @@ pub fn deployment(
             .max(drain + APP_STOP_MARGIN_SECONDS)
             .max(MIN_TERMINATION_GRACE_SECONDS),
     );
+    let volumes = pod.volumes.get_or_insert_with(Vec::new);
     if let Some(key) = &queue.spec.credentials.secret_key_ref {
-        pod.volumes.get_or_insert_with(Vec::new).push(Volume {
-            name: KEY_VOLUME.into(),
-            secret: Some(SecretVolumeSource {
-                secret_name: Some(key.name.clone()),
-                items: Some(vec![KeyToPath {
-                    key: key.key.clone(),
-                    path: "key".into(),
-                    ..KeyToPath::default()
-                }]),
-                ..SecretVolumeSource::default()
-            }),
-            ..Volume::default()
-        });
+        volumes.push(key_volume(KEY_VOLUME.into(), key));
+    }
+    for target in targets {
+        if let Some(key) = own_publish_key(queue, target) {
+            volumes.push(key_volume(publish_key_volume(target), key));
+        }
+    }
+    if volumes.is_empty() {
+        pod.volumes = None;
     }
     let mut meta = template.metadata.take().unwrap_or_default();
     meta.labels
         .get_or_insert_with(BTreeMap::new)
         .extend(selector_labels(qcg));
-    if matches!(
-        queue.spec.credentials,
-        Credentials {
-            workload_identity: Some(_),
-            ..
-        }
-    ) {
+    if std::iter::once(queue).chain(targets).any(|q| {
+        matches!(
+            q.spec.credentials,
+            Credentials {
+                workload_identity: Some(_),
+                ..
+            }
+        )
+    }) {
         meta.labels
             .get_or_insert_with(BTreeMap::new)
             .insert("azure.workload.identity/use".into(), "true".into());
@@ -850,7 +977,7 @@ mod tests {
         q: &CosmosQueue,
         defaults: &Defaults,
     ) -> Result<Deployment, SpecError> {
-        deployment(g, &crate::spec::group(g)?, q, defaults)
+        deployment(g, &crate::spec::group(g)?, q, &[], defaults)
     }
 
     fn build_hpa(g: &QueueConsumerGroup) -> Result<Option<HorizontalPodAutoscaler>, SpecError> {
@@ -863,6 +990,82 @@ mod tests {
 
     fn key_queue() -> CosmosQueue {
         queue(json!({"secretKeyRef": {"name": "cosmos-key"}}))
+    }
+
+    /// A queue named `name` on the container `container`, with its own key Secret.
+    fn other_queue(name: &str, container: &str) -> CosmosQueue {
+        let mut q = queue(json!({"secretKeyRef": {"name": format!("{name}-key")}}));
+        q.metadata.name = Some(name.into());
+        q.spec.container = container.into();
+        q
+    }
+
+    #[test]
+    fn a_group_publishes_to_queues_whose_topics_are_their_own() {
+        let g = group(json!({"publishTo": [{"queueRef": {"name": "invoices"}},
+                                           {"queueRef": {"name": "receipts"}}]}));
+        let settings = crate::spec::group(&g).unwrap();
+        let built =
+            |targets: &[CosmosQueue]| deployment(&g, &settings, &key_queue(), targets, &defaults());
+        let d = built(&[
+            other_queue("invoices", "invoices"),
+            other_queue("receipts", "receipts"),
+        ])
+        .unwrap();
+        let volumes: Vec<String> = d
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap()
+            .volumes
+            .unwrap()
+            .into_iter()
+            .filter_map(|v| Some(format!("{}={}", v.name, v.secret?.secret_name?)))
+            .collect();
+        assert_eq!(
+            volumes,
+            [
+                "cosmosq-account-key=cosmos-key",
+                "cosmosq-publish-invoices=invoices-key",
+                "cosmosq-publish-receipts=receipts-key"
+            ]
+        );
+        // Two queues on one container, or one on the group's own: one topic, two queues.
+        for targets in [
+            vec![other_queue("invoices", "orders")],
+            vec![
+                other_queue("invoices", "bills"),
+                other_queue("receipts", "bills"),
+            ],
+        ] {
+            let e = built(&targets).unwrap_err();
+            assert_eq!(e.field, "spec.publishTo");
+            assert!(e.reason.contains("which is the topic"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_long_or_dotted_queue_name_makes_a_valid_volume_name_of_its_own() {
+        let long = |end: char| format!("{}{end}", "a".repeat(62));
+        let names: Vec<String> = [
+            long('b'),
+            long('c'),
+            "short".into(),
+            "a.b".into(),
+            "a-b".into(),
+        ]
+        .iter()
+        .map(|name| publish_key_volume(&other_queue(name, name)))
+        .collect();
+        for name in &names {
+            assert!(name.len() <= 63, "{name}");
+            assert!(!name.ends_with('-'), "{name}");
+        }
+        assert_ne!(names[0], names[1], "told apart");
+        assert_eq!(names[2], "cosmosq-publish-short");
+        assert!(!names[3].contains('.'), "a DNS label: {}", names[3]);
+        assert_ne!(names[3], names[4], "told apart");
     }
 
     fn env_map(d: &Deployment) -> BTreeMap<String, String> {

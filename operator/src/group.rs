@@ -110,6 +110,22 @@ pub async fn reconcile_group(
     result
 }
 
+/// The queues of `spec.publishTo`, in its order, or the name of the first that does not exist.
+async fn publish_targets(
+    queues: &Api<CosmosQueue>,
+    qcg: &QueueConsumerGroup,
+) -> Result<Result<Vec<CosmosQueue>, String>, kube::Error> {
+    let mut found = Vec::new();
+    for target in &qcg.spec.publish_to {
+        let name = &target.queue_ref.name;
+        match queues.get_opt(name).await? {
+            Some(queue) => found.push(queue),
+            None => return Ok(Err(name.clone())),
+        }
+    }
+    Ok(Ok(found))
+}
+
 #[instrument(skip_all, fields(namespace = ?qcg.namespace(), group = %qcg.name_any()))]
 async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, ReconcileError> {
     let namespace = qcg
@@ -124,8 +140,13 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
         .as_ref()
         .map(|s| (s.workers_built_by.clone(), s.pending_update.clone()))
         .unwrap_or_default();
-    let outcome = match queues.get_opt(queue_name).await? {
-        None => Outcome {
+    let queue = queues.get_opt(queue_name).await?;
+    let targets = match &queue {
+        Some(_) => publish_targets(&queues, qcg).await?,
+        None => Ok(Vec::new()),
+    };
+    let outcome = match (queue, targets) {
+        (None, _) => Outcome {
             ok: false,
             reason: reasons::QUEUE_NOT_FOUND,
             progress: Progress::Reconciling,
@@ -133,100 +154,115 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
             message: format!("CosmosQueue {queue_name} does not exist in {namespace}"),
             action: Action::requeue(crate::context::RECHECK),
         },
-        Some(queue) => match apply_group(&ctx.client, qcg, &queue, &ctx.defaults).await {
-            Ok(applied) => {
-                built = (
-                    applied.running.as_ref().map(|r| r.operator.clone()),
-                    applied
-                        .held
-                        .as_ref()
-                        .map(|(next, why)| format!("{}: {why}", next.operator)),
-                );
-                let state = workers(applied.workers.as_ref());
-                // A rollout is said in the Deployment's own words where it has them.
-                let deployment = &applied.deployment;
-                let (rollout_progress, progress_said) = match &applied.rollout {
-                    Rollout::Done => (Progress::Done, None),
-                    Rollout::Going => {
-                        let said = match &state.available {
-                            Some((false, _, message)) => format!(": {message}"),
-                            _ => String::new(),
-                        };
-                        (
-                            Progress::Reconciling,
+        (Some(_), Err(missing)) => Outcome {
+            ok: false,
+            reason: reasons::PUBLISH_QUEUE_NOT_FOUND,
+            progress: Progress::Reconciling,
+            progress_said: None,
+            message: format!(
+                "spec.publishTo: CosmosQueue {missing} does not exist in {namespace} (a group \
+                 publishes to queues of its own namespace)"
+            ),
+            action: Action::requeue(crate::context::RECHECK),
+        },
+        (Some(queue), Ok(targets)) => {
+            match apply_group(&ctx.client, qcg, &queue, &targets, &ctx.defaults).await {
+                Ok(applied) => {
+                    built = (
+                        applied.running.as_ref().map(|r| r.operator.clone()),
+                        applied
+                            .held
+                            .as_ref()
+                            .map(|(next, why)| format!("{}: {why}", next.operator)),
+                    );
+                    let state = workers(applied.workers.as_ref());
+                    // A rollout is said in the Deployment's own words where it has them.
+                    let deployment = &applied.deployment;
+                    let (rollout_progress, progress_said) = match &applied.rollout {
+                        Rollout::Done => (Progress::Done, None),
+                        Rollout::Going => {
+                            let said = match &state.available {
+                                Some((false, _, message)) => format!(": {message}"),
+                                _ => String::new(),
+                            };
+                            (
+                                Progress::Reconciling,
+                                Some((
+                                    reasons::ROLLING_OUT,
+                                    format!(
+                                        "waiting for the rollout of Deployment {deployment}{said}"
+                                    ),
+                                )),
+                            )
+                        }
+                        Rollout::Stopped(why) => (
+                            Progress::Stalled,
                             Some((
-                                reasons::ROLLING_OUT,
-                                format!("waiting for the rollout of Deployment {deployment}{said}"),
+                                reasons::ROLLOUT_STOPPED,
+                                format!("the rollout of Deployment {deployment} stopped: {why}"),
                             )),
-                        )
+                        ),
+                    };
+                    // A group waiting for its turn in the rollout budget looks again soon.
+                    let recheck = applied.held.is_some();
+                    available = state.available;
+                    match state.failure {
+                        Some(message) => Outcome {
+                            ok: false,
+                            reason: reasons::REPLICA_FAILURE,
+                            progress: Progress::Stalled,
+                            progress_said: None,
+                            message,
+                            action: Action::requeue(RETRY_REFUSED),
+                        },
+                        None => Outcome {
+                            ok: true,
+                            reason: reasons::APPLIED,
+                            progress: rollout_progress,
+                            progress_said,
+                            message: format!("Deployment {} is up to date", applied.deployment),
+                            action: Action::requeue(if recheck {
+                                crate::context::RECHECK
+                            } else {
+                                crate::context::RESYNC
+                            }),
+                        },
                     }
-                    Rollout::Stopped(why) => (
-                        Progress::Stalled,
-                        Some((
-                            reasons::ROLLOUT_STOPPED,
-                            format!("the rollout of Deployment {deployment} stopped: {why}"),
-                        )),
-                    ),
-                };
-                // A group waiting for its turn in the rollout budget looks again soon.
-                let recheck = applied.held.is_some();
-                available = state.available;
-                match state.failure {
-                    Some(message) => Outcome {
+                }
+                // Refused by the API server's validation or admission: the owner must act (or
+                // a policy change), so say so in status and look again now and then.
+                Err(ApplyError::Kube(kube::Error::Api(e))) if matches!(e.code, 400 | 403 | 422) => {
+                    Outcome {
                         ok: false,
-                        reason: reasons::REPLICA_FAILURE,
+                        reason: reasons::APPLY_REJECTED,
                         progress: Progress::Stalled,
                         progress_said: None,
-                        message,
+                        message: format!("the API server refused the workers: {}", e.message),
                         action: Action::requeue(RETRY_REFUSED),
-                    },
-                    None => Outcome {
-                        ok: true,
-                        reason: reasons::APPLIED,
-                        progress: rollout_progress,
-                        progress_said,
-                        message: format!("Deployment {} is up to date", applied.deployment),
-                        action: Action::requeue(if recheck {
-                            crate::context::RECHECK
-                        } else {
-                            crate::context::RESYNC
-                        }),
-                    },
+                    }
                 }
-            }
-            // Refused by the API server's validation or admission: the owner must act (or
-            // a policy change), so say so in status and look again now and then.
-            Err(ApplyError::Kube(kube::Error::Api(e))) if matches!(e.code, 400 | 403 | 422) => {
-                Outcome {
+                // An object of the group's name that someone else made: theirs until they remove
+                // or rename it (a change the group does not see: look again now and then).
+                Err(e @ ApplyError::NotOwned { .. }) => Outcome {
                     ok: false,
-                    reason: reasons::APPLY_REJECTED,
+                    reason: reasons::NOT_OWNED,
                     progress: Progress::Stalled,
                     progress_said: None,
-                    message: format!("the API server refused the workers: {}", e.message),
+                    message: e.to_string(),
                     action: Action::requeue(RETRY_REFUSED),
-                }
+                },
+                // Nothing is written for an invalid spec; it waits for its owner to fix it.
+                Err(ApplyError::Spec(e)) => Outcome {
+                    ok: false,
+                    reason: reasons::INVALID_SPEC,
+                    progress: Progress::Stalled,
+                    progress_said: None,
+                    message: e.to_string(),
+                    action: Action::await_change(),
+                },
+                Err(e) => return Err(e.into()),
             }
-            // An object of the group's name that someone else made: theirs until they remove
-            // or rename it (a change the group does not see: look again now and then).
-            Err(e @ ApplyError::NotOwned { .. }) => Outcome {
-                ok: false,
-                reason: reasons::NOT_OWNED,
-                progress: Progress::Stalled,
-                progress_said: None,
-                message: e.to_string(),
-                action: Action::requeue(RETRY_REFUSED),
-            },
-            // Nothing is written for an invalid spec; it waits for its owner to fix it.
-            Err(ApplyError::Spec(e)) => Outcome {
-                ok: false,
-                reason: reasons::INVALID_SPEC,
-                progress: Progress::Stalled,
-                progress_said: None,
-                message: e.to_string(),
-                action: Action::await_change(),
-            },
-            Err(e) => return Err(e.into()),
-        },
+        }
     };
     let generation = qcg.metadata.generation;
     let previous = qcg.status.clone().unwrap_or_default();
@@ -659,6 +695,52 @@ mod tests {
         assert_eq!(
             progress(&body["status"]),
             Some(("Reconciling", "QueueNotFound"))
+        );
+        assert!(changed.try_recv().is_err(), "nothing to scale yet");
+    }
+
+    #[tokio::test]
+    async fn a_missing_queue_to_publish_to_is_reported_and_retried() {
+        let (qcg, ctx, mut server, mut changed) =
+            setup(json!({"publishTo": [{"queueRef": {"name": "invoices"}}]}));
+        let verifier = tokio::spawn(async move {
+            server
+                .answer(
+                    Method::GET,
+                    QUEUE,
+                    json_response(StatusCode::OK, &queue_json()),
+                )
+                .await;
+            server
+                .answer(
+                    Method::GET,
+                    "/apis/cosmosq.io/v1alpha1/namespaces/shop/cosmosqueues/invoices",
+                    not_found(),
+                )
+                .await;
+            // Nothing is applied: the next request is the Event.
+            let event = server.event().await;
+            assert_eq!(
+                (&event["type"], &event["reason"]),
+                (&json!("Warning"), &json!("PublishQueueNotFound"))
+            );
+            server.status(STATUS, group_json(json!({}))).await
+        });
+        let action = reconcile_group(qcg, ctx).await.unwrap();
+        assert_eq!(action, Action::requeue(crate::context::RECHECK));
+        let body = verifier.await.unwrap();
+        assert_eq!(ready(&body["status"]), ("False", "PublishQueueNotFound"));
+        let message = body["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Ready")
+            .unwrap()["message"]
+            .clone();
+        assert_eq!(
+            message,
+            "spec.publishTo: CosmosQueue invoices does not exist in shop (a group publishes to \
+             queues of its own namespace)"
         );
         assert!(changed.try_recv().is_err(), "nothing to scale yet");
     }

@@ -556,7 +556,8 @@ async fn run_controllers(
             |hpa: &HorizontalPodAutoscaler| hpa.metadata.generation.unwrap_or(0) as u64,
         ))
         .graceful_shutdown_on(work.clone().cancelled_owned());
-    // A queue's spec change (endpoint, credentials) reaches the groups that use it; its status
+    // A queue's spec change (endpoint, credentials) reaches the groups that use it (consume or
+    // publish to it; a queue created later reaches the groups waiting for it); its status
     // (written every scaling round) does not.
     let groups_of_queue = group_store.clone();
     let groups = groups.watches_stream(
@@ -570,7 +571,7 @@ async fn run_controllers(
             groups_of_queue
                 .state()
                 .into_iter()
-                .filter(|g| g.namespace() == namespace && g.spec.queue_ref.name == cq.name_any())
+                .filter(|g| g.namespace() == namespace && g.uses_queue(&cq.name_any()))
                 .map(|g| ObjectRef::from_obj(&*g))
                 .collect::<Vec<_>>()
         },

@@ -74,6 +74,8 @@ pub mod reasons {
     pub const APPLIED: &str = "Applied";
     /// A group's queue does not exist (yet).
     pub const QUEUE_NOT_FOUND: &str = "QueueNotFound";
+    /// A queue of a group's `spec.publishTo` does not exist (yet).
+    pub const PUBLISH_QUEUE_NOT_FOUND: &str = "PublishQueueNotFound";
     /// A field of the spec cannot be used; the message names it.
     pub const INVALID_SPEC: &str = "InvalidSpec";
     /// The API server (its validation or an admission webhook/policy) refused an object.

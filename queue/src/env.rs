@@ -43,6 +43,9 @@ pub const APP_TIMEOUT: &str = "COSMOSQ_APP_TIMEOUT";
 pub const APP_HEALTH_PATH: &str = "COSMOSQ_APP_HEALTH_PATH";
 /// A declared subscription: one entry of Dapr's `GET /dapr/subscribe` answer, as JSON.
 pub const APP_SUBSCRIPTION: &str = "COSMOSQ_APP_SUBSCRIPTION";
+/// Other queues the app may publish to: a JSON list of `{database, queue, endpoint, auth,
+/// keyFile}`.
+pub const PUBLISH_TO: &str = "COSMOSQ_PUBLISH_TO";
 /// Deliveries in flight at most.
 pub const MAX_CONCURRENCY: &str = "COSMOSQ_MAX_CONCURRENCY";
 /// Deliveries before a message is dead-lettered.

@@ -26,6 +26,8 @@ const MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 pub struct ApiState {
     /// The queue the app enqueues to.
     pub queue: Queue,
+    /// The other queues it may publish to (`--publish-to`), by their topics.
+    pub publish_to: Vec<Queue>,
     /// The sidecar's metrics, served at `/metrics`.
     pub metrics: Arc<SidecarMetrics>,
     /// The lease loop's counters, for health.
@@ -224,7 +226,7 @@ async fn enqueue(
             return error(StatusCode::BAD_REQUEST, e.to_string());
         }
     };
-    let mut publish = Publish::one(&state, &headers, &message);
+    let mut publish = Publish::one(&state, state.queue.name(), &headers, &message);
     let message = publish.stamp(message);
     match state.queue.enqueue(message).await {
         Ok(outcome) => {

@@ -46,6 +46,40 @@ impl Handler for Traced {
     }
 }
 
+/// The queues of `--publish-to`, each through the sidecar's own client when it is on the same
+/// account with the same credentials, else through a client of its own. A queue that cannot
+/// be opened stops the start, as the sidecar's own queue does (as daprd stops on a component
+/// that fails to initialise): an app would otherwise learn it only from its publishes.
+async fn open_publish_targets(
+    config: &SidecarSettings,
+    client: &CosmosClient,
+) -> Result<Vec<Queue>, SidecarError> {
+    let own = &config.connection;
+    let mut queues = Vec::new();
+    for target in &config.publish_to.0 {
+        let same_account = own.key.is_none()
+            && target.endpoint == own.endpoint
+            && target.auth == own.auth
+            && target.key_file == own.key_file;
+        let opened = async {
+            let client = match same_account {
+                true => client.clone(),
+                false => target.connection(&own.region).connect().await?,
+            };
+            Queue::open(&client, target.queue_config()).await
+        };
+        let queue = opened.await.map_err(|e| {
+            SidecarError::Config(format!(
+                "--publish-to (COSMOSQ_PUBLISH_TO) queue {}/{} at {}: {e}",
+                target.database, target.queue, target.endpoint
+            ))
+        })?;
+        info!(queue = %target.queue, database = %target.database, "the app may publish to this queue too");
+        queues.push(queue);
+    }
+    Ok(queues)
+}
+
 /// Connects with the configured account and runs until `shutdown` has been drained.
 pub async fn run(config: SidecarSettings, shutdown: CancellationToken) -> Result<(), SidecarError> {
     config.validate()?;
@@ -82,6 +116,7 @@ async fn serve(
                 config.database, config.queue
             ))
         })?;
+    let publish_to = open_publish_targets(&config, &client).await?;
     let group = queue.group(config.group_config())?;
     let metrics = Arc::new(SidecarMetrics::new(&config.queue, &config.group));
     let options = config.host_options();
@@ -120,6 +155,7 @@ async fn serve(
     let host = Host::new(group.clone(), handler, options);
     let state = Arc::new(ApiState {
         queue: queue.clone(),
+        publish_to,
         metrics: Arc::clone(&metrics),
         stats: host.stats(),
         ready: false.into(),

@@ -12,7 +12,8 @@ use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use cosmosq_program::telemetry::OtlpArgs;
 use cosmosq_queue::host::HostOptions;
 use cosmosq_queue::{
-    ConnectionArgs, DeliveryMode, ExclusiveWrites, GroupConfig, QueueConfig, RetryPolicy, StartFrom,
+    Auth, ConnectionArgs, DeliveryMode, ExclusiveWrites, GroupConfig, QueueConfig, RetryPolicy,
+    StartFrom,
 };
 
 use crate::app::AppFormat;
@@ -79,6 +80,79 @@ impl Token {
             ));
         }
         Ok(())
+    }
+}
+
+/// Another queue the app may publish to: the next stage of a pipeline. Its topic is its
+/// messages container's name, as the sidecar's own queue's is.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PublishTarget {
+    /// The database holding it.
+    pub database: String,
+    /// Its messages container: the topic the app publishes under.
+    pub queue: String,
+    /// Its account's endpoint.
+    pub endpoint: String,
+    /// How to authenticate there: `key`, `identity` or `emulator`.
+    #[serde(with = "auth_name")]
+    pub auth: Auth,
+    /// The file holding that account's key (with `key`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<std::path::PathBuf>,
+}
+
+impl PublishTarget {
+    /// The connection to its account, in the sidecar's region.
+    pub fn connection(&self, region: &str) -> ConnectionArgs {
+        ConnectionArgs {
+            endpoint: self.endpoint.clone(),
+            auth: self.auth,
+            key: None,
+            key_file: self.key_file.clone(),
+            region: region.to_owned(),
+        }
+    }
+
+    /// Its queue's settings.
+    pub fn queue_config(&self) -> QueueConfig {
+        QueueConfig::new(self.database.clone(), self.queue.clone())
+    }
+}
+
+/// [`Auth`] by its flag's name in JSON, as `COSMOSQ_AUTH` spells it.
+mod auth_name {
+    use clap::ValueEnum;
+    use cosmosq_queue::Auth;
+
+    pub fn serialize<S: serde::Serializer>(auth: &Auth, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&super::value_name(*auth))
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Auth, D::Error> {
+        let name: String = serde::Deserialize::deserialize(d)?;
+        Auth::from_str(&name, true).map_err(serde::de::Error::custom)
+    }
+}
+
+/// The queues of `--publish-to` (`COSMOSQ_PUBLISH_TO`), a JSON list.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PublishTargets(pub Vec<PublishTarget>);
+
+impl std::str::FromStr for PublishTargets {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        serde_json::from_str(text).map(PublishTargets).map_err(|e| {
+            format!("a JSON list of {{database, queue, endpoint, auth, keyFile}}: {e}")
+        })
+    }
+}
+
+impl std::fmt::Display for PublishTargets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = serde_json::to_string(&self.0).map_err(|_| std::fmt::Error)?;
+        f.write_str(&text)
     }
 }
 
@@ -149,6 +223,11 @@ pub struct SidecarSettings {
     /// Dapr's `APP_API_TOKEN`: the app can tell its sidecar's deliveries from anyone's.
     #[arg(long, env = env::APP_API_TOKEN, hide_env_values = true)]
     pub app_api_token: Option<Token>,
+    /// Other queues the app may publish to, as a JSON list of `{"database", "queue",
+    /// "endpoint", "auth", "keyFile"}` (the operator writes it from `spec.publishTo`): a publish
+    /// whose topic is one of those queues is enqueued there.
+    #[arg(long, env = env::PUBLISH_TO, default_value = "[]")]
+    pub publish_to: PublishTargets,
     /// Deliveries in flight at once.
     #[arg(long, env = env::MAX_CONCURRENCY, default_value_t = 16)]
     pub max_concurrency: usize,
@@ -237,6 +316,26 @@ impl SidecarSettings {
         self.group_config()
             .validate()
             .map_err(|e| SidecarError::Config(e.to_string()))?;
+        let mut topics = std::collections::BTreeSet::from([self.queue.as_str()]);
+        for target in &self.publish_to.0 {
+            let setting = format!("--publish-to (COSMOSQ_PUBLISH_TO) {}", target.queue);
+            let config_error =
+                |e: cosmosq_queue::QueueError| SidecarError::Config(format!("{setting}: {e}"));
+            if target.auth == Auth::Key && target.key_file.is_none() {
+                return bad(&setting, "auth key needs keyFile, the key's file".into());
+            }
+            target.queue_config().validate().map_err(config_error)?;
+            target
+                .connection(&self.connection.region)
+                .validate()
+                .map_err(config_error)?;
+            if !topics.insert(&target.queue) {
+                return bad(
+                    &setting,
+                    "named twice, or the sidecar's own queue: a topic is one queue".into(),
+                );
+            }
+        }
         self.host_options()
             .validate()
             .map_err(|e| SidecarError::Config(e.to_string()))?;
@@ -463,6 +562,9 @@ impl SidecarSettings {
             (env::GRACE_PERIOD, duration(self.grace_period)),
             (env::POD_DELETION_COST, self.pod_deletion_cost.to_string()),
         ];
+        if !self.publish_to.0.is_empty() {
+            vars.push((env::PUBLISH_TO, self.publish_to.to_string()));
+        }
         let optional = [
             (
                 env::KEY_FILE,
@@ -561,6 +663,10 @@ mod tests {
         changed.pod_name = Some("billing-workers-abc".into());
         changed.pod_namespace = Some("shop".into());
         changed.otlp = OtlpArgs::to_endpoint("http://otel:4318");
+        changed.publish_to = PublishTargets(vec![
+            target("invoices", Auth::Key, Some("/var/run/cosmosq/key")),
+            target("audit", Auth::Identity, None),
+        ]);
         // Every variable the sidecar reads is written, but for the secrets and OTLP settings
         // left unset: a setting added to the struct and forgotten in `to_env` fails here even
         // where its default would read back equal.
@@ -580,6 +686,62 @@ mod tests {
             let read = SidecarSettings::from_vars(settings.to_env()).unwrap();
             assert_eq!(format!("{read:?}"), format!("{settings:?}"));
         }
+    }
+
+    fn target(queue: &str, auth: Auth, key_file: Option<&str>) -> PublishTarget {
+        PublishTarget {
+            database: "db".into(),
+            queue: queue.into(),
+            endpoint: "https://acct.documents.azure.com:443/".into(),
+            auth,
+            key_file: key_file.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn publish_targets_are_other_queues_each_once_with_their_credentials() {
+        let with = |targets: Vec<PublishTarget>| {
+            let mut settings = SidecarSettings::new("db", "orders", "billing");
+            settings.app_port = Some(8080);
+            settings.publish_to = PublishTargets(targets);
+            settings.validate().map_err(|e| e.to_string())
+        };
+        assert_eq!(with(vec![target("invoices", Auth::Identity, None)]), Ok(()));
+        for (targets, said) in [
+            (
+                vec![target("orders", Auth::Identity, None)],
+                "orders: named twice, or the sidecar's own queue",
+            ),
+            (
+                vec![
+                    target("invoices", Auth::Identity, None),
+                    target("invoices", Auth::Identity, None),
+                ],
+                "invoices: named twice",
+            ),
+            (
+                vec![target("invoices", Auth::Key, None)],
+                "invoices: auth key needs keyFile",
+            ),
+            (vec![target("in/voices", Auth::Identity, None)], "in/voices"),
+        ] {
+            let e = with(targets).unwrap_err();
+            assert!(e.contains("--publish-to (COSMOSQ_PUBLISH_TO)"), "{e}");
+            assert!(e.contains(said), "{e}");
+        }
+        // As the operator writes it, and a typo refused with what is expected.
+        let parsed: PublishTargets = r#"[{"database":"db","queue":"invoices","endpoint":"https://a.documents.azure.com:443/","auth":"key","keyFile":"/k"}]"#
+            .parse()
+            .unwrap();
+        assert_eq!(parsed.0[0].auth, Auth::Key);
+        let e = r#"[{"database":"db","queue":"q","endpoint":"e","auth":"key","keyfile":"/k"}]"#
+            .parse::<PublishTargets>()
+            .unwrap_err();
+        assert!(e.contains("unknown field `keyfile`"), "{e}");
+        let e = r#"[{"database":"db","queue":"q","endpoint":"e","auth":"password"}]"#
+            .parse::<PublishTargets>()
+            .unwrap_err();
+        assert!(e.contains("password"), "{e}");
     }
 
     #[test]

@@ -56,10 +56,15 @@ impl Publish {
 
     /// The span of publishing one message through the local API: under the context it
     /// carries, or the caller's.
-    pub(crate) fn one(state: &ApiState, headers: &HeaderMap, message: &NewMessage) -> Self {
+    pub(crate) fn one(
+        state: &ApiState,
+        queue: &str,
+        headers: &HeaderMap,
+        message: &NewMessage,
+    ) -> Self {
         let parent = TraceContext::from_metadata(&message.metadata)
             .or_else(|| crate::api::caller_trace(headers));
-        Self::start(&state.telemetry, state.queue.name(), parent, 1)
+        Self::start(&state.telemetry, queue, parent, 1)
     }
 
     /// A message as it is enqueued: a context of its own that is not this span's parent

@@ -8,19 +8,36 @@ use std::collections::{BTreeMap, BTreeSet};
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use cosmosq_operator::build::{deployment, sidecar_settings, Defaults, SIDECAR_CONTAINER};
 use cosmosq_sidecar::settings::{AppMode, SidecarSettings, Token};
+use k8s_openapi::api::core::v1::PodSpec;
 use serde_json::json;
 
 /// The sidecar's environment as the kubelet would give it (downward API fields filled in),
 /// and the settings the operator meant it to carry.
 fn sidecar_environment(group: serde_json::Value) -> (BTreeMap<String, String>, SidecarSettings) {
-    let queue: CosmosQueue = serde_json::from_value(json!({
+    let (environment, meant, _) = sidecar_of(group, &[]);
+    (environment, meant)
+}
+
+/// A CosmosQueue of the namespace `shop`.
+fn queue(name: &str, spec: serde_json::Value) -> CosmosQueue {
+    serde_json::from_value(json!({
         "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
-        "metadata": {"name": "orders", "namespace": "shop", "uid": "q"},
-        "spec": {"endpoint": "https://acct.documents.azure.com:443/",
-                 "credentials": {"secretKeyRef": {"name": "cosmos-key"}},
-                 "database": "shop", "container": "orders"}
+        "metadata": {"name": name, "namespace": "shop", "uid": name}, "spec": spec
     }))
-    .unwrap();
+    .unwrap()
+}
+
+/// [`sidecar_environment`] for a group publishing to `targets`, and the worker pod.
+fn sidecar_of(
+    group: serde_json::Value,
+    targets: &[CosmosQueue],
+) -> (BTreeMap<String, String>, SidecarSettings, PodSpec) {
+    let queue = queue(
+        "orders",
+        json!({"endpoint": "https://acct.documents.azure.com:443/",
+               "credentials": {"secretKeyRef": {"name": "cosmos-key"}},
+               "database": "shop", "container": "orders"}),
+    );
     let mut spec = json!({"queueRef": {"name": "orders"},
         "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
         "app": {"port": 8080}});
@@ -33,14 +50,22 @@ fn sidecar_environment(group: serde_json::Value) -> (BTreeMap<String, String>, S
     }))
     .unwrap();
     let settings = cosmosq_operator::spec::group(&group).unwrap();
-    let meant = sidecar_settings(&group, &settings, &queue);
-    let d = deployment(&group, &settings, &queue, &Defaults::new("sidecar:test")).unwrap();
+    let meant = sidecar_settings(&group, &settings, &queue, targets);
+    let d = deployment(
+        &group,
+        &settings,
+        &queue,
+        targets,
+        &Defaults::new("sidecar:test"),
+    )
+    .unwrap();
     let pod = d.spec.unwrap().template.spec.unwrap();
     let sidecar = pod
         .containers
-        .into_iter()
+        .iter()
         .find(|c| c.name == SIDECAR_CONTAINER)
-        .unwrap();
+        .unwrap()
+        .clone();
     let environment = sidecar
         .env
         .unwrap_or_default()
@@ -60,7 +85,7 @@ fn sidecar_environment(group: serde_json::Value) -> (BTreeMap<String, String>, S
             (e.name, value)
         })
         .collect();
-    (environment, meant)
+    (environment, meant, pod)
 }
 
 /// Reads an environment as the sidecar does: every variable must be one it reads.
@@ -159,6 +184,125 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
             assert_eq!(config.app_timeout, std::time::Duration::from_secs(300));
             assert_eq!(config.grace_period, std::time::Duration::from_secs(310));
         }
+    }
+}
+
+#[test]
+fn a_pipeline_s_queues_reach_the_sidecar_with_their_own_keys_mounted() {
+    let targets = [
+        // On the group's account, with the same Secret: its key file is the group's.
+        queue(
+            "invoices",
+            json!({"endpoint": "https://acct.documents.azure.com:443/",
+                   "credentials": {"secretKeyRef": {"name": "cosmos-key"}},
+                   "database": "shop", "container": "invoices"}),
+        ),
+        // Another account, another Secret and key: mounted on its own.
+        queue(
+            "receipts",
+            json!({"endpoint": "https://ledger.documents.azure.com:443/",
+                   "credentials": {"secretKeyRef": {"name": "ledger-key", "key": "primary"}},
+                   "database": "ledger", "container": "receipts-v2"}),
+        ),
+        // Entra ID: the workers' own identity, no key.
+        queue(
+            "audit",
+            json!({"endpoint": "https://audit.documents.azure.com:443/",
+                   "credentials": {"workloadIdentity": {"clientId": "00000000-0000-0000-0000-000000000001"}},
+                   "database": "audit", "container": "events"}),
+        ),
+    ];
+    let group = json!({"publishTo": [{"queueRef": {"name": "invoices"}},
+        {"queueRef": {"name": "receipts"}}, {"queueRef": {"name": "audit"}}]});
+    let (environment, meant, pod) = sidecar_of(group, &targets);
+    let config = parse(&environment);
+    assert_eq!(config.publish_to, meant.publish_to);
+    let published: Vec<(&str, &str, &str, cosmosq_queue::Auth)> = config
+        .publish_to
+        .0
+        .iter()
+        .map(|t| {
+            (
+                t.database.as_str(),
+                t.queue.as_str(),
+                t.endpoint.as_str(),
+                t.auth,
+            )
+        })
+        .collect();
+    use cosmosq_queue::Auth::{Identity, Key};
+    assert_eq!(
+        published,
+        [
+            (
+                "shop",
+                "invoices",
+                "https://acct.documents.azure.com:443/",
+                Key
+            ),
+            (
+                "ledger",
+                "receipts-v2",
+                "https://ledger.documents.azure.com:443/",
+                Key
+            ),
+            (
+                "audit",
+                "events",
+                "https://audit.documents.azure.com:443/",
+                Identity
+            ),
+        ]
+    );
+    // Each key file is in a mount of the sidecar whose volume holds that queue's Secret key.
+    let sidecar = pod
+        .containers
+        .iter()
+        .find(|c| c.name == SIDECAR_CONTAINER)
+        .unwrap();
+    let secret_of = |file: &std::path::Path| {
+        let mount = sidecar
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| file.parent() == Some(std::path::Path::new(&m.mount_path)))
+            .unwrap_or_else(|| panic!("{}: not in a mount of the sidecar", file.display()));
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)
+            .unwrap();
+        let secret = volume.secret.as_ref().unwrap();
+        let item = &secret.items.as_ref().unwrap()[0];
+        assert_eq!(item.path, file.file_name().unwrap().to_str().unwrap());
+        (secret.secret_name.clone().unwrap(), item.key.clone())
+    };
+    let keys: Vec<Option<(String, String)>> = config
+        .publish_to
+        .0
+        .iter()
+        .map(|t| t.key_file.as_deref().map(secret_of))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            Some(("cosmos-key".into(), "key".into())),
+            Some(("ledger-key".into(), "primary".into())),
+            None,
+        ]
+    );
+    assert_eq!(
+        secret_of(config.connection.key_file.as_deref().unwrap()),
+        ("cosmos-key".into(), "key".into())
+    );
+    // No other container of the pod mounts a key.
+    for app in pod
+        .containers
+        .iter()
+        .filter(|c| c.name != SIDECAR_CONTAINER)
+    {
+        assert!(app.volume_mounts.is_none(), "{:?}", app.volume_mounts);
     }
 }
 

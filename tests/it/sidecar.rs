@@ -14,7 +14,7 @@ use cosmosq_queue::lease::LeaseStore;
 use cosmosq_queue::{
     DeliveryMode, ExclusiveWrites, GroupConfig, MessageState, NewMessage, StartFrom,
 };
-use cosmosq_sidecar::settings::{AppMode, SidecarSettings, Token};
+use cosmosq_sidecar::settings::{AppMode, PublishTarget, PublishTargets, SidecarSettings, Token};
 use cosmosq_tests::{eventually, wait_on, Fixture};
 use serde_json::json;
 use tokio::sync::Notify;
@@ -1546,6 +1546,150 @@ async fn an_app_on_the_official_dapr_javascript_sdk_starts_subscribes_and_publis
     );
     sidecar.stop.cancel();
     sidecar.task.await.unwrap().unwrap();
+}
+
+/// A two-stage pipeline (orders → invoices) of apps on Dapr's JavaScript SDK, each unchanged
+/// next to its own sidecar (`tests/node/dapr_pipeline_stage.cjs`): the billing group, granted
+/// the invoices queue (`--publish-to`, as the operator writes `spec.publishTo`), publishes one
+/// invoice per order as a CloudEvent; the mailer group consumes the invoices queue. Every order
+/// becomes exactly one invoice, also the one the first stage published twice (a retried
+/// delivery: the same event id is enqueued once), each invoice carries its order's trace, and
+/// a topic the group was not granted is refused with Dapr's `ERR_PUBSUB_FORBIDDEN`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_of_sdk_apps_publishes_each_order_once_to_the_next_queue() {
+    let fixture = Fixture::new(1).await;
+    cosmosq_queue::provision(
+        &fixture.client,
+        &cosmosq_queue::QueueConfig::new("db", "invoices"),
+    )
+    .await
+    .unwrap();
+    let stage = |app_port: u16, api_port: u16, input: &str, output: &str| {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_pipeline_stage.cjs");
+        spawn_app(
+            std::process::Command::new("node")
+                .args([script, &app_port.to_string(), input, output])
+                .env("NODE_PATH", cosmosq_tests::dapr_js())
+                .env("DAPR_HTTP_PORT", api_port.to_string()),
+        )
+    };
+    let (billing_app, billing_api, mailer_app, mailer_api) =
+        (free_port(), free_port(), free_port(), free_port());
+    let (_billing, mut billing_events) = stage(billing_app, billing_api, "q", "invoices");
+    let (_mailer, mut mailer_events) = stage(mailer_app, mailer_api, "invoices", "-");
+
+    let trace = |n: u32| format!("00-{:032x}-{:016x}-01", 0xab00 + n, 0xcd00 + n);
+    for n in 1..=3 {
+        let context = cosmosq_queue::TraceContext::parse(&trace(n), None).unwrap();
+        fixture
+            .queue
+            .enqueue(
+                NewMessage::json(json!({"order": n}))
+                    .with_id(format!("order-{n}"))
+                    .inherit_trace(Some(&context)),
+            )
+            .await
+            .unwrap();
+    }
+    let mut billing = settings("billing", billing_app, billing_api);
+    billing.publish_to = PublishTargets(vec![PublishTarget {
+        database: "db".into(),
+        queue: "invoices".into(),
+        endpoint: billing.connection.endpoint.clone(),
+        auth: billing.connection.auth,
+        key_file: None,
+    }]);
+    let mailer = SidecarSettings {
+        queue: "invoices".into(),
+        ..settings("mailer", mailer_app, mailer_api)
+    };
+    let sidecars = [
+        start_sidecar(&fixture, billing),
+        start_sidecar(&fixture, mailer),
+    ];
+
+    // The first stage: refused a topic it was not granted; order 2 published twice.
+    let mut billed: Vec<serde_json::Value> = Vec::new();
+    while billed.iter().filter(|s| s["step"] == "published").count() < 4
+        || !billed.iter().any(|s| s["step"] == "forbidden")
+    {
+        let step = next_event(&mut billing_events, &billed).await;
+        assert!(
+            !["failed", "publish failed"].contains(&step["step"].as_str().unwrap_or_default()),
+            "{step}"
+        );
+        billed.push(step);
+    }
+    let forbidden = billed.iter().find(|s| s["step"] == "forbidden").unwrap();
+    let error = forbidden["error"].as_str().expect("refused");
+    assert!(
+        error.contains("ERR_PUBSUB_FORBIDDEN") && error.contains("403"),
+        "{forbidden}"
+    );
+    assert!(
+        error.contains("'q', 'invoices'"),
+        "names what is granted: {error}"
+    );
+
+    // The second stage: each order once, with its data and its trace.
+    let mut mailed: Vec<serde_json::Value> = Vec::new();
+    while mailed.len() < 3 {
+        let step = next_event(&mut mailer_events, &mailed).await;
+        assert_ne!(step["step"], "failed", "{step}");
+        if step["step"] == "received" {
+            mailed.push(step);
+        }
+    }
+    let invoices_group = cosmosq_queue::Queue::open(
+        &fixture.client,
+        cosmosq_queue::QueueConfig::new("db", "invoices"),
+    )
+    .await
+    .unwrap()
+    .group(GroupConfig::new("mailer"))
+    .unwrap();
+    eventually("both stages settled", Duration::from_secs(30), || async {
+        invoices_group.estimate().await.unwrap().backlog() == 0
+            && fixture
+                .group(GroupConfig::new("billing"))
+                .estimate()
+                .await
+                .unwrap()
+                .backlog()
+                == 0
+    })
+    .await;
+    while let Ok(line) = mailer_events.try_recv() {
+        let step: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if step["step"] == "received" {
+            mailed.push(step);
+        }
+    }
+    mailed.sort_by_key(|s| s["data"]["order"].as_u64());
+    let got: Vec<(serde_json::Value, String)> = mailed
+        .iter()
+        .map(|s| {
+            let traceparent = s["traceparent"].as_str().unwrap_or_default();
+            // The trace id: the same trace, whichever span the hops made.
+            (
+                s["data"].clone(),
+                traceparent.split('-').nth(1).unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    let want: Vec<(serde_json::Value, String)> = (1..=3u32)
+        .map(|n| {
+            (
+                json!({"order": n, "q": "done"}),
+                format!("{:032x}", 0xab00 + n),
+            )
+        })
+        .collect();
+    assert_eq!(got, want, "each order invoiced once, with its trace");
+    for sidecar in sidecars {
+        sidecar.stop.cancel();
+        sidecar.task.await.unwrap().unwrap();
+    }
 }
 
 /// An app on Dapr's Python SDK (`dapr-ext-fastapi` from PyPI, unchanged, in

@@ -456,5 +456,38 @@ pub fn cases() -> Vec<RuleCase> {
             group_spec(json!({"concurrency": 7})),
             None,
         ),
+        // A pipeline: other queues, each once.
+        case(
+            "publish-to",
+            Kind::Group,
+            group_spec(json!({"publishTo": [{"queueRef": {"name": "invoices"}},
+                                            {"queueRef": {"name": "receipts"}}]})),
+            None,
+            true,
+        ),
+        case(
+            "publish-to-twice",
+            Kind::Group,
+            group_spec(json!({"publishTo": [{"queueRef": {"name": "invoices"}},
+                                            {"queueRef": {"name": "invoices"}}]})),
+            Some("publishTo names each queue once"),
+            true,
+        ),
+        case(
+            "publish-to-own-queue",
+            Kind::Group,
+            group_spec(json!({"publishTo": [{"queueRef": {"name": "rules"}}]})),
+            Some("publishTo lists other queues"),
+            true,
+        ),
+        case(
+            "publish-to-seventeen",
+            Kind::Group,
+            group_spec(json!({"publishTo": (0..17)
+                .map(|i| json!({"queueRef": {"name": format!("q{i}")}}))
+                .collect::<Vec<_>>()})),
+            Some("must have at most 16 items"),
+            false,
+        ),
     ]
 }

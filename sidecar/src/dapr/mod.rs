@@ -40,13 +40,13 @@ pub enum PublishError {
     /// Not this sidecar's pub/sub.
     #[error("pubsub '{0}' not found")]
     PubsubNotFound(String),
-    /// A topic other than this sidecar's queue.
-    #[error("topic '{topic}' is not allowed: this sidecar publishes to '{queue}' only")]
+    /// A topic other than this sidecar's queue and those its group may publish to.
+    #[error("topic '{topic}' is not allowed: this sidecar publishes to {allowed} only (a group publishes to other queues listed in its spec.publishTo)")]
     TopicForbidden {
         /// Asked for.
         topic: String,
-        /// The one there is.
-        queue: String,
+        /// The ones there are, quoted.
+        allowed: String,
     },
     /// A body sent as `application/cloudevents+json` that is not a CloudEvent.
     #[error("the body is not a CloudEvent: {0}")]
@@ -105,23 +105,29 @@ impl IntoResponse for PublishError {
 }
 
 /// Which pub/sub and topic a publish names, checked against this sidecar's: its own name, or
-/// the one the app's subscription gave (an unmodified Dapr app publishes under that).
+/// the one the app's subscription gave (an unmodified Dapr app publishes under that); the
+/// topic one of `topics` (its own queue, then those its group may publish to). The index of
+/// the topic in `topics`.
 pub fn check_target(
     pubsub: &str,
     topic: &str,
-    queue: &str,
+    topics: &[&str],
     apps_name: Option<&str>,
-) -> Result<(), PublishError> {
+) -> Result<usize, PublishError> {
     if pubsub != PUBSUB_NAME && Some(pubsub) != apps_name {
         return Err(PublishError::PubsubNotFound(pubsub.to_owned()));
     }
-    if topic != queue {
-        return Err(PublishError::TopicForbidden {
+    topics
+        .iter()
+        .position(|t| *t == topic)
+        .ok_or_else(|| PublishError::TopicForbidden {
             topic: topic.to_owned(),
-            queue: queue.to_owned(),
-        });
-    }
-    Ok(())
+            allowed: topics
+                .iter()
+                .map(|t| format!("'{t}'"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
 }
 
 /// The message a Dapr publish becomes (pure). The body is the data, with `Content-Type` as
@@ -217,19 +223,24 @@ fn from_cloud_event(body: &[u8]) -> Result<NewMessage, PublishError> {
 /// sidecar has asked the app (daprd knows its components' names from the start).
 pub const SUBSCRIPTION_WAIT: Duration = Duration::from_secs(10);
 
-/// [`check_target`] against the app's subscription's pub/sub name; when a publish names
-/// another than the sidecar's own before the subscription is known, after waiting for it (at
-/// most [`SUBSCRIPTION_WAIT`]).
-async fn check_published_target(
-    state: &ApiState,
+/// The queue a publish goes to: [`check_target`] against the app's subscription's pub/sub
+/// name; when a publish names another than the sidecar's own before the subscription is
+/// known, after waiting for it (at most [`SUBSCRIPTION_WAIT`]).
+async fn published_queue<'a>(
+    state: &'a ApiState,
     pubsub: &str,
     topic: &str,
-) -> Result<(), PublishError> {
+) -> Result<&'a cosmosq_queue::Queue, PublishError> {
     if pubsub != PUBSUB_NAME && state.pubsub_name.get().is_none() {
         let _ = tokio::time::timeout(SUBSCRIPTION_WAIT, state.subscribed.cancelled()).await;
     }
     let apps_name = state.pubsub_name.get().map(String::as_str);
-    check_target(pubsub, topic, state.queue.name(), apps_name)
+    let queues: Vec<&cosmosq_queue::Queue> = std::iter::once(&state.queue)
+        .chain(&state.publish_to)
+        .collect();
+    let topics: Vec<&str> = queues.iter().map(|q| q.name()).collect();
+    let index = check_target(pubsub, topic, &topics, apps_name)?;
+    Ok(queues[index])
 }
 
 /// A publish's result in the enqueue metric.
@@ -251,13 +262,13 @@ pub async fn publish(
     body: axum::body::Bytes,
 ) -> Response {
     let published = async {
-        check_published_target(&state, &pubsub, &topic).await?;
+        let queue = published_queue(&state, &pubsub, &topic).await?;
         let content_type = headers
             .get(axum::http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok());
         let message = message_of(content_type, &query, &body)?;
-        let mut publish = Publish::one(&state, &headers, &message);
-        let enqueued = state.queue.enqueue(publish.stamp(message)).await;
+        let mut publish = Publish::one(&state, queue.name(), &headers, &message);
+        let enqueued = queue.enqueue(publish.stamp(message)).await;
         if let Err(e) = &enqueued {
             publish.failed(1, &e.to_string());
         }
@@ -344,15 +355,19 @@ pub async fn publish_bulk(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let parsed = check_published_target(&state, &pubsub, &topic)
-        .await
-        .and_then(|()| bulk_messages(&query, &body));
-    let Bulk {
-        messages,
-        mut failed,
-    } = match parsed {
+    let parsed = match published_queue(&state, &pubsub, &topic).await {
+        Ok(queue) => bulk_messages(&query, &body).map(|bulk| (queue, bulk)),
+        Err(e) => Err(e),
+    };
+    let (
+        queue,
+        Bulk {
+            messages,
+            mut failed,
+        },
+    ) = match parsed {
         Ok(parsed) => {
-            state.metrics.rejected(parsed.failed.len());
+            state.metrics.rejected(parsed.1.failed.len());
             parsed
         }
         Err(e) => {
@@ -362,7 +377,7 @@ pub async fn publish_bulk(
     };
     let mut publish = Publish::start(
         &state.telemetry,
-        state.queue.name(),
+        queue.name(),
         crate::api::caller_trace(&headers),
         messages.len(),
     );
@@ -372,7 +387,7 @@ pub async fn publish_bulk(
         .unzip();
     for (entry_id, result) in entry_ids
         .into_iter()
-        .zip(state.queue.enqueue_batch(messages).await)
+        .zip(queue.enqueue_batch(messages).await)
     {
         count(&state, &result);
         if let Err(e) = result {
@@ -478,10 +493,14 @@ mod tests {
 
     #[test]
     fn only_this_sidecars_pubsub_and_queue_are_published_to() {
-        assert!(check_target("cosmosq", "orders", "orders", None).is_ok());
+        let own = ["orders"];
+        assert_eq!(check_target("cosmosq", "orders", &own, None).unwrap(), 0);
         // The name the app's own subscription uses, as an unmodified Dapr app publishes.
-        assert!(check_target("pubsub", "orders", "orders", Some("pubsub")).is_ok());
-        let e = check_target("redis-pubsub", "orders", "orders", Some("pubsub")).unwrap_err();
+        assert_eq!(
+            check_target("pubsub", "orders", &own, Some("pubsub")).unwrap(),
+            0
+        );
+        let e = check_target("redis-pubsub", "orders", &own, Some("pubsub")).unwrap_err();
         assert_eq!(
             (e.code(), e.status(), e.to_string().as_str()),
             (
@@ -490,10 +509,27 @@ mod tests {
                 "pubsub 'redis-pubsub' not found"
             )
         );
-        let e = check_target("cosmosq", "payments", "orders", None).unwrap_err();
+        let e = check_target("cosmosq", "payments", &own, None).unwrap_err();
         assert_eq!(
             (e.code(), e.status()),
             ("ERR_PUBSUB_FORBIDDEN", StatusCode::FORBIDDEN)
+        );
+        // A pipeline's next stage, under either name; a topic not granted names those that are.
+        let granted = ["orders", "invoices", "receipts"];
+        assert_eq!(
+            check_target("cosmosq", "invoices", &granted, None).unwrap(),
+            1
+        );
+        assert_eq!(
+            check_target("pubsub", "receipts", &granted, Some("pubsub")).unwrap(),
+            2
+        );
+        let e = check_target("pubsub", "payments", &granted, Some("pubsub")).unwrap_err();
+        assert_eq!(e.code(), "ERR_PUBSUB_FORBIDDEN");
+        assert!(
+            e.to_string()
+                .contains("publishes to 'orders', 'invoices', 'receipts' only"),
+            "{e}"
         );
     }
 
