@@ -222,19 +222,11 @@ async fn key_digest(
         }
     };
     let own = digest_of(queue).await?;
-    let digest = if targets.is_empty() {
-        own.flatten()
-    } else {
-        let mut all = vec![own];
-        for target in targets {
-            all.push(digest_of(target).await?);
-        }
-        // Every key read (`-` for identity), or none: an unreadable one keeps the running one.
-        all.into_iter()
-            .map(|d| d.map(|key| key.unwrap_or_else(|| "-".into())))
-            .collect::<Option<Vec<String>>>()
-            .map(|keys| build::key_digest(keys.join("/").as_bytes()))
-    };
+    let mut others = Vec::new();
+    for target in targets {
+        others.push(digest_of(target).await?);
+    }
+    let digest = keys_digest(own, others);
     or_running(
         client,
         namespace,
@@ -243,6 +235,25 @@ async fn key_digest(
         digest,
     )
     .await
+}
+
+/// A key's digest as read: `None` when its Secret or key is not there (yet), `Some(None)` for
+/// a queue on workload identity.
+type KeyRead = Option<Option<String>>;
+
+/// One digest of the keys the sidecars read (pure): the queue's own alone for a group that
+/// publishes nowhere else (as before pipelines: an upgrade rolls nothing), else a digest over
+/// every queue's, which changes when any one is rotated; `None` while one cannot be read (the
+/// running workers' is kept meanwhile).
+fn keys_digest(own: KeyRead, targets: Vec<KeyRead>) -> Option<String> {
+    if targets.is_empty() {
+        return own.flatten();
+    }
+    std::iter::once(own)
+        .chain(targets)
+        .map(|read| read.map(|key| key.unwrap_or_else(|| "-".into())))
+        .collect::<Option<Vec<String>>>()
+        .map(|keys| build::key_digest(keys.join("/").as_bytes()))
 }
 
 /// The digest of the group's API tokens (`None` without tokens), and with
@@ -702,6 +713,21 @@ mod tests {
         );
         drop(client);
         server.done().await; // nothing else was written
+    }
+
+    #[test]
+    fn a_rotated_key_of_any_queue_the_workers_use_changes_their_digest() {
+        let key = |k: &str| Some(Some(build::key_digest(k.as_bytes())));
+        // Without pipelines, the digest workers were built with before them.
+        assert_eq!(keys_digest(key("k1"), vec![]), key("k1").flatten());
+        assert_eq!(keys_digest(Some(None), vec![]), None);
+        let both = keys_digest(key("k1"), vec![key("i1"), Some(None)]);
+        assert!(both.is_some());
+        assert_ne!(both, keys_digest(key("k1"), vec![key("i2"), Some(None)]));
+        assert_ne!(both, keys_digest(key("k2"), vec![key("i1"), Some(None)]));
+        assert_eq!(both, keys_digest(key("k1"), vec![key("i1"), Some(None)]));
+        // A Secret not there yet: no digest (the running workers' is kept).
+        assert_eq!(keys_digest(key("k1"), vec![None]), None);
     }
 
     /// Workers built before the record (an upgrade to this version): held, unless their
