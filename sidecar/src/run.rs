@@ -93,10 +93,31 @@ pub async fn run_with_client(
     client: CosmosClient,
     shutdown: CancellationToken,
 ) -> Result<(), SidecarError> {
+    run_on(config, client, None, shutdown).await
+}
+
+/// [`run_with_client`] serving the local API on a listener the caller bound (the demo binds it
+/// first, so that its app knows the sidecar's port, as `DAPR_HTTP_PORT` tells a pod's app);
+/// `--listen` is not bound.
+pub async fn run_with_listener(
+    config: SidecarSettings,
+    client: CosmosClient,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), SidecarError> {
+    run_on(config, client, Some(listener), shutdown).await
+}
+
+async fn run_on(
+    config: SidecarSettings,
+    client: CosmosClient,
+    listener: Option<tokio::net::TcpListener>,
+    shutdown: CancellationToken,
+) -> Result<(), SidecarError> {
     config.validate()?;
     let telemetry = Telemetry::start(&config.otlp, "cosmosq-sidecar")
         .map_err(|e| SidecarError::Config(e.to_string()))?;
-    let result = serve(config, client, shutdown, telemetry.clone()).await;
+    let result = serve(config, client, listener, shutdown, telemetry.clone()).await;
     // The last spans (the drain's deliveries among them) are sent before the process ends.
     telemetry.shutdown().await;
     result
@@ -105,6 +126,7 @@ pub async fn run_with_client(
 async fn serve(
     config: SidecarSettings,
     client: CosmosClient,
+    listener: Option<tokio::net::TcpListener>,
     shutdown: CancellationToken,
     telemetry: Telemetry,
 ) -> Result<(), SidecarError> {
@@ -174,11 +196,14 @@ async fn serve(
         telemetry,
     });
 
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .map_err(|e| {
-            SidecarError::Config(format!("--listen (COSMOSQ_LISTEN) {}: {e}", config.listen))
-        })?;
+    let listener = match listener {
+        Some(listener) => listener,
+        None => tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| {
+                SidecarError::Config(format!("--listen (COSMOSQ_LISTEN) {}: {e}", config.listen))
+            })?,
+    };
     let api_stop = CancellationToken::new();
     let server = {
         let stop = api_stop.clone();

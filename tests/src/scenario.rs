@@ -603,6 +603,46 @@ pub async fn operator_scenario(mut s: Scenario) {
     )
     .await;
 
+    // A pipeline: granted a queue that does not exist yet, the group says so and waits; once
+    // the queue is there (its creation reaches the group), its sidecar may publish to it.
+    change(
+        &groups,
+        "billing",
+        json!({"spec": {"publishTo": [{"queueRef": {"name": "invoices"}}]}}),
+    )
+    .await;
+    until(&groups, "billing", "the group to wait for invoices", |g| {
+        has_condition(g, "Ready", "False", "PublishQueueNotFound")
+    })
+    .await;
+    Box::pin(create_ready_queue(
+        &s.cosmos, &queues, ns, "invoices", "Delete",
+    ))
+    .await;
+    until(
+        &deployments,
+        "billing-workers",
+        "the queue to publish to",
+        |d| {
+            d.and_then(|d| d.spec.as_ref())
+                .and_then(|s| s.template.spec.as_ref())
+                .into_iter()
+                .flat_map(|p| p.containers.iter())
+                .flat_map(|c| c.env.iter().flatten())
+                .any(|e| {
+                    e.name == "COSMOSQ_PUBLISH_TO"
+                        && e.value
+                            .as_deref()
+                            .is_some_and(|v| v.contains(r#""queue":"invoices""#))
+                })
+        },
+    )
+    .await;
+    until(&groups, "billing", "the group ready again", |g| {
+        has_condition(g, "Ready", "True", "Applied")
+    })
+    .await;
+
     // A backlog scales it to the maximum, and the status says why.
     let q = Queue::open(&s.cosmos, QueueConfig::new(ns, "orders"))
         .await
