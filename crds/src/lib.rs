@@ -451,6 +451,7 @@ pub struct AppSpec {
     /// The port the app listens on (localhost in the pod); required unless `mode` is `Pull`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
+    #[x_kube(validation = Rule::new("self != 3500 && self != 50001 && self != 9464").message("app.port cannot be 3500, 50001 or 9464: the sidecar's Dapr HTTP and gRPC APIs and its probes listen there"))]
     pub port: Option<i32>,
     /// The path messages are posted to.
     #[serde(default = "default_app_path")]
@@ -479,8 +480,9 @@ pub struct AppSpec {
     /// it the sidecar asks the app (`GET /dapr/subscribe`), then falls back to `path`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub subscription: Option<SubscriptionSpec>,
-    /// Set `DAPR_HTTP_PORT` in the app's containers to the sidecar's localhost API, so Dapr
-    /// SDKs and apps publish through it unchanged (a container's own value is kept).
+    /// Set `DAPR_HTTP_PORT` (3500) and `DAPR_GRPC_PORT` (50001) in the app's containers to
+    /// the sidecar's localhost APIs, so Dapr SDKs and apps publish through it unchanged (a
+    /// container's own value is kept).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dapr_env: bool,
     /// A Secret of the group's namespace holding Dapr's two API tokens: `dapr-api-token`,

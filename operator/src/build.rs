@@ -166,6 +166,10 @@ fn metadata(qcg: &QueueConsumerGroup) -> Result<ObjectMeta, SpecError> {
 pub const DAPR_HTTP_PORT: &str = "DAPR_HTTP_PORT";
 /// The sidecar's localhost API port: its default `--listen` (Dapr's port, 3500).
 pub const SIDECAR_API_PORT: u16 = 3500;
+/// What Dapr SDKs read to find their sidecar's gRPC API.
+pub const DAPR_GRPC_PORT: &str = "DAPR_GRPC_PORT";
+/// The sidecar's gRPC API port: its default `--grpc-listen` (Dapr's port, 50001).
+pub const SIDECAR_GRPC_PORT: u16 = 50001;
 
 /// A declared subscription as the entry of Dapr's `GET /dapr/subscribe` answer the sidecar
 /// reads (pure): one format for both ways of subscribing.
@@ -346,6 +350,7 @@ pub fn sidecar_settings(
         max_concurrency: s.concurrency.max(1) as usize,
         listen: SocketAddr::from(([127, 0, 0, 1], SIDECAR_API_PORT)),
         probe_listen: format!("0.0.0.0:{PROBE_PORT}"),
+        grpc_listen: format!("127.0.0.1:{SIDECAR_GRPC_PORT}"),
         grace_period: drain(settings),
         publish_to: PublishTargets(
             targets
@@ -683,8 +688,13 @@ pub fn deployment(
         }
         if qcg.spec.app.dapr_env {
             let vars = container.env.get_or_insert_with(Vec::new);
-            if !vars.iter().any(|v| v.name == DAPR_HTTP_PORT) {
-                vars.push(env(DAPR_HTTP_PORT, SIDECAR_API_PORT.to_string()));
+            for (name, port) in [
+                (DAPR_HTTP_PORT, SIDECAR_API_PORT),
+                (DAPR_GRPC_PORT, SIDECAR_GRPC_PORT),
+            ] {
+                if !vars.iter().any(|v| v.name == name) {
+                    vars.push(env(name, port.to_string()));
+                }
             }
         }
         let lifecycle = container.lifecycle.get_or_insert_with(Lifecycle::default);
@@ -1580,18 +1590,23 @@ mod tests {
             pod.containers
                 .iter()
                 .map(|c| {
-                    let value = c
-                        .env
-                        .iter()
-                        .flatten()
-                        .find(|v| v.name == DAPR_HTTP_PORT)
-                        .and_then(|v| v.value.clone());
-                    (c.name.clone(), value)
+                    let value = |name: &str| {
+                        c.env
+                            .iter()
+                            .flatten()
+                            .find(|v| v.name == name)
+                            .and_then(|v| v.value.clone())
+                    };
+                    (c.name.clone(), value(DAPR_HTTP_PORT), value(DAPR_GRPC_PORT))
                 })
                 .collect::<Vec<_>>()
         };
         let off = dapr_port(&group(json!({})));
-        assert!(off.iter().all(|(_, v)| v.is_none()), "{off:?}");
+        assert!(
+            off.iter()
+                .all(|(_, http, grpc)| http.is_none() && grpc.is_none()),
+            "{off:?}"
+        );
         let on = group(json!({
             "app": {"port": 8080, "daprEnv": true},
             "template": {"spec": {"containers": [
@@ -1602,9 +1617,17 @@ mod tests {
         assert_eq!(
             dapr_port(&on),
             [
-                ("app".to_owned(), Some("3500".to_owned())),
-                ("helper".to_owned(), Some("3600".to_owned())),
-                (SIDECAR_CONTAINER.to_owned(), None),
+                (
+                    "app".to_owned(),
+                    Some("3500".to_owned()),
+                    Some("50001".to_owned())
+                ),
+                (
+                    "helper".to_owned(),
+                    Some("3600".to_owned()),
+                    Some("50001".to_owned())
+                ),
+                (SIDECAR_CONTAINER.to_owned(), None, None),
             ]
         );
     }

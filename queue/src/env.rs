@@ -46,6 +46,8 @@ pub const APP_SUBSCRIPTION: &str = "COSMOSQ_APP_SUBSCRIPTION";
 /// Other queues the app may publish to: a JSON list of `{database, queue, endpoint, auth,
 /// keyFile}`.
 pub const PUBLISH_TO: &str = "COSMOSQ_PUBLISH_TO";
+/// Dapr's gRPC API, on a loopback address (empty: not served).
+pub const GRPC_LISTEN: &str = "COSMOSQ_GRPC_LISTEN";
 /// Deliveries in flight at most.
 pub const MAX_CONCURRENCY: &str = "COSMOSQ_MAX_CONCURRENCY";
 /// Deliveries before a message is dead-lettered.

@@ -205,30 +205,48 @@ async fn serve(
             })?,
     };
     let api_stop = CancellationToken::new();
-    let server = {
+    // The local API, Dapr's gRPC API and the probes: each stopped by `api_stop`.
+    let mut servers = Vec::new();
+    {
         let stop = api_stop.clone();
         let router = api::guarded(api::router(Arc::clone(&state)), config.api_token.clone());
-        tokio::spawn(async move {
-            axum::serve(listener, router)
+        servers.push(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, router)
                 .with_graceful_shutdown(stop.cancelled_owned())
                 .await
-        })
-    };
-    let probes = match config.probe_addr()? {
-        Some(addr) => {
-            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
-                SidecarError::Config(format!("--probe-listen (COSMOSQ_PROBE_LISTEN) {addr}: {e}"))
-            })?;
-            let stop = api_stop.clone();
-            let router = api::probe_router(Arc::clone(&state));
-            Some(tokio::spawn(async move {
-                axum::serve(listener, router)
-                    .with_graceful_shutdown(stop.cancelled_owned())
-                    .await
-            }))
-        }
-        None => None,
-    };
+            {
+                warn!(error = %e, "the local API stopped");
+            }
+        }));
+    }
+    if let Some(addr) = config.grpc_addr()? {
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+            SidecarError::Config(format!("--grpc-listen (COSMOSQ_GRPC_LISTEN) {addr}: {e}"))
+        })?;
+        info!(grpc = %listener.local_addr().unwrap_or(addr), "serving Dapr's gRPC API");
+        let api = crate::dapr::grpc::DaprApi::new(Arc::clone(&state), config.api_token.clone());
+        let stop = api_stop.clone();
+        servers.push(tokio::spawn(async move {
+            if let Err(e) = crate::dapr::grpc::serve(api, listener, stop).await {
+                warn!(error = %e, "Dapr's gRPC API stopped");
+            }
+        }));
+    }
+    if let Some(addr) = config.probe_addr()? {
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+            SidecarError::Config(format!("--probe-listen (COSMOSQ_PROBE_LISTEN) {addr}: {e}"))
+        })?;
+        let stop = api_stop.clone();
+        let router = api::probe_router(Arc::clone(&state));
+        servers.push(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, router)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+            {
+                warn!(error = %e, "the probe endpoints stopped");
+            }
+        }));
+    }
     info!(listen = %config.listen, queue = %config.queue, group = %config.group, %owner, "sidecar started; waiting for the app");
 
     let background = CancellationToken::new();
@@ -243,10 +261,7 @@ async fn serve(
     if !matches!(started, Ok(true)) {
         state.drained.cancel();
         api_stop.cancel();
-        let _ = server.await;
-        if let Some(probes) = probes {
-            let _ = probes.await;
-        }
+        futures::future::join_all(servers).await;
         return started.map(|_| ());
     }
     state.ready.store(true, Ordering::Relaxed);
@@ -287,10 +302,7 @@ async fn serve(
     tasks.close();
     tasks.wait().await;
     api_stop.cancel();
-    let _ = server.await;
-    if let Some(probes) = probes {
-        let _ = probes.await;
-    }
+    futures::future::join_all(servers).await;
     info!("sidecar drained: deliveries settled, leases released");
     result.map_err(SidecarError::from)
 }

@@ -269,6 +269,10 @@ pub struct SidecarSettings {
     /// The localhost API (enqueue, health, metrics); loopback addresses only.
     #[arg(long, env = env::LISTEN, default_value = "127.0.0.1:3500")]
     pub listen: SocketAddr,
+    /// Dapr's gRPC API (publish, bulk publish, metadata, shutdown), where Dapr SDKs find it as
+    /// `DAPR_GRPC_PORT`; loopback addresses only. Empty to turn off.
+    #[arg(long, env = env::GRPC_LISTEN, default_value = "127.0.0.1:50001")]
+    pub grpc_listen: String,
     /// Health, readiness and metrics for the kubelet and Prometheus (read-only; the enqueue API
     /// stays on --listen). Empty to turn off.
     #[arg(long, env = env::PROBE_LISTEN, default_value = "0.0.0.0:9464")]
@@ -386,6 +390,24 @@ impl SidecarSettings {
                 ),
             );
         }
+        if let Some(grpc) = self.grpc_addr()? {
+            if !grpc.ip().is_loopback() {
+                return bad(
+                    "--grpc-listen (COSMOSQ_GRPC_LISTEN)",
+                    format!(
+                        "{grpc} is not a loopback address; the API is for the app next to it only"
+                    ),
+                );
+            }
+            if grpc.port() != 0
+                && (grpc.port() == self.listen.port() || Some(grpc.port()) == self.app_port)
+            {
+                return bad(
+                    "--grpc-listen (COSMOSQ_GRPC_LISTEN)",
+                    "must use its own port".into(),
+                );
+            }
+        }
         let probe = self.probe_addr()?;
         if probe.is_some_and(|p| p.port() == self.listen.port() || Some(p.port()) == self.app_port)
         {
@@ -401,6 +423,19 @@ impl SidecarSettings {
             .export()
             .map_err(|e| SidecarError::Config(e.to_string()))?;
         Ok(())
+    }
+
+    /// Where Dapr's gRPC API listens; `None` when turned off.
+    pub fn grpc_addr(&self) -> Result<Option<SocketAddr>, SidecarError> {
+        if self.grpc_listen.trim().is_empty() {
+            return Ok(None);
+        }
+        self.grpc_listen.trim().parse().map(Some).map_err(|_| {
+            SidecarError::Config(format!(
+                "--grpc-listen (COSMOSQ_GRPC_LISTEN): {:?} is not an address such as 127.0.0.1:50001",
+                self.grpc_listen
+            ))
+        })
     }
 
     /// Where the probe endpoints listen; `None` when turned off.
@@ -558,6 +593,7 @@ impl SidecarSettings {
             (env::MAX_POLL, duration(self.max_poll)),
             (env::SWEEP_INTERVAL, duration(self.sweep_interval)),
             (env::LISTEN, self.listen.to_string()),
+            (env::GRPC_LISTEN, self.grpc_listen.clone()),
             (env::PROBE_LISTEN, self.probe_listen.clone()),
             (env::GRACE_PERIOD, duration(self.grace_period)),
             (env::POD_DELETION_COST, self.pod_deletion_cost.to_string()),
@@ -587,7 +623,7 @@ impl SidecarSettings {
 
     /// Timings for consumers that all run on one machine (the demo, the tests): a stopped
     /// holder's leases are taken within about two seconds and an idle range is read every
-    /// 100 ms; the API on a free loopback port, no probe port and no pod to mark.
+    /// 100 ms; the API on a free loopback port, no gRPC API, no probe port and no pod to mark.
     pub fn on_one_machine(self) -> Self {
         Self {
             lease_acquire: Duration::from_millis(100),
@@ -599,6 +635,7 @@ impl SidecarSettings {
             retry_max_backoff: Duration::from_millis(200),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             probe_listen: String::new(),
+            grpc_listen: String::new(),
             pod_deletion_cost: false,
             ..self
         }
@@ -663,6 +700,7 @@ mod tests {
         changed.pod_name = Some("billing-workers-abc".into());
         changed.pod_namespace = Some("shop".into());
         changed.otlp = OtlpArgs::to_endpoint("http://otel:4318");
+        changed.grpc_listen = "127.0.0.1:50002".into();
         changed.publish_to = PublishTargets(vec![
             target("invoices", Auth::Key, Some("/var/run/cosmosq/key")),
             target("audit", Auth::Identity, None),

@@ -55,6 +55,7 @@ async fn sigterm_drains_and_a_second_signal_exits_at_once() {
                     "COSMOSQ_PROBE_LISTEN",
                     &format!("127.0.0.1:{}", free_port()),
                 ),
+                ("COSMOSQ_GRPC_LISTEN", &format!("127.0.0.1:{}", free_port())),
                 ("RUST_LOG", "warn"),
             ])
             .stdout(Stdio::null())

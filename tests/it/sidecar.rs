@@ -1692,6 +1692,115 @@ async fn a_pipeline_of_sdk_apps_publishes_each_order_once_to_the_next_queue() {
     }
 }
 
+/// A publisher on Dapr's Python SDK (`tests/python/dapr_grpc_client.py`: `DaprClient`, which
+/// speaks Dapr's gRPC API) and a subscriber on Dapr's JavaScript SDK (`DaprServer` over HTTP),
+/// both unchanged, next to one sidecar: what Python publishes, singly (with a TTL and a trace
+/// context in its gRPC metadata) and in bulk, reaches the JavaScript handler once each, with
+/// its data and its trace; the metadata call sees the pub/sub and the attribute it set; a topic
+/// not granted is refused with gRPC's `PERMISSION_DENIED` and Dapr's reason
+/// `DAPR_PUBSUB_FORBIDDEN`; a building block the sidecar does not serve is `UNIMPLEMENTED`,
+/// named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_python_sdk_publishes_over_grpc_the_javascript_sdk_receives() {
+    let fixture = Fixture::new(1).await;
+    let (app_port, api_port, grpc_port) = (free_port(), free_port(), free_port());
+    let (_subscriber, mut received) = node_sdk_app(app_port, api_port, &["subscribe"]);
+    let sidecar = start_sidecar(
+        &fixture,
+        SidecarSettings {
+            grpc_listen: format!("127.0.0.1:{grpc_port}"),
+            ..settings("orders-app", app_port, api_port)
+        },
+    );
+    // The subscriber is up (and subscribed) before the publisher starts.
+    let started = next_event(&mut received, &"nothing").await;
+    assert_eq!(started["step"], "server started", "{started}");
+
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/dapr_grpc_client.py");
+    let (_publisher, mut published) = spawn_app(
+        std::process::Command::new(cosmosq_tests::python_with("dapr.clients"))
+            .args([script, "q", traceparent])
+            .env("DAPR_HTTP_PORT", api_port.to_string())
+            .env("DAPR_GRPC_PORT", grpc_port.to_string()),
+    );
+    let mut steps: Vec<serde_json::Value> = Vec::new();
+    while !steps.iter().any(|s| s["step"] == "state") {
+        steps.push(next_event(&mut published, &steps).await);
+    }
+    let step = |name: &str| steps.iter().find(|s| s["step"] == name).unwrap().clone();
+    assert_eq!(step("published in bulk")["failed"], 0);
+    let metadata = step("metadata");
+    assert_eq!(metadata["id"], "orders-app", "{metadata}");
+    assert!(
+        metadata["components"]
+            .as_array()
+            .unwrap()
+            .contains(&json!({"name": "pubsub", "type": "pubsub.cosmosq"})),
+        "{metadata}"
+    );
+    assert_eq!(metadata["extended"]["team"], "payments", "{metadata}");
+    let forbidden = &step("forbidden")["error"];
+    assert_eq!(
+        (&forbidden["code"], &forbidden["reason"]),
+        (&json!("PERMISSION_DENIED"), &json!("DAPR_PUBSUB_FORBIDDEN")),
+        "{forbidden}"
+    );
+    let state = &step("state")["error"];
+    assert_eq!(state["code"], "UNIMPLEMENTED", "{state}");
+    assert!(
+        state["message"]
+            .as_str()
+            .unwrap()
+            .contains("dapr.proto.runtime.v1.Dapr/SaveState is not served"),
+        "{state}"
+    );
+
+    let mut events: Vec<serde_json::Value> = Vec::new();
+    while events.len() < 3 {
+        let event = next_event(&mut received, &events).await;
+        assert_ne!(event["step"], "failed", "{event}");
+        events.push(event);
+    }
+    let group = fixture.group(GroupConfig::new("orders-app"));
+    eventually("every message settled", Duration::from_secs(30), || async {
+        group.estimate().await.unwrap().backlog() == 0
+    })
+    .await;
+    while let Ok(line) = received.try_recv() {
+        events.push(serde_json::from_str(&line).expect("a JSON line"));
+    }
+    let mut data: Vec<String> = events.iter().map(|e| e["data"].to_string()).collect();
+    data.sort();
+    assert_eq!(
+        data,
+        [
+            r#"{"from":"python"}"#,
+            r#"{"from":"python-bulk","n":1}"#,
+            r#"{"from":"python-bulk","n":2}"#
+        ],
+        "each once, as published"
+    );
+    let single = events
+        .iter()
+        .find(|e| e["data"]["from"] == "python")
+        .unwrap();
+    let trace_id = |t: &serde_json::Value| {
+        t.as_str()
+            .unwrap_or_default()
+            .split('-')
+            .nth(1)
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        trace_id(&single["traceparent"]),
+        trace_id(&json!(traceparent)),
+        "the publisher's trace: {single}"
+    );
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+}
+
 /// An app on Dapr's Python SDK (`dapr-ext-fastapi` from PyPI, unchanged, in
 /// `tests/python/dapr_fastapi_app.py`): `DaprApp.subscribe` is discovered, every message reaches
 /// its handler as a CloudEvent with the pub/sub and topic it subscribed to (an id repeated
@@ -2032,10 +2141,12 @@ async fn the_api_and_the_app_are_told_apart_by_dapr_api_tokens() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let app_port = listener.local_addr().unwrap().port();
     tokio::spawn(async move { axum::serve(listener, app).await });
+    let grpc_port = free_port();
     let config = SidecarSettings {
         api_token: Some("api-s3cret".parse().unwrap()),
         app_api_token: Some("app-s3cret".parse().unwrap()),
         app_health_path: Some("/messages".into()),
+        grpc_listen: format!("127.0.0.1:{grpc_port}"),
         ..settings("g", app_port, free_port())
     };
     let said = format!("{config:?}");
@@ -2102,8 +2213,47 @@ async fn the_api_and_the_app_are_told_apart_by_dapr_api_tokens() {
             .any(|(p, _)| p == "POST /messages")
     })
     .await;
-    sidecar.stop.cancel();
-    let _ = sidecar.task.await;
+    // Dapr's gRPC API asks for the same token (Dapr's Rust SDK's generated client): a call
+    // without it is refused; with it, a publish is taken and Shutdown drains the sidecar,
+    // which then ends on its own.
+    use dapr::dapr::proto::runtime::v1 as pb;
+    let mut grpc = pb::dapr_client::DaprClient::connect(format!("http://127.0.0.1:{grpc_port}"))
+        .await
+        .expect("the gRPC API listens");
+    fn with_token<T>(token: Option<&str>, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(token) = token {
+            request
+                .metadata_mut()
+                .insert("dapr-api-token", token.parse().unwrap());
+        }
+        request
+    }
+    let event = pb::PublishEventRequest {
+        pubsub_name: "cosmosq".into(),
+        topic: "q".into(),
+        data: br#"{"n": 2}"#.to_vec(),
+        data_content_type: "application/json".into(),
+        ..Default::default()
+    };
+    for refused in [None, Some("app-s3cret")] {
+        let status = grpc
+            .publish_event(with_token(refused, event.clone()))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    }
+    grpc.publish_event(with_token(Some("api-s3cret"), event))
+        .await
+        .expect("published with the token");
+    grpc.shutdown(with_token(Some("api-s3cret"), pb::ShutdownRequest {}))
+        .await
+        .expect("shut down");
+    tokio::time::timeout(Duration::from_secs(30), sidecar.task)
+        .await
+        .expect("the sidecar stops after Shutdown, not told by its caller")
+        .unwrap()
+        .unwrap();
     let presented = presented.lock().unwrap().clone();
     // The health checks, the subscription lookup and the delivery all said who is calling.
     assert!(presented.len() >= 3, "{presented:?}");

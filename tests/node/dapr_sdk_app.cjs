@@ -4,7 +4,8 @@
 //
 // With MODE "rules" the subscription is made with `subscribeWithOptions`: a routing rule (CEL
 // over the CloudEvent) sends widgets to one handler and everything else to the default's, and
-// the client publishes one of each.
+// the client publishes one of each. With MODE "subscribe" it only subscribes (another
+// publishes).
 //
 // Usage: node dapr_sdk_app.cjs APP_PORT TOPIC [MODE]   (DAPR_HTTP_PORT: the sidecar's port)
 // Prints one JSON line per step and per event received.
@@ -44,6 +45,7 @@ async function main() {
   // Starts the app's server, then waits until the sidecar answers its metadata.
   await server.start();
   print({ step: "server started" });
+  if (mode === "subscribe") return;
 
   const client = new DaprClient({
     daprHost,

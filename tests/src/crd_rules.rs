@@ -456,6 +456,14 @@ pub fn cases() -> Vec<RuleCase> {
             group_spec(json!({"concurrency": 7})),
             None,
         ),
+        // The sidecar's ports are its own.
+        case(
+            "app-port-grpc",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 50001}})),
+            Some("app.port cannot be 3500, 50001 or 9464"),
+            true,
+        ),
         // A pipeline: other queues, each once.
         case(
             "publish-to",

@@ -95,19 +95,36 @@ pub fn document(
     document
 }
 
-/// `GET /v1.0/metadata`.
-pub async fn get(State(state): State<Arc<ApiState>>) -> Json<Value> {
+/// The metadata document of the sidecar as it is now.
+pub fn current(state: &ApiState) -> Value {
     let attributes = state
         .attributes
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
-    Json(document(
+    document(
         &state.about,
         state.pubsub_name.get().map(String::as_str),
         state.subscription.get(),
         &attributes,
-    ))
+    )
+}
+
+/// `GET /v1.0/metadata`.
+pub async fn get(State(state): State<Arc<ApiState>>) -> Json<Value> {
+    Json(current(&state))
+}
+
+/// Sets one of the app's attributes; a new key past [`MAX_ATTRIBUTES`] is refused.
+pub fn set(state: &ApiState, key: String, value: String) -> Result<(), String> {
+    let mut attributes = state.attributes.lock().unwrap_or_else(|e| e.into_inner());
+    if !attributes.contains_key(&key) && attributes.len() >= MAX_ATTRIBUTES {
+        return Err(format!(
+            "metadata {key:?}: at most {MAX_ATTRIBUTES} attributes are kept"
+        ));
+    }
+    attributes.insert(key, value);
+    Ok(())
 }
 
 /// The most attributes kept: they live in the sidecar's memory, and a loop in the app must
@@ -127,14 +144,13 @@ pub async fn put(
     body: axum::body::Bytes,
 ) -> Response {
     let value = String::from_utf8_lossy(&body).into_owned();
-    let mut attributes = state.attributes.lock().unwrap_or_else(|e| e.into_inner());
-    if !attributes.contains_key(&key) && attributes.len() >= MAX_ATTRIBUTES {
-        let message = format!("metadata {key:?}: at most {MAX_ATTRIBUTES} attributes are kept");
-        let body = json!({"errorCode": "ERR_METADATA_SET", "message": message});
-        return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+    match set(&state, key, value) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(message) => {
+            let body = json!({"errorCode": "ERR_METADATA_SET", "message": message});
+            (StatusCode::BAD_REQUEST, Json(body)).into_response()
+        }
     }
-    attributes.insert(key, value);
-    StatusCode::NO_CONTENT.into_response()
 }
 
 #[cfg(test)]

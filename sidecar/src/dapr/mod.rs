@@ -22,6 +22,7 @@ use crate::app::PUBSUB_NAME;
 use crate::spans::Publish;
 
 pub mod go_json;
+pub mod grpc;
 pub mod metadata;
 
 /// `POST /v1.0/shutdown`, Dapr's shutdown API (Jobs call it when their work is done): the
@@ -29,9 +30,14 @@ pub mod metadata;
 /// then exits (a SIGTERM meanwhile starts the usual grace period). `204` at once, as daprd
 /// answers. Behind the API token when one is set.
 pub async fn shutdown(State(state): State<Arc<ApiState>>) -> StatusCode {
+    stop(&state);
+    StatusCode::NO_CONTENT
+}
+
+/// Stops the sidecar as SIGTERM does: Dapr's shutdown API, over HTTP or gRPC.
+fn stop(state: &ApiState) {
     tracing::info!("shutdown requested through the API: draining, then exiting");
     state.stopping.cancel();
-    StatusCode::NO_CONTENT
 }
 
 /// Why a publish was refused, each with Dapr's error code.
@@ -71,7 +77,8 @@ pub enum PublishError {
 }
 
 impl PublishError {
-    fn code(&self) -> &'static str {
+    /// Dapr's error code (`ERR_PUBSUB_NOT_FOUND`, …).
+    pub fn code(&self) -> &'static str {
         match self {
             Self::PubsubNotFound(_) => "ERR_PUBSUB_NOT_FOUND",
             Self::TopicForbidden { .. } => "ERR_PUBSUB_FORBIDDEN",
@@ -82,7 +89,8 @@ impl PublishError {
         }
     }
 
-    fn status(&self) -> StatusCode {
+    /// The HTTP API's status for it.
+    pub fn status(&self) -> StatusCode {
         match self {
             Self::PubsubNotFound(_)
             | Self::CloudEvent(_)
@@ -253,6 +261,32 @@ fn count<E>(state: &ApiState, result: &Result<EnqueueOutcome, E>) {
     state.metrics.enqueued.with_label_values(&[label]).inc();
 }
 
+/// One publish, whichever API it came through: checked, made a message and enqueued on the
+/// topic's queue, in a span under the caller's trace; counted in the enqueue metric.
+pub(crate) async fn publish_one(
+    state: &ApiState,
+    pubsub: &str,
+    topic: &str,
+    content_type: Option<&str>,
+    query: &HashMap<String, String>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<(), PublishError> {
+    let published = async {
+        let queue = published_queue(state, pubsub, topic).await?;
+        let message = message_of(content_type, query, body)?;
+        let mut publish = Publish::one(state, queue.name(), headers, &message);
+        let enqueued = queue.enqueue(publish.stamp(message)).await;
+        if let Err(e) = &enqueued {
+            publish.failed(1, &e.to_string());
+        }
+        Ok::<_, PublishError>(enqueued?)
+    }
+    .await;
+    count(state, &published);
+    published.map(|_| ())
+}
+
 /// `POST /v1.0/publish/<pubsubname>/<topic>`.
 pub async fn publish(
     State(state): State<Arc<ApiState>>,
@@ -261,28 +295,26 @@ pub async fn publish(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let published = async {
-        let queue = published_queue(&state, &pubsub, &topic).await?;
-        let content_type = headers
-            .get(axum::http::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok());
-        let message = message_of(content_type, &query, &body)?;
-        let mut publish = Publish::one(&state, queue.name(), &headers, &message);
-        let enqueued = queue.enqueue(publish.stamp(message)).await;
-        if let Err(e) = &enqueued {
-            publish.failed(1, &e.to_string());
-        }
-        Ok::<_, PublishError>(enqueued?)
-    }
-    .await;
-    count(&state, &published);
-    match published {
-        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+    let content_type = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    match publish_one(
+        &state,
+        &pubsub,
+        &topic,
+        content_type,
+        &query,
+        &headers,
+        &body,
+    )
+    .await
+    {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
 }
 
-/// One entry of a bulk publish, as Dapr's API takes it.
+/// One entry of a bulk publish, as Dapr's HTTP API takes it.
 #[derive(Debug, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct BulkEntry {
@@ -294,16 +326,59 @@ struct BulkEntry {
     metadata: HashMap<String, String>,
 }
 
-/// The messages of a bulk publish (pure), each under its `entryId`, and the entries refused
-/// with why. Each entry is what a single publish of its `event` with its `contentType` (a
-/// string event: `text/plain`, other JSON: `application/json`) would be, with the request's
-/// `metadata.*` and the entry's own `metadata` (which wins).
-pub fn bulk_messages(query: &HashMap<String, String>, body: &[u8]) -> Result<Bulk, PublishError> {
+/// One entry of a bulk publish, as either API carries it: the event's bytes.
+#[derive(Debug)]
+pub struct RawEntry {
+    /// The publisher's id of the entry (its answer names failed entries by it).
+    pub entry_id: String,
+    /// The event.
+    pub event: Vec<u8>,
+    /// Its media type; `text/plain` when none.
+    pub content_type: Option<String>,
+    /// The entry's own metadata (it wins over the request's).
+    pub metadata: HashMap<String, String>,
+}
+
+/// The entries of an HTTP bulk publish's body (pure): JSON, its field names read as daprd's
+/// Go decoder reads them. A string event is `text/plain`, other JSON `application/json`,
+/// unless the entry says.
+fn http_entries(body: &[u8]) -> Result<Vec<RawEntry>, PublishError> {
     let mut body: Value =
         serde_json::from_slice(body).map_err(|e| PublishError::BulkBody(e.to_string()))?;
     go_json::fold_each(&mut body, &["entryId", "event", "contentType", "metadata"]);
     let entries: Vec<BulkEntry> =
         serde_json::from_value(body).map_err(|e| PublishError::BulkBody(e.to_string()))?;
+    Ok(entries
+        .into_iter()
+        .map(|entry| {
+            let content_type = entry.content_type.unwrap_or_else(|| {
+                if entry.event.is_string() {
+                    "text/plain".into()
+                } else {
+                    "application/json".into()
+                }
+            });
+            let event = match (&entry.event, content_type.starts_with("text/")) {
+                (Value::String(text), true) => text.clone().into_bytes(),
+                (event, _) => serde_json::to_vec(event).unwrap_or_default(),
+            };
+            RawEntry {
+                entry_id: entry.entry_id,
+                event,
+                content_type: Some(content_type),
+                metadata: entry.metadata,
+            }
+        })
+        .collect())
+}
+
+/// The messages of a bulk publish (pure), each under its `entryId`, and the entries refused
+/// with why. Each entry is what a single publish of its event with its content type would be,
+/// with the request's `metadata.*` and the entry's own `metadata` (which wins).
+pub fn entry_messages(
+    query: &HashMap<String, String>,
+    entries: Vec<RawEntry>,
+) -> Result<Bulk, PublishError> {
     let mut ids = std::collections::HashSet::new();
     if let Some(e) = entries.iter().find(|e| !ids.insert(e.entry_id.as_str())) {
         return Err(PublishError::BulkBody(format!(
@@ -313,27 +388,21 @@ pub fn bulk_messages(query: &HashMap<String, String>, body: &[u8]) -> Result<Bul
     }
     let (mut messages, mut failed) = (Vec::new(), Vec::new());
     for entry in entries {
-        let content_type = entry.content_type.unwrap_or_else(|| {
-            if entry.event.is_string() {
-                "text/plain".into()
-            } else {
-                "application/json".into()
-            }
-        });
-        let bytes = match (&entry.event, content_type.starts_with("text/")) {
-            (Value::String(text), true) => text.clone().into_bytes(),
-            (event, _) => serde_json::to_vec(event).unwrap_or_default(),
-        };
         let mut params = query.clone();
         for (key, value) in entry.metadata {
             params.insert(format!("metadata.{key}"), value);
         }
-        match message_of(Some(&content_type), &params, &bytes) {
+        match message_of(entry.content_type.as_deref(), &params, &entry.event) {
             Ok(message) => messages.push((entry.entry_id, message)),
             Err(e) => failed.push((entry.entry_id, e.to_string())),
         }
     }
     Ok(Bulk { messages, failed })
+}
+
+/// [`entry_messages`] of an HTTP bulk publish's body (pure).
+pub fn bulk_messages(query: &HashMap<String, String>, body: &[u8]) -> Result<Bulk, PublishError> {
+    entry_messages(query, http_entries(body)?)
 }
 
 /// A bulk publish's entries: the messages by `entryId`, and the entries refused with why.
@@ -345,18 +414,17 @@ pub struct Bulk {
     pub failed: Vec<(String, String)>,
 }
 
-/// `POST /v1.0-alpha1/publish/bulk/<pubsubname>/<topic>`: `204` when every entry was
-/// enqueued; otherwise Dapr's `500` with `{"failedEntries": [{"entryId", "error"}],
-/// "errorCode": "ERR_PUBSUB_PUBLISH_MESSAGE"}` (the others were enqueued).
-pub async fn publish_bulk(
-    State(state): State<Arc<ApiState>>,
-    Path((pubsub, topic)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    let parsed = match published_queue(&state, &pubsub, &topic).await {
-        Ok(queue) => bulk_messages(&query, &body).map(|bulk| (queue, bulk)),
+/// A bulk publish, whichever API it came through: the entries that were not enqueued, with
+/// why (the others were), or why none was.
+pub(crate) async fn publish_entries(
+    state: &ApiState,
+    pubsub: &str,
+    topic: &str,
+    headers: &HeaderMap,
+    bulk: Result<Bulk, PublishError>,
+) -> Result<Vec<(String, String)>, PublishError> {
+    let parsed = match published_queue(state, pubsub, topic).await {
+        Ok(queue) => bulk.map(|bulk| (queue, bulk)),
         Err(e) => Err(e),
     };
     let (
@@ -372,13 +440,13 @@ pub async fn publish_bulk(
         }
         Err(e) => {
             state.metrics.rejected(1);
-            return e.into_response();
+            return Err(e);
         }
     };
     let mut publish = Publish::start(
         &state.telemetry,
         queue.name(),
-        crate::api::caller_trace(&headers),
+        crate::api::caller_trace(headers),
         messages.len(),
     );
     let (entry_ids, messages): (Vec<String>, Vec<NewMessage>) = messages
@@ -389,15 +457,33 @@ pub async fn publish_bulk(
         .into_iter()
         .zip(queue.enqueue_batch(messages).await)
     {
-        count(&state, &result);
+        count(state, &result);
         if let Err(e) = result {
             failed.push((entry_id, e.to_string()));
         }
     }
-    if failed.is_empty() {
-        return StatusCode::NO_CONTENT.into_response();
+    if !failed.is_empty() {
+        publish.failed(failed.len(), "some messages were not enqueued");
     }
-    publish.failed(failed.len(), "some messages were not enqueued");
+    Ok(failed)
+}
+
+/// `POST /v1.0-alpha1/publish/bulk/<pubsubname>/<topic>`: `204` when every entry was
+/// enqueued; otherwise Dapr's `500` with `{"failedEntries": [{"entryId", "error"}],
+/// "errorCode": "ERR_PUBSUB_PUBLISH_MESSAGE"}` (the others were enqueued).
+pub async fn publish_bulk(
+    State(state): State<Arc<ApiState>>,
+    Path((pubsub, topic)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let bulk = bulk_messages(&query, &body);
+    let failed = match publish_entries(&state, &pubsub, &topic, &headers, bulk).await {
+        Ok(failed) if failed.is_empty() => return StatusCode::NO_CONTENT.into_response(),
+        Ok(failed) => failed,
+        Err(e) => return e.into_response(),
+    };
     let failed: Vec<Value> = failed
         .into_iter()
         .map(|(entry_id, error)| json!({"entryId": entry_id, "error": error}))
