@@ -469,6 +469,11 @@ pub struct AppSpec {
     /// (`/v1/receive`, see docs/app-contract.md), and `port`, `path` and `format` are not used.
     #[serde(default)]
     pub mode: GroupAppMode,
+    /// `HTTP` (default: Dapr's HTTP pub/sub contract at `port`) or `GRPC` (Dapr's gRPC
+    /// `AppCallback` service at `port`, as `--app-protocol grpc`: `ListTopicSubscriptions` at
+    /// start, `OnTopicEvent` per message; `path`, `format` and `healthPath` are not used).
+    #[serde(default)]
+    pub protocol: GroupAppProtocol,
     /// `CloudEvents` (default: a structured CloudEvent, the message in `data`) or `Raw` (the body as is).
     #[serde(default)]
     pub format: GroupAppFormat,
@@ -580,6 +585,22 @@ pub enum GroupAppMode {
     #[default]
     Push,
     Pull,
+}
+
+/// How the sidecar calls the app: `HTTP` or `gRPC`.
+// The values are described on the field.
+#[allow(missing_docs)]
+#[derive(
+    schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default,
+)]
+// Kubernetes API style; Dapr's own spellings (`--app-protocol http|grpc`) are accepted too.
+#[schemars(extend("enum" = ["HTTP", "GRPC", "http", "grpc"]))]
+pub enum GroupAppProtocol {
+    #[default]
+    #[serde(rename = "HTTP", alias = "http")]
+    Http,
+    #[serde(rename = "GRPC", alias = "grpc")]
+    Grpc,
 }
 
 /// What the app receives: `CloudEvents` (a CloudEvents 1.0 structured event, as Dapr

@@ -339,6 +339,7 @@ pub fn sidecar_settings(
         app_port: s.app.port.and_then(|p| u16::try_from(p).ok()),
         app_path: s.app.path.clone(),
         app_mode: spec::app_mode(s.app.mode),
+        app_protocol: spec::app_protocol(s.app.protocol),
         app_format: spec::app_format(s.app.format),
         app_timeout: settings.app_timeout,
         app_subscription: s

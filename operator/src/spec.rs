@@ -12,7 +12,7 @@ use cosmosq_queue::backoff::RetryPolicy;
 use cosmosq_queue::config::{self, GroupConfig, QueueConfig, Throughput};
 use cosmosq_scaling::Policy;
 use cosmosq_sidecar::app::AppFormat;
-use cosmosq_sidecar::settings::AppMode;
+use cosmosq_sidecar::settings::{AppMode, AppProtocol};
 use kube::ResourceExt;
 
 /// A field of a spec that cannot be used as it is; only its owner can fix it, so what refused
@@ -81,6 +81,14 @@ pub fn app_mode(mode: crd::GroupAppMode) -> AppMode {
     match mode {
         crd::GroupAppMode::Push => AppMode::Push,
         crd::GroupAppMode::Pull => AppMode::Pull,
+    }
+}
+
+/// `spec.app.protocol`.
+pub fn app_protocol(protocol: crd::GroupAppProtocol) -> AppProtocol {
+    match protocol {
+        crd::GroupAppProtocol::Http => AppProtocol::Http,
+        crd::GroupAppProtocol::Grpc => AppProtocol::Grpc,
     }
 }
 

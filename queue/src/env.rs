@@ -37,6 +37,8 @@ pub const APP_PATH: &str = "COSMOSQ_APP_PATH";
 pub const APP_FORMAT: &str = "COSMOSQ_APP_FORMAT";
 /// `push` (deliveries posted to the app) or `pull` (workers receive through the API).
 pub const APP_MODE: &str = "COSMOSQ_APP_MODE";
+/// How the app is called: `http` or `grpc` (Dapr's `AppCallback`).
+pub const APP_PROTOCOL: &str = "COSMOSQ_APP_PROTOCOL";
 /// How long the app may take for one message.
 pub const APP_TIMEOUT: &str = "COSMOSQ_APP_TIMEOUT";
 /// The app's readiness path (a TCP connect when unset).

@@ -9,6 +9,7 @@ pub mod api;
 pub mod app;
 pub mod breaker;
 pub mod bulk;
+pub mod callback;
 pub mod dapr;
 pub mod deletion_cost;
 pub mod delivery;

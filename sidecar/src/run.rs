@@ -13,18 +13,19 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::api::{self, ApiState};
+use crate::callback::GrpcTransport;
 use crate::deletion_cost::{self, PodPatcher};
 use crate::delivery::AppClient;
 use crate::error::SidecarError;
 use crate::metrics::SidecarMetrics;
-use crate::settings::{AppMode, SidecarSettings};
+use crate::settings::{AppMode, AppProtocol, SidecarSettings};
 use crate::spans;
 use crate::subscribe;
-use crate::transport::HttpTransport;
+use crate::transport::{HttpTransport, Transport};
 
 /// Who takes the group's deliveries: the app pushed to, or the workers' pull queue.
 enum App {
-    Push(Arc<AppClient>),
+    Push(Arc<AppClient<Transport>>),
     Pull(Pull),
 }
 
@@ -146,13 +147,20 @@ async fn serve(
     // The app pushed to, at its port; or none: pull workers come to the API.
     let (pushed, handler, puller) = match (config.app_mode, config.app_port) {
         (AppMode::Push, Some(port)) => {
-            let transport = HttpTransport::new(
-                port,
-                &config.app_path,
-                config.app_format,
-                config.app_timeout,
-                config.app_api_token.as_ref(),
-            );
+            let transport = match config.app_protocol {
+                AppProtocol::Http => Transport::Http(HttpTransport::new(
+                    port,
+                    &config.app_path,
+                    config.app_format,
+                    config.app_timeout,
+                    config.app_api_token.as_ref(),
+                )),
+                AppProtocol::Grpc => Transport::Grpc(GrpcTransport::new(
+                    port,
+                    config.app_timeout,
+                    config.app_api_token.as_ref(),
+                )),
+            };
             let app = Arc::new(AppClient::new(transport, Arc::clone(&metrics)));
             (Some((Arc::clone(&app), port)), App::Push(app), None)
         }
@@ -311,7 +319,7 @@ async fn serve(
 /// first; an error for a subscription that cannot be followed (nothing is delivered to routes
 /// the app did not mean).
 async fn start_pushing(
-    app: &AppClient,
+    app: &AppClient<Transport>,
     port: u16,
     config: &SidecarSettings,
     state: &ApiState,
@@ -338,12 +346,23 @@ async fn start_pushing(
     if !wait_for_app(port, config, shutdown).await {
         return Ok(false);
     }
-    let subscription = match declared {
-        Some(subscription) => Some(subscription),
-        None => subscribe::discover(port, &config.queue, config.app_api_token.as_ref())
-            .await
-            .map_err(|e| SidecarError::Config(e.to_string()))?,
+    let discovered = match (declared, app.transport()) {
+        (Some(subscription), _) => Ok(Some(subscription)),
+        (None, Transport::Http(_)) => {
+            subscribe::discover(port, &config.queue, config.app_api_token.as_ref()).await
+        }
+        (None, Transport::Grpc(grpc)) => grpc.subscriptions(&config.queue).await,
     };
+    let subscription = discovered.map_err(|e| SidecarError::Config(e.to_string()))?;
+    // Over gRPC there is no path to fall back to: an app that does not subscribe to the queue
+    // would have every message dead-lettered; it is refused instead, saying why.
+    if subscription.is_none() && matches!(app.transport(), Transport::Grpc(_)) {
+        return Err(SidecarError::Config(format!(
+            "--app-protocol grpc: the app's ListTopicSubscriptions lists no subscription to \
+             topic {:?} (the queue); subscribe to it, or declare the subscription in the group",
+            config.queue
+        )));
+    }
     if let Some(subscription) = subscription {
         known(&subscription);
         app.transport().subscribe(subscription);
@@ -360,7 +379,12 @@ async fn wait_for_app(port: u16, config: &SidecarSettings, shutdown: &Cancellati
         .expect("plain client");
     let mut delay = Duration::from_millis(100);
     loop {
-        let ready = match &config.app_health_path {
+        // A gRPC app's health is its port (`app.healthPath` is an HTTP path).
+        let health_path = match config.app_protocol {
+            AppProtocol::Http => config.app_health_path.as_ref(),
+            AppProtocol::Grpc => None,
+        };
+        let ready = match health_path {
             Some(path) => http
                 .get(format!("http://127.0.0.1:{port}{path}"))
                 .send()

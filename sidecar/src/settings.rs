@@ -33,6 +33,16 @@ pub enum AppMode {
     Pull,
 }
 
+/// How the sidecar calls the app, as Dapr's `--app-protocol`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum AppProtocol {
+    /// Dapr's HTTP pub/sub contract: `GET /dapr/subscribe`, a POST per message.
+    #[default]
+    Http,
+    /// Dapr's gRPC `AppCallback`: `ListTopicSubscriptions`, `OnTopicEvent` per message.
+    Grpc,
+}
+
 /// A shared secret between the sidecar and the app: never printed (`Debug` says `<redacted>`).
 #[derive(Clone, PartialEq, Eq)]
 pub struct Token(String);
@@ -199,6 +209,10 @@ pub struct SidecarSettings {
     /// through the localhost API (`/v1/receive`), and the app's port is not waited for.
     #[arg(long, env = env::APP_MODE, value_enum, default_value_t = AppMode::Push)]
     pub app_mode: AppMode,
+    /// `http` (Dapr's HTTP pub/sub contract) or `grpc` (Dapr's `AppCallback` service at the
+    /// app's port).
+    #[arg(long, env = env::APP_PROTOCOL, value_enum, default_value_t = AppProtocol::Http)]
+    pub app_protocol: AppProtocol,
     /// What the app receives: `cloudevents` or `raw`.
     #[arg(long, env = env::APP_FORMAT, value_enum, default_value_t = AppFormat::Cloudevents)]
     pub app_format: AppFormat,
@@ -569,6 +583,7 @@ impl SidecarSettings {
             (env::ORDERED, self.ordered.to_string()),
             (env::APP_PATH, self.app_path.clone()),
             (env::APP_MODE, value_name(self.app_mode)),
+            (env::APP_PROTOCOL, value_name(self.app_protocol)),
             (env::APP_FORMAT, value_name(self.app_format)),
             (env::APP_TIMEOUT, duration(self.app_timeout)),
             (env::MAX_CONCURRENCY, self.max_concurrency.to_string()),
@@ -701,6 +716,7 @@ mod tests {
         changed.pod_namespace = Some("shop".into());
         changed.otlp = OtlpArgs::to_endpoint("http://otel:4318");
         changed.grpc_listen = "127.0.0.1:50002".into();
+        changed.app_protocol = AppProtocol::Grpc;
         changed.publish_to = PublishTargets(vec![
             target("invoices", Auth::Key, Some("/var/run/cosmosq/key")),
             target("audit", Auth::Identity, None),

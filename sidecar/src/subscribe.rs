@@ -41,6 +41,9 @@ pub enum SubscribeError {
         /// The queue.
         queue: String,
     },
+    /// A gRPC app's `ListTopicSubscriptions` failed.
+    #[error("the app's {0}")]
+    Call(String),
     /// A route that is not a path.
     #[error(
         "GET {SUBSCRIBE_PATH}: topic {topic:?}: {path:?} is not a path (it must start with '/')"

@@ -1,8 +1,7 @@
 //! How a delivery reaches the app: one call, and what its answer means. HTTP (Dapr's pub/sub
-//! contract, built and read by `app.rs`) is the transport today. Another protocol (gRPC, say)
-//! is another [`AppTransport`]: everything around a call — the circuit breaker, crash
-//! isolation, metrics and the outcome the engine records — stays in `delivery.rs`, the same
-//! for every transport.
+//! contract, built and read by `app.rs`) or gRPC (Dapr's `AppCallback`, `callback.rs`), each an
+//! [`AppTransport`]: everything around a call — the circuit breaker, crash isolation, metrics
+//! and the outcome the engine records — stays in `delivery.rs`, the same for every transport.
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
@@ -37,6 +36,33 @@ pub struct Called {
 pub trait AppTransport: Send + Sync + 'static {
     /// Delivers once and reads the answer; never longer than the app's timeout.
     fn call(&self, delivery: &Delivery) -> impl Future<Output = Called> + Send;
+}
+
+/// The app's transport, by its protocol (`--app-protocol`).
+pub enum Transport {
+    /// Dapr's HTTP pub/sub contract.
+    Http(HttpTransport),
+    /// Dapr's gRPC `AppCallback`.
+    Grpc(crate::callback::GrpcTransport),
+}
+
+impl Transport {
+    /// Routes by the app's own subscription from now on; the first one set stays.
+    pub fn subscribe(&self, subscription: Subscription) {
+        match self {
+            Self::Http(t) => t.subscribe(subscription),
+            Self::Grpc(t) => t.subscribe(subscription),
+        }
+    }
+}
+
+impl AppTransport for Transport {
+    async fn call(&self, delivery: &Delivery) -> Called {
+        match self {
+            Self::Http(t) => t.call(delivery).await,
+            Self::Grpc(t) => t.call(delivery).await,
+        }
+    }
 }
 
 /// `POST http://127.0.0.1:<port><path>`, as Dapr's pub/sub delivers.

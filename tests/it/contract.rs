@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
 use cosmosq_operator::build::{deployment, sidecar_settings, Defaults, SIDECAR_CONTAINER};
-use cosmosq_sidecar::settings::{AppMode, SidecarSettings, Token};
+use cosmosq_sidecar::settings::{AppMode, AppProtocol, SidecarSettings, Token};
 use k8s_openapi::api::core::v1::PodSpec;
 use serde_json::json;
 
@@ -112,6 +112,9 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
                "retry": {"maxDeliveryAttempts": 2, "initialBackoff": "500ms", "maxBackoff": "30s"}}),
         // Dapr's API tokens, from the group's Secret.
         json!({"app": {"port": 9000, "apiTokenSecret": "billing-tokens"}}),
+        // A gRPC app (Dapr's spelling too).
+        json!({"app": {"port": 9000, "protocol": "GRPC"}}),
+        json!({"app": {"port": 9000, "protocol": "grpc"}}),
     ] {
         let (environment, mut meant) = sidecar_environment(group.clone());
         let config = parse(&environment);
@@ -163,6 +166,18 @@ fn the_sidecar_reads_every_variable_the_operator_sets_as_the_operator_meant_it()
         assert_eq!(
             config.app_mode,
             if pull { AppMode::Pull } else { AppMode::Push },
+            "{group}"
+        );
+        let grpc = group["app"]["protocol"]
+            .as_str()
+            .is_some_and(|p| p.eq_ignore_ascii_case("grpc"));
+        assert_eq!(
+            config.app_protocol,
+            if grpc {
+                AppProtocol::Grpc
+            } else {
+                AppProtocol::Http
+            },
             "{group}"
         );
         let token = |t: Option<&Token>| t.map(|t| t.expose().to_owned());

@@ -1801,6 +1801,94 @@ async fn what_the_python_sdk_publishes_over_grpc_the_javascript_sdk_receives() {
     sidecar.task.await.unwrap().unwrap();
 }
 
+/// A gRPC app on Dapr's Python SDK (`dapr-ext-grpc` from PyPI, unchanged:
+/// `tests/python/dapr_grpc_app.py`), called through its `AppCallback` (`--app-protocol
+/// grpc`): its subscriptions are listed, a routing rule sends widgets to their own handler and
+/// the rest to the topic's, each message arrives with its trace context, `retry` delivers
+/// again, `drop` dead-letters with the reason, and everything else is settled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_app_on_the_python_sdk_is_called_through_its_app_callback() {
+    let fixture = Fixture::new(1).await;
+    let (app_port, api_port) = (free_port(), free_port());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/dapr_grpc_app.py");
+    let (_app, mut events) = spawn_app(
+        std::process::Command::new(cosmosq_tests::python_with("dapr.ext.grpc")).args([
+            script,
+            &app_port.to_string(),
+            "q",
+        ]),
+    );
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let context = cosmosq_queue::TraceContext::parse(traceparent, None).unwrap();
+    for (id, kind) in [
+        ("w", "widget"),
+        ("g", "gadget"),
+        ("f", "flaky"),
+        ("p", "poison"),
+    ] {
+        fixture
+            .queue
+            .enqueue(
+                NewMessage::json(json!({"kind": kind}))
+                    .with_id(id)
+                    .inherit_trace(Some(&context)),
+            )
+            .await
+            .unwrap();
+    }
+    let sidecar = start_sidecar(
+        &fixture,
+        SidecarSettings {
+            app_protocol: cosmosq_sidecar::settings::AppProtocol::Grpc,
+            ..settings("grpc-app", app_port, api_port)
+        },
+    );
+    let mut received: Vec<serde_json::Value> = Vec::new();
+    // w, g, p once; f twice (retried).
+    while received.iter().filter(|e| e["step"] == "received").count() < 5 {
+        received.push(next_event(&mut events, &received).await);
+    }
+    let group = fixture.group(GroupConfig::new("grpc-app"));
+    eventually("every message settled", Duration::from_secs(30), || async {
+        group.estimate().await.unwrap().backlog() == 0
+            && state(&fixture, "grpc-app", "f").await == Some(MessageState::Completed)
+    })
+    .await;
+    let mut handled: Vec<(String, String)> = received
+        .iter()
+        .filter(|e| e["step"] == "received")
+        .map(|e| {
+            assert_eq!(e["traceparent"], traceparent, "{e}");
+            assert_eq!(e["metadata_traceparent"], traceparent, "{e}");
+            (
+                e["id"].as_str().unwrap().to_owned(),
+                e["handler"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    handled.sort();
+    assert_eq!(
+        handled,
+        [
+            ("f".to_owned(), "orders".to_owned()),
+            ("f".to_owned(), "orders".to_owned()),
+            ("g".to_owned(), "orders".to_owned()),
+            ("p".to_owned(), "orders".to_owned()),
+            ("w".to_owned(), "widgets".to_owned()),
+        ]
+    );
+    let dead = group.dead_letters(None).await.unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].message_id, "p");
+    assert!(
+        format!("{:?}", dead[0]).contains("the app answered DROP"),
+        "{:?}",
+        dead[0]
+    );
+    sidecar.stop.cancel();
+    sidecar.task.await.unwrap().unwrap();
+}
+
 /// An app on Dapr's Python SDK (`dapr-ext-fastapi` from PyPI, unchanged, in
 /// `tests/python/dapr_fastapi_app.py`): `DaprApp.subscribe` is discovered, every message reaches
 /// its handler as a CloudEvent with the pub/sub and topic it subscribed to (an id repeated

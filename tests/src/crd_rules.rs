@@ -456,6 +456,21 @@ pub fn cases() -> Vec<RuleCase> {
             group_spec(json!({"concurrency": 7})),
             None,
         ),
+        // A gRPC app, in Kubernetes' spelling or Dapr's.
+        case(
+            "app-protocol-grpc",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 8080, "protocol": "grpc"}})),
+            None,
+            false,
+        ),
+        case(
+            "app-protocol-unknown",
+            Kind::Group,
+            group_spec(json!({"app": {"port": 8080, "protocol": "thrift"}})),
+            Some("Unsupported value"),
+            false,
+        ),
         // The sidecar's ports are its own.
         case(
             "app-port-grpc",

@@ -1,0 +1,422 @@
+//! Delivery to a gRPC app (`app.protocol: Grpc`, Dapr's `--app-protocol grpc`): the app serves
+//! Dapr's `AppCallback` (as apps on the Python SDK's `dapr-ext-grpc`, the JavaScript SDK's
+//! `DaprServer` over gRPC, the Java, .NET and Go SDKs do). The sidecar lists its subscriptions
+//! with `ListTopicSubscriptions` at start and delivers each message with `OnTopicEvent`, whose
+//! `TopicEventResponse` status (`SUCCESS`, `RETRY`, `DROP`) settles it as the HTTP answers do.
+//! Everything around a call (breaker, crash isolation, lock renewal, metrics) is
+//! `delivery.rs`'s, the same as over HTTP.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use cosmosq_queue::Delivery;
+use dapr::dapr::proto::runtime::v1 as pb;
+use pb::app_callback_client::AppCallbackClient;
+use pb::topic_event_response::TopicEventResponseStatus;
+use serde_json::{json, Value};
+use tonic::transport::Channel;
+use tonic::Code;
+
+use crate::app::{self, Answer};
+use crate::settings::Token;
+use crate::subscribe::{self, Route, SubscribeError, Subscription};
+use crate::transport::{AppTransport, Called};
+
+/// The app's `AppCallback` at `127.0.0.1:<port>`.
+pub struct GrpcTransport {
+    client: AppCallbackClient<Channel>,
+    token: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+    timeout: Duration,
+    /// The app's subscription to this queue, once listed.
+    subscription: OnceLock<Subscription>,
+}
+
+impl GrpcTransport {
+    /// The app at `127.0.0.1:<port>`, answering within `timeout`, told it is its sidecar
+    /// calling by `token` (`dapr-api-token` metadata, as Dapr's `APP_API_TOKEN`).
+    pub fn new(port: u16, timeout: Duration, token: Option<&Token>) -> Self {
+        let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
+            .expect("a loopback URI")
+            .connect_timeout(Duration::from_secs(2))
+            .connect_lazy();
+        Self {
+            client: AppCallbackClient::new(channel),
+            token: token.map(|t| {
+                let mut value: tonic::metadata::MetadataValue<_> = t
+                    .expose()
+                    .parse()
+                    .expect("a token is visible ASCII (checked when parsed)");
+                value.set_sensitive(true);
+                value
+            }),
+            timeout,
+            subscription: OnceLock::new(),
+        }
+    }
+
+    /// Routes by `subscription` from now on; the first one set stays.
+    pub fn subscribe(&self, subscription: Subscription) {
+        let _ = self.subscription.set(subscription);
+    }
+
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(self.timeout);
+        if let Some(token) = &self.token {
+            request
+                .metadata_mut()
+                .insert(crate::api::API_TOKEN_HEADER, token.clone());
+        }
+        request
+    }
+
+    /// The app's subscription to `topic`, from `ListTopicSubscriptions` (once, at start);
+    /// `None` when it subscribes to other topics only.
+    pub async fn subscriptions(&self, topic: &str) -> Result<Option<Subscription>, SubscribeError> {
+        let listed = self
+            .client
+            .clone()
+            .list_topic_subscriptions(self.request(()))
+            .await
+            .map_err(|e| SubscribeError::Call(format!("ListTopicSubscriptions: {e}")))?
+            .into_inner();
+        let entries = as_dapr_entries(&listed);
+        subscribe::parse(&serde_json::to_vec(&entries).unwrap_or_default(), topic)
+    }
+}
+
+/// A gRPC app's subscriptions as the entries of Dapr's HTTP `GET /dapr/subscribe` answer
+/// (pure), so both are read by one parser. A gRPC route is a name the app gets back in
+/// `TopicEventRequest.path`, often empty (the SDKs' handler for the whole topic); each is
+/// written here behind a `/` (`""` → `/`), which [`path_of`] takes off again.
+pub fn as_dapr_entries(listed: &pb::ListTopicSubscriptionsResponse) -> Value {
+    let route = |path: &str| format!("/{path}");
+    let entries: Vec<Value> = listed
+        .subscriptions
+        .iter()
+        .map(|s| {
+            let routes = s.routes.clone().unwrap_or_default();
+            let mut entry = json!({
+                "pubsubname": s.pubsub_name,
+                "topic": s.topic,
+                "routes": {
+                    "rules": routes.rules.iter()
+                        .map(|r| json!({"match": r.r#match, "path": route(&r.path)}))
+                        .collect::<Vec<_>>(),
+                    "default": route(&routes.default),
+                },
+                "metadata": s.metadata.iter().collect::<BTreeMap<_, _>>(),
+            });
+            if let Some(bulk) = &s.bulk_subscribe {
+                entry["bulkSubscribe"] = json!({
+                    "enabled": bulk.enabled,
+                    "maxMessagesCount": bulk.max_messages_count,
+                    "maxAwaitDurationMs": bulk.max_await_duration_ms,
+                });
+            }
+            entry
+        })
+        .collect();
+    Value::Array(entries)
+}
+
+/// The gRPC path of a route written by [`as_dapr_entries`] (pure).
+pub fn path_of(route: &str) -> &str {
+    route.strip_prefix('/').unwrap_or(route)
+}
+
+/// The `OnTopicEvent` request of a delivery (pure but for the clock of a new trace): the
+/// CloudEvent's attributes in their fields, its data as bytes (JSON as JSON text, text as
+/// UTF-8, `data_base64` decoded), every other attribute (trace context, time, subject) in
+/// `extensions`; with `raw`, the message's body as it was enqueued.
+pub fn event_request(
+    event: &Value,
+    path: &str,
+    raw: Option<(&[u8], String)>,
+) -> pb::TopicEventRequest {
+    let text = |name: &str| event[name].as_str().unwrap_or_default().to_owned();
+    let (data, data_content_type) = match raw {
+        Some((body, content_type)) => (body.to_vec(), content_type),
+        None => {
+            let data = match (&event["data"], event["data_base64"].as_str()) {
+                (_, Some(b64)) => {
+                    use base64::Engine as _;
+                    base64::engine::general_purpose::STANDARD
+                        .decode(b64)
+                        .unwrap_or_default()
+                }
+                (Value::String(text), None) => text.clone().into_bytes(),
+                (Value::Null, None) => Vec::new(),
+                (data, None) => serde_json::to_vec(data).unwrap_or_default(),
+            };
+            (data, text("datacontenttype"))
+        }
+    };
+    const FIELDS: [&str; 9] = [
+        "id",
+        "source",
+        "type",
+        "specversion",
+        "datacontenttype",
+        "data",
+        "data_base64",
+        "topic",
+        "pubsubname",
+    ];
+    let extensions = event
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(name, _)| !FIELDS.contains(&name.as_str()))
+        .map(|(name, value)| (name.clone(), proto_value(value)))
+        .collect();
+    pb::TopicEventRequest {
+        id: text("id"),
+        source: text("source"),
+        r#type: text("type"),
+        spec_version: text("specversion"),
+        data_content_type,
+        data,
+        topic: text("topic"),
+        pubsub_name: text("pubsubname"),
+        path: path.to_owned(),
+        extensions: Some(prost_types::Struct { fields: extensions }),
+    }
+}
+
+/// A JSON value as protobuf's `Value`.
+fn proto_value(value: &Value) -> prost_types::Value {
+    use prost_types::value::Kind;
+    let kind = match value {
+        Value::Null => Kind::NullValue(0),
+        Value::Bool(b) => Kind::BoolValue(*b),
+        Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or_default()),
+        Value::String(s) => Kind::StringValue(s.clone()),
+        Value::Array(items) => Kind::ListValue(prost_types::ListValue {
+            values: items.iter().map(proto_value).collect(),
+        }),
+        Value::Object(fields) => Kind::StructValue(prost_types::Struct {
+            fields: fields
+                .iter()
+                .map(|(k, v)| (k.clone(), proto_value(v)))
+                .collect(),
+        }),
+    };
+    prost_types::Value { kind: Some(kind) }
+}
+
+/// What an `OnTopicEvent` answer means (pure): its status as the HTTP answer's `status`; an
+/// error is retried, as Dapr retries it, except a call that never reached the app.
+pub fn classify(answer: Result<i32, tonic::Status>, timeout: Duration) -> Called {
+    let retry = |reason: String| Answer::Retry {
+        reason,
+        delay: None,
+    };
+    let called = |answer, failure| Called {
+        answer,
+        failure,
+        crashed: false,
+    };
+    match answer {
+        Ok(status) => match TopicEventResponseStatus::try_from(status) {
+            Ok(TopicEventResponseStatus::Success) => called(Answer::Success, None),
+            Ok(TopicEventResponseStatus::Retry) => {
+                called(retry("the app answered RETRY".into()), None)
+            }
+            Ok(TopicEventResponseStatus::Drop) => called(
+                Answer::Drop {
+                    reason: "the app answered DROP".into(),
+                },
+                None,
+            ),
+            Err(_) => called(
+                retry(format!("the app answered an unknown status {status}")),
+                None,
+            ),
+        },
+        Err(status) if status.code() == Code::DeadlineExceeded => called(
+            retry(format!("the app did not answer within {timeout:?}")),
+            Some("timeout"),
+        ),
+        Err(status) if status.code() == Code::Unavailable && refused(&status) => called(
+            Answer::Undelivered {
+                reason: "the app refused the connection".into(),
+            },
+            Some("connect"),
+        ),
+        // The connection went down under the call: the app may have crashed with it.
+        Err(status) if status.code() == Code::Unavailable => Called {
+            answer: retry(format!("the call to the app failed: {}", status.message())),
+            failure: Some("transport"),
+            crashed: true,
+        },
+        Err(status) => called(
+            retry(format!(
+                "the app answered {:?}: {}",
+                status.code(),
+                status.message()
+            )),
+            Some("status"),
+        ),
+    }
+}
+
+/// Whether an `UNAVAILABLE` call never connected (the app not listening).
+fn refused(status: &tonic::Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(error) = source {
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            return io.kind() == std::io::ErrorKind::ConnectionRefused;
+        }
+        source = error.source();
+    }
+    status.message().contains("Connection refused")
+}
+
+impl AppTransport for GrpcTransport {
+    async fn call(&self, delivery: &Delivery) -> Called {
+        let Some(subscription) = self.subscription.get() else {
+            // Listed at start; an app without one for this topic gets nothing routed to it.
+            return Called {
+                answer: Answer::Drop {
+                    reason: format!(
+                        "the gRPC app has no subscription to topic {}",
+                        delivery.queue
+                    ),
+                },
+                failure: None,
+                crashed: false,
+            };
+        };
+        let trace = app::trace(delivery);
+        let event = app::cloud_event(delivery, &trace, &subscription.pubsub_name);
+        let route = match subscription.route(&event) {
+            Route::Path(route) => route,
+            Route::Unmatched(reason) => {
+                return Called {
+                    answer: Answer::Drop { reason },
+                    failure: None,
+                    crashed: false,
+                }
+            }
+        };
+        let raw = subscription.raw_payload.then(|| {
+            (
+                delivery.message.body.to_bytes(),
+                app::body_content_type(delivery),
+            )
+        });
+        let message = event_request(
+            &event,
+            path_of(route),
+            raw.as_ref().map(|(b, c)| (b.as_slice(), c.clone())),
+        );
+        let mut request = self.request(message);
+        if let Ok(value) = trace.traceparent.parse() {
+            request.metadata_mut().insert("traceparent", value);
+        }
+        if let Some(Ok(value)) = trace.tracestate.as_ref().map(|s| s.parse()) {
+            request.metadata_mut().insert("tracestate", value);
+        }
+        let answer = self
+            .client
+            .clone()
+            .on_topic_event(request)
+            .await
+            .map(|r| r.into_inner().status);
+        classify(answer, self.timeout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grpc_apps_subscription_is_read_as_daprs_and_its_paths_come_back() {
+        let listed = pb::ListTopicSubscriptionsResponse {
+            subscriptions: vec![pb::TopicSubscription {
+                pubsub_name: "pubsub".into(),
+                topic: "orders".into(),
+                routes: Some(pb::TopicRoutes {
+                    rules: vec![pb::TopicRule {
+                        r#match: "event.data.kind == \"widget\"".into(),
+                        path: "widgets".into(),
+                    }],
+                    default: String::new(),
+                }),
+                ..Default::default()
+            }],
+        };
+        let subscription = subscribe::parse(
+            &serde_json::to_vec(&as_dapr_entries(&listed)).unwrap(),
+            "orders",
+        )
+        .unwrap()
+        .unwrap();
+        let route = |data: Value| match subscription.route(&json!({"data": data})) {
+            Route::Path(route) => path_of(route).to_owned(),
+            Route::Unmatched(reason) => panic!("{reason}"),
+        };
+        assert_eq!(route(json!({"kind": "widget"})), "widgets");
+        assert_eq!(
+            route(json!({"kind": "gadget"})),
+            "",
+            "the topic's own handler"
+        );
+        assert_eq!(subscription.pubsub_name, "pubsub");
+    }
+
+    #[test]
+    fn an_event_request_carries_the_cloud_event() {
+        let event = json!({"specversion": "1.0", "id": "m-1", "source": "cosmosq/orders",
+            "type": "io.cosmosq.message", "datacontenttype": "application/json",
+            "data": {"n": 1}, "topic": "orders", "pubsubname": "pubsub",
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "subject": "customer-1"});
+        let request = event_request(&event, "", None);
+        assert_eq!(
+            (
+                request.id.as_str(),
+                request.topic.as_str(),
+                request.pubsub_name.as_str()
+            ),
+            ("m-1", "orders", "pubsub")
+        );
+        assert_eq!(request.data, br#"{"n":1}"#);
+        assert_eq!(request.data_content_type, "application/json");
+        let extensions = request.extensions.unwrap().fields;
+        assert!(extensions.contains_key("traceparent"));
+        assert!(extensions.contains_key("subject"));
+        assert!(!extensions.contains_key("data") && !extensions.contains_key("id"));
+        let text = event_request(
+            &json!({"data": "hello", "datacontenttype": "text/plain"}),
+            "p",
+            None,
+        );
+        assert_eq!(
+            (text.data.as_slice(), text.path.as_str()),
+            (&b"hello"[..], "p")
+        );
+        let binary = event_request(&json!({"data_base64": "AAE="}), "", None);
+        assert_eq!(binary.data, [0, 1]);
+    }
+
+    #[test]
+    fn answers_settle_as_over_http() {
+        let t = Duration::from_secs(1);
+        assert_eq!(classify(Ok(0), t).answer, Answer::Success);
+        assert!(matches!(classify(Ok(1), t).answer, Answer::Retry { .. }));
+        assert!(matches!(classify(Ok(2), t).answer, Answer::Drop { .. }));
+        assert!(
+            matches!(classify(Ok(7), t).answer, Answer::Retry { .. }),
+            "never dropped"
+        );
+        let failed = classify(Err(tonic::Status::unknown("boom")), t);
+        assert!(matches!(failed.answer, Answer::Retry { .. }));
+        assert_eq!(failed.failure, Some("status"));
+        let late = classify(Err(tonic::Status::deadline_exceeded("late")), t);
+        assert_eq!(late.failure, Some("timeout"));
+    }
+}
