@@ -5,7 +5,9 @@
 // With MODE "rules" the subscription is made with `subscribeWithOptions`: a routing rule (CEL
 // over the CloudEvent) sends widgets to one handler and everything else to the default's, and
 // the client publishes one of each. With MODE "subscribe" it only subscribes (another
-// publishes).
+// publishes). With MODE "grpc" the server and the client speak gRPC (the server is a gRPC app
+// the sidecar calls through Dapr's AppCallback; the client calls Dapr's gRPC API at
+// DAPR_GRPC_PORT).
 //
 // Usage: node dapr_sdk_app.cjs APP_PORT TOPIC [MODE]   (DAPR_HTTP_PORT: the sidecar's port)
 // Prints one JSON line per step and per event received.
@@ -13,7 +15,11 @@ const { DaprServer, DaprClient, CommunicationProtocolEnum, LogLevel } = require(
 
 const [appPort, topic, mode] = process.argv.slice(2);
 const daprHost = "127.0.0.1";
-const daprPort = process.env.DAPR_HTTP_PORT;
+const grpc = mode === "grpc";
+const communicationProtocol = grpc
+  ? CommunicationProtocolEnum.GRPC
+  : CommunicationProtocolEnum.HTTP;
+const daprPort = grpc ? process.env.DAPR_GRPC_PORT : process.env.DAPR_HTTP_PORT;
 const print = (line) => console.log(JSON.stringify(line));
 
 async function main() {
@@ -21,8 +27,8 @@ async function main() {
   const server = new DaprServer({
     serverHost: "127.0.0.1",
     serverPort: appPort,
-    communicationProtocol: CommunicationProtocolEnum.HTTP,
-    clientOptions: { daprHost, daprPort, logger },
+    communicationProtocol,
+    clientOptions: { daprHost, daprPort, communicationProtocol, logger },
     logger,
   });
   if (mode === "rules") {
@@ -47,12 +53,7 @@ async function main() {
   print({ step: "server started" });
   if (mode === "subscribe") return;
 
-  const client = new DaprClient({
-    daprHost,
-    daprPort,
-    communicationProtocol: CommunicationProtocolEnum.HTTP,
-    logger,
-  });
+  const client = new DaprClient({ daprHost, daprPort, communicationProtocol, logger });
   await client.start();
 
   if (mode === "rules") {
