@@ -47,6 +47,22 @@ pub struct Entry {
     pub content_type: String,
     /// The message's metadata.
     pub metadata: std::collections::BTreeMap<String, String>,
+    /// With `rawPayload`, the body's bytes as enqueued (what a gRPC app gets; HTTP sends
+    /// `event`).
+    pub raw: Option<Vec<u8>>,
+}
+
+/// Where a batch goes.
+pub enum Sink {
+    /// `POST <base><path>` with Dapr's JSON bulk envelope.
+    Http {
+        /// The client, with the app token.
+        http: reqwest::Client,
+        /// `http://127.0.0.1:<port>`.
+        base: String,
+    },
+    /// The app's `AppCallback.OnBulkTopicEvent`.
+    Grpc(crate::callback::Callback),
 }
 
 struct Waiting {
@@ -57,8 +73,7 @@ struct Waiting {
 /// Collects deliveries per path and posts them together.
 pub struct Bulker {
     settings: BulkSettings,
-    http: reqwest::Client,
-    base: String,
+    sink: Sink,
     timeout: Duration,
     pubsub_name: String,
     topic: String,
@@ -67,19 +82,17 @@ pub struct Bulker {
 }
 
 impl Bulker {
-    /// Posts to the app at `base`, each request answered within `timeout`.
+    /// Sends batches to `sink`, each answered within `timeout`.
     pub fn new(
         settings: BulkSettings,
-        http: reqwest::Client,
-        base: String,
+        sink: Sink,
         timeout: Duration,
         pubsub_name: String,
         topic: String,
     ) -> Arc<Self> {
         Arc::new(Self {
             settings,
-            http,
-            base,
+            sink,
             timeout,
             pubsub_name,
             topic,
@@ -162,18 +175,33 @@ impl Bulker {
             return;
         }
         let ids: Vec<String> = entries.iter().map(|e| e.id.clone()).collect();
-        let body = request_body(&entries, &self.pubsub_name, &self.topic);
-        let answers = self.post(path, body, &ids).await;
+        let answers = match &self.sink {
+            Sink::Http { http, base } => {
+                let body = request_body(&entries, &self.pubsub_name, &self.topic);
+                self.post(http, base, path, body, &ids).await
+            }
+            Sink::Grpc(callback) => {
+                callback
+                    .bulk(path, &entries, &self.pubsub_name, &self.topic)
+                    .await
+            }
+        };
         for (waiter, called) in waiters.into_iter().zip(answers) {
             let _ = waiter.send(called);
         }
     }
 
-    async fn post(&self, path: &str, body: Value, ids: &[String]) -> Vec<Called> {
+    async fn post(
+        &self,
+        http: &reqwest::Client,
+        base: &str,
+        path: &str,
+        body: Value,
+        ids: &[String],
+    ) -> Vec<Called> {
         let each = |called: Called| vec![called; ids.len()];
-        let sent = self
-            .http
-            .post(format!("{}{path}", self.base))
+        let sent = http
+            .post(format!("{base}{path}"))
             .timeout(self.timeout)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(serde_json::to_vec(&body).unwrap_or_default())
@@ -272,24 +300,30 @@ pub fn answers(status: u16, retry_after: Option<&str>, body: &[u8], ids: &[Strin
         .filter_map(|s| Some((s.get("entryId")?.as_str()?, s.get("status")?.as_str()?)))
         .collect();
     ids.iter()
-        .map(|id| match by_id.get(id.as_str()).map(|s| s.to_ascii_uppercase()) {
-            Some(s) if s == "SUCCESS" => Answer::Success,
-            Some(s) if s == "DROP" => Answer::Drop {
-                reason: "the app answered DROP for this entry".into(),
-            },
-            Some(s) if s == "RETRY" => Answer::Retry {
-                reason: "the app answered RETRY for this entry".into(),
-                delay: None,
-            },
-            other => {
-                warn!(entry = %id, status = ?other, "the app's bulk answer has no known status for an entry; retrying it");
-                Answer::Retry {
-                    reason: format!("the app's bulk answer gave this entry {other:?}"),
-                    delay: None,
-                }
-            }
-        })
+        .map(|id| entry_answer(id, by_id.get(id.as_str()).copied()))
         .collect()
+}
+
+/// What an entry's status in a bulk answer means (pure): `SUCCESS`, `DROP` or `RETRY` (in any
+/// case); none, or another, is retried: never taken as done unsaid.
+pub fn entry_answer(id: &str, status: Option<&str>) -> Answer {
+    match status.map(str::to_ascii_uppercase) {
+        Some(s) if s == "SUCCESS" => Answer::Success,
+        Some(s) if s == "DROP" => Answer::Drop {
+            reason: "the app answered DROP for this entry".into(),
+        },
+        Some(s) if s == "RETRY" => Answer::Retry {
+            reason: "the app answered RETRY for this entry".into(),
+            delay: None,
+        },
+        other => {
+            warn!(entry = %id, status = ?other, "the app's bulk answer has no known status for an entry; retrying it");
+            Answer::Retry {
+                reason: format!("the app's bulk answer gave this entry {other:?}"),
+                delay: None,
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -336,8 +370,10 @@ mod tests {
         };
         let bulker = Bulker::new(
             settings,
-            reqwest::Client::new(),
-            base,
+            Sink::Http {
+                http: reqwest::Client::new(),
+                base,
+            },
             Duration::from_secs(10),
             "cosmosq".into(),
             "q".into(),
@@ -347,6 +383,7 @@ mod tests {
             event: json!({"id": id}),
             content_type: "application/json".into(),
             metadata: Default::default(),
+            raw: None,
         };
         let spawn = |id: &str| {
             let (bulker, entry) = (Arc::clone(&bulker), entry(id));
@@ -429,6 +466,7 @@ mod tests {
             event: json!({"specversion": "1.0", "data": {"n": 1}}),
             content_type: "application/cloudevents+json".into(),
             metadata: Default::default(),
+            raw: None,
         };
         let body = request_body(&[entry], "pubsub", "orders");
         assert_eq!(body["type"], "com.dapr.event.sent.bulk");

@@ -2,12 +2,14 @@
 //! Dapr's `AppCallback` (as apps on the Python SDK's `dapr-ext-grpc`, the JavaScript SDK's
 //! `DaprServer` over gRPC, the Java, .NET and Go SDKs do). The sidecar lists its subscriptions
 //! with `ListTopicSubscriptions` at start and delivers each message with `OnTopicEvent`, whose
-//! `TopicEventResponse` status (`SUCCESS`, `RETRY`, `DROP`) settles it as the HTTP answers do.
+//! `TopicEventResponse` status (`SUCCESS`, `RETRY`, `DROP`) settles it as the HTTP answers do;
+//! a bulk subscription's messages go together through `OnBulkTopicEvent` (batched by
+//! `bulk.rs`, each entry settled by its own status).
 //! Everything around a call (breaker, crash isolation, lock renewal, metrics) is
 //! `delivery.rs`'s, the same as over HTTP.
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use cosmosq_queue::Delivery;
@@ -19,17 +21,26 @@ use tonic::transport::Channel;
 use tonic::Code;
 
 use crate::app::{self, Answer};
+use crate::bulk::Bulker;
 use crate::settings::Token;
 use crate::subscribe::{self, Route, SubscribeError, Subscription};
 use crate::transport::{AppTransport, Called};
 
-/// The app's `AppCallback` at `127.0.0.1:<port>`.
-pub struct GrpcTransport {
+/// Calls to the app's `AppCallback` at `127.0.0.1:<port>`.
+#[derive(Clone)]
+pub struct Callback {
     client: AppCallbackClient<Channel>,
     token: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
     timeout: Duration,
+}
+
+/// The app's `AppCallback` as the group's transport.
+pub struct GrpcTransport {
+    callback: Callback,
     /// The app's subscription to this queue, once listed.
     subscription: OnceLock<Subscription>,
+    /// Its bulk deliveries (`OnBulkTopicEvent`), when it asked for them.
+    bulker: OnceLock<Arc<Bulker>>,
 }
 
 impl GrpcTransport {
@@ -41,17 +52,20 @@ impl GrpcTransport {
             .connect_timeout(Duration::from_secs(2))
             .connect_lazy();
         Self {
-            client: AppCallbackClient::new(channel),
-            token: token.map(|t| {
-                let mut value: tonic::metadata::MetadataValue<_> = t
-                    .expose()
-                    .parse()
-                    .expect("a token is visible ASCII (checked when parsed)");
-                value.set_sensitive(true);
-                value
-            }),
-            timeout,
+            callback: Callback {
+                client: AppCallbackClient::new(channel),
+                token: token.map(|t| {
+                    let mut value: tonic::metadata::MetadataValue<_> = t
+                        .expose()
+                        .parse()
+                        .expect("a token is visible ASCII (checked when parsed)");
+                    value.set_sensitive(true);
+                    value
+                }),
+                timeout,
+            },
             subscription: OnceLock::new(),
+            bulker: OnceLock::new(),
         }
     }
 
@@ -60,6 +74,23 @@ impl GrpcTransport {
         let _ = self.subscription.set(subscription);
     }
 
+    /// The app's subscription to `topic`, from `ListTopicSubscriptions` (once, at start);
+    /// `None` when it subscribes to other topics only.
+    pub async fn subscriptions(&self, topic: &str) -> Result<Option<Subscription>, SubscribeError> {
+        let callback = &self.callback;
+        let listed = callback
+            .client
+            .clone()
+            .list_topic_subscriptions(callback.request(()))
+            .await
+            .map_err(|e| SubscribeError::Call(format!("ListTopicSubscriptions: {e}")))?
+            .into_inner();
+        let entries = as_dapr_entries(&listed);
+        subscribe::parse(&serde_json::to_vec(&entries).unwrap_or_default(), topic)
+    }
+}
+
+impl Callback {
     fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
         request.set_timeout(self.timeout);
@@ -71,18 +102,95 @@ impl GrpcTransport {
         request
     }
 
-    /// The app's subscription to `topic`, from `ListTopicSubscriptions` (once, at start);
-    /// `None` when it subscribes to other topics only.
-    pub async fn subscriptions(&self, topic: &str) -> Result<Option<Subscription>, SubscribeError> {
-        let listed = self
+    /// One batch through `OnBulkTopicEvent`: each entry's answer by its own status; a failed
+    /// call means for every entry what it would for one message.
+    pub async fn bulk(
+        &self,
+        route: &str,
+        entries: &[crate::bulk::Entry],
+        pubsub_name: &str,
+        topic: &str,
+    ) -> Vec<Called> {
+        let request = bulk_request(route, entries, pubsub_name, topic);
+        let answer = self
             .client
             .clone()
-            .list_topic_subscriptions(self.request(()))
-            .await
-            .map_err(|e| SubscribeError::Call(format!("ListTopicSubscriptions: {e}")))?
-            .into_inner();
-        let entries = as_dapr_entries(&listed);
-        subscribe::parse(&serde_json::to_vec(&entries).unwrap_or_default(), topic)
+            .on_bulk_topic_event(self.request(request))
+            .await;
+        match answer {
+            Ok(response) => {
+                let statuses: std::collections::HashMap<String, i32> = response
+                    .into_inner()
+                    .statuses
+                    .into_iter()
+                    .map(|s| (s.entry_id, s.status))
+                    .collect();
+                entries
+                    .iter()
+                    .map(|entry| {
+                        let status = statuses.get(&entry.id).map(|s| {
+                            TopicEventResponseStatus::try_from(*s)
+                                .map_or("unknown", |s| s.as_str_name())
+                        });
+                        Called {
+                            answer: crate::bulk::entry_answer(&entry.id, status),
+                            failure: None,
+                            crashed: false,
+                        }
+                    })
+                    .collect()
+            }
+            Err(status) => vec![classify(Err(status), self.timeout); entries.len()],
+        }
+    }
+}
+
+/// The `OnBulkTopicEvent` request of a batch bound for `route` (pure): each entry its
+/// CloudEvent (as [`event_request`] makes it) or, with `rawPayload`, its bytes.
+pub fn bulk_request(
+    route: &str,
+    entries: &[crate::bulk::Entry],
+    pubsub_name: &str,
+    topic: &str,
+) -> pb::TopicEventBulkRequest {
+    use pb::topic_event_bulk_request_entry::Event;
+    pb::TopicEventBulkRequest {
+        id: uuid::Uuid::new_v4().to_string(),
+        entries: entries
+            .iter()
+            .map(|entry| {
+                let event = match &entry.raw {
+                    Some(bytes) => Event::Bytes(bytes.clone()),
+                    None => {
+                        let e = event_request(&entry.event, "", None);
+                        Event::CloudEvent(pb::TopicEventCeRequest {
+                            id: e.id,
+                            source: e.source,
+                            r#type: e.r#type,
+                            spec_version: e.spec_version,
+                            data_content_type: e.data_content_type,
+                            data: e.data,
+                            extensions: e.extensions,
+                        })
+                    }
+                };
+                pb::TopicEventBulkRequestEntry {
+                    entry_id: entry.id.clone(),
+                    content_type: entry.content_type.clone(),
+                    metadata: entry
+                        .metadata
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect(),
+                    event: Some(event),
+                }
+            })
+            .collect(),
+        metadata: Default::default(),
+        topic: topic.to_owned(),
+        pubsub_name: pubsub_name.to_owned(),
+        r#type: "com.dapr.event.sent.bulk".into(),
+        path: path_of(route).to_owned(),
     }
 }
 
@@ -301,6 +409,11 @@ impl AppTransport for GrpcTransport {
                 }
             }
         };
+        if let Some(settings) = subscription.bulk {
+            return self
+                .call_in_bulk(subscription, settings, route, event, delivery)
+                .await;
+        }
         let raw = subscription.raw_payload.then(|| {
             (
                 delivery.message.body.to_bytes(),
@@ -312,20 +425,58 @@ impl AppTransport for GrpcTransport {
             path_of(route),
             raw.as_ref().map(|(b, c)| (b.as_slice(), c.clone())),
         );
-        let mut request = self.request(message);
+        let callback = &self.callback;
+        let mut request = callback.request(message);
         if let Ok(value) = trace.traceparent.parse() {
             request.metadata_mut().insert("traceparent", value);
         }
         if let Some(Ok(value)) = trace.tracestate.as_ref().map(|s| s.parse()) {
             request.metadata_mut().insert("tracestate", value);
         }
-        let answer = self
+        let answer = callback
             .client
             .clone()
             .on_topic_event(request)
             .await
             .map(|r| r.into_inner().status);
-        classify(answer, self.timeout)
+        classify(answer, callback.timeout)
+    }
+}
+
+impl GrpcTransport {
+    /// A delivery as an entry of an `OnBulkTopicEvent` batch, waiting with others for the same
+    /// route.
+    async fn call_in_bulk(
+        &self,
+        subscription: &Subscription,
+        settings: crate::bulk::BulkSettings,
+        route: &str,
+        event: Value,
+        delivery: &Delivery,
+    ) -> Called {
+        let raw = subscription.raw_payload;
+        let entry = crate::bulk::Entry {
+            // Unique in the request (message ids are unique per partition key only).
+            id: uuid::Uuid::new_v4().to_string(),
+            event,
+            content_type: if raw {
+                app::body_content_type(delivery)
+            } else {
+                "application/cloudevents+json".into()
+            },
+            metadata: delivery.message.metadata.clone(),
+            raw: raw.then(|| delivery.message.body.to_bytes()),
+        };
+        let bulker = self.bulker.get_or_init(|| {
+            Bulker::new(
+                settings,
+                crate::bulk::Sink::Grpc(self.callback.clone()),
+                self.callback.timeout,
+                subscription.pubsub_name.clone(),
+                delivery.queue.clone(),
+            )
+        });
+        bulker.deliver(route, entry).await
     }
 }
 

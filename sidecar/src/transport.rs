@@ -180,12 +180,15 @@ impl HttpTransport {
             event,
             content_type,
             metadata: delivery.message.metadata.clone(),
+            raw: None,
         };
         let bulker = self.bulker.get_or_init(|| {
             Bulker::new(
                 settings,
-                self.http.clone(),
-                self.base.clone(),
+                bulk::Sink::Http {
+                    http: self.http.clone(),
+                    base: self.base.clone(),
+                },
                 self.timeout,
                 subscription.pubsub_name.clone(),
                 delivery.queue.clone(),

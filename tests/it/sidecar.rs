@@ -1842,6 +1842,17 @@ async fn what_the_python_sdk_publishes_over_grpc_the_javascript_sdk_receives() {
 /// again, `drop` dead-letters with the reason, and everything else is settled once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpc_app_on_the_python_sdk_is_called_through_its_app_callback() {
+    grpc_python_app(false).await;
+}
+
+/// The same app with a bulk subscription declared in the group: its messages come through
+/// `OnBulkTopicEvent`, each entry settled by its own status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_app_s_bulk_subscription_is_called_through_on_bulk_topic_event() {
+    grpc_python_app(true).await;
+}
+
+async fn grpc_python_app(bulk: bool) {
     let fixture = Fixture::new(1).await;
     let (app_port, api_port) = (free_port(), free_port());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/dapr_grpc_app.py");
@@ -1865,6 +1876,7 @@ async fn a_grpc_app_on_the_python_sdk_is_called_through_its_app_callback() {
             .enqueue(
                 NewMessage::json(json!({"kind": kind}))
                     .with_id(id)
+                    .with_metadata("tenant", "t1")
                     .inherit_trace(Some(&context)),
             )
             .await
@@ -1874,6 +1886,13 @@ async fn a_grpc_app_on_the_python_sdk_is_called_through_its_app_callback() {
         &fixture,
         SidecarSettings {
             app_protocol: cosmosq_sidecar::settings::AppProtocol::Grpc,
+            // Declared, as `app.subscription` with `bulk` writes it (the SDK cannot ask).
+            app_subscription: bulk.then(|| {
+                json!({"pubsubname": "pubsub", "topic": "q", "routes": {"default": "/"},
+                       "bulkSubscribe": {"enabled": true, "maxMessagesCount": 10,
+                                         "maxAwaitDurationMs": 200}})
+                .to_string()
+            }),
             ..settings("grpc-app", app_port, api_port)
         },
     );
@@ -1893,7 +1912,14 @@ async fn a_grpc_app_on_the_python_sdk_is_called_through_its_app_callback() {
         .filter(|e| e["step"] == "received")
         .map(|e| {
             assert_eq!(e["traceparent"], traceparent, "{e}");
-            assert_eq!(e["metadata_traceparent"], traceparent, "{e}");
+            if bulk {
+                // An entry of a bulk call: its own metadata, no call of its own.
+                assert_eq!(e["tenant"], "t1", "{e}");
+                assert!(e["metadata_traceparent"].is_null(), "{e}");
+            } else {
+                assert!(e["tenant"].is_null(), "{e}");
+                assert_eq!(e["metadata_traceparent"], traceparent, "{e}");
+            }
             (
                 e["id"].as_str().unwrap().to_owned(),
                 e["handler"].as_str().unwrap().to_owned(),
@@ -1901,6 +1927,8 @@ async fn a_grpc_app_on_the_python_sdk_is_called_through_its_app_callback() {
         })
         .collect();
     handled.sort();
+    // The declared subscription has no rule: widgets go to the topic's handler too.
+    let widgets = if bulk { "orders" } else { "widgets" };
     assert_eq!(
         handled,
         [
@@ -1908,7 +1936,7 @@ async fn a_grpc_app_on_the_python_sdk_is_called_through_its_app_callback() {
             ("f".to_owned(), "orders".to_owned()),
             ("g".to_owned(), "orders".to_owned()),
             ("p".to_owned(), "orders".to_owned()),
-            ("w".to_owned(), "widgets".to_owned()),
+            ("w".to_owned(), widgets.to_owned()),
         ]
     );
     let dead = group.dead_letters(None).await.unwrap();

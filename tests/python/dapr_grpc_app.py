@@ -2,7 +2,8 @@
 from PyPI, unchanged; it knows nothing of cosmosq): an `App` whose `@app.subscribe` handlers
 take widgets (a routing rule) and everything else on the topic, answering with
 `TopicEventResponse`: the first delivery of a "flaky" order `retry`, a "poison" one `drop`.
-The sidecar calls its `AppCallback` service (`--app-protocol grpc`).
+The sidecar calls its `AppCallback` service (`--app-protocol grpc`): `OnTopicEvent`, or
+`OnBulkTopicEvent` for a bulk subscription, which the SDK hands to the same handlers.
 
 Usage: python dapr_grpc_app.py APP_PORT TOPIC
 Prints one JSON line per event received.
@@ -39,6 +40,8 @@ def answer(handler, event: v1.Event) -> TopicEventResponse:
         traceparent=extensions.get('traceparent'),
         # What the gRPC call's metadata said (the SDK prefixes it).
         metadata_traceparent=extensions.get('_metadata_traceparent'),
+        # A bulk entry's own metadata (the SDK adds it to the event's extensions).
+        tenant=extensions.get('tenant'),
     )
     if data.get('kind') == 'poison':
         return TopicEventResponse('drop')
