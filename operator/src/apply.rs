@@ -369,6 +369,10 @@ pub async fn apply_group(
     let built_from = rollout::BuiltFrom {
         group: qcg.metadata.generation,
         queue: queue.metadata.generation,
+        targets: targets
+            .iter()
+            .map(|t| (t.name_any(), t.metadata.generation.unwrap_or_default()))
+            .collect(),
         request: qcg.annotations().get(rollout::ROLLOUT_REQUESTED).cloned(),
         operator: rollout::operator(&defaults.sidecar_image),
         key: digest,
@@ -690,6 +694,7 @@ mod tests {
         let built_from = rollout::BuiltFrom {
             group: None,
             queue: Some(1),
+            targets: Default::default(),
             request: None,
             operator: format!(
                 "{}+t{}/cosmosq/sidecar:test",
@@ -816,6 +821,7 @@ mod tests {
             live["metadata"]["annotations"] = json!({rollout::BUILT_FROM: rollout::BuiltFrom {
                 group: Some(2),
                 queue: Some(1),
+                targets: Default::default(),
                 request: None,
                 operator: rollout::operator("cosmosq/sidecar:test"),
                 key: Some("0123456789abcdef".into()),

@@ -38,6 +38,8 @@ pub const SIDECAR_CONTAINER: &str = "cosmosq-sidecar";
 /// The sidecar's probe and metrics port.
 pub const PROBE_PORT: i32 = 9464;
 const KEY_VOLUME: &str = "cosmosq-account-key";
+/// The operator's volumes' names start so; a template's may not.
+const RESERVED_PREFIX: &str = "cosmosq-";
 const KEY_DIR: &str = "/var/run/cosmosq";
 /// Where the keys of other accounts' queues a group publishes to are mounted, one directory
 /// each (not under [`KEY_DIR`], a read-only volume of its own).
@@ -428,7 +430,38 @@ pub fn check_publish_targets(
     targets: &[CosmosQueue],
 ) -> Result<(), SpecError> {
     let mut topics = BTreeMap::from([(queue.spec.container.as_str(), queue.name_any())]);
+    let identity = |q: &CosmosQueue| {
+        q.spec
+            .credentials
+            .workload_identity
+            .as_ref()
+            .map(|w| w.client_id.clone())
+    };
     for target in targets {
+        // The pods have one Entra identity, the group's ServiceAccount's, which the consumed
+        // queue names: a queue on another (or on one while the group's uses a key) could not
+        // be reached; refused here rather than found by a sidecar that cannot start.
+        if let Some(wanted) = identity(target) {
+            if identity(queue) != Some(wanted.clone()) {
+                return Err(invalid(
+                    "spec.publishTo",
+                    format!(
+                        "CosmosQueue {} uses workload identity {}, which the workers do not \
+                         have: they run with {}'s credentials ({}); give both queues the same \
+                         identity, or {} a key Secret",
+                        target.name_any(),
+                        wanted.as_deref().unwrap_or("(the default client id)"),
+                        queue.name_any(),
+                        match identity(queue) {
+                            Some(Some(id)) => format!("workload identity {id}"),
+                            Some(None) => "the default workload identity".into(),
+                            None => "a key Secret".into(),
+                        },
+                        target.name_any(),
+                    ),
+                ));
+            }
+        }
         if let Some(first) = topics.insert(&target.spec.container, target.name_any()) {
             return Err(invalid(
                 "spec.publishTo",
@@ -614,6 +647,43 @@ pub fn deployment(
             "spec.template.spec.containers",
             format!("the name {SIDECAR_CONTAINER} is the sidecar's"),
         ));
+    }
+    // The operator's volumes (the account keys, the sidecar's API token) are the sidecar's
+    // alone: a template naming one could mount a key its author may not read.
+    if let Some(volume) = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name.starts_with(RESERVED_PREFIX))
+    {
+        return Err(invalid(
+            "spec.template.spec.volumes",
+            format!(
+                "{:?}: names starting with {RESERVED_PREFIX:?} are the operator's",
+                volume.name
+            ),
+        ));
+    }
+    let containers = pod
+        .containers
+        .iter()
+        .chain(pod.init_containers.iter().flatten());
+    for container in containers {
+        if let Some(mount) = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name.starts_with(RESERVED_PREFIX))
+        {
+            return Err(invalid(
+                "spec.template.spec.containers",
+                format!(
+                    "{}: volume {:?} is the sidecar's (the account keys and its API token \
+                     are mounted for it alone)",
+                    container.name, mount.name
+                ),
+            ));
+        }
     }
     // On the node's network, the sidecar's localhost API would be every pod's on the node.
     if pod.host_network == Some(true) {
@@ -1054,6 +1124,70 @@ mod tests {
             assert_eq!(e.field, "spec.publishTo");
             assert!(e.reason.contains("which is the topic"), "{e}");
         }
+    }
+
+    #[test]
+    fn the_templates_containers_cannot_mount_the_operators_volumes() {
+        for (template, field) in [
+            (
+                json!({"spec": {"containers": [{"name": "app", "image": "a",
+                    "volumeMounts": [{"name": "cosmosq-account-key", "mountPath": "/k"}]}]}}),
+                "spec.template.spec.containers",
+            ),
+            (
+                json!({"spec": {"containers": [{"name": "app", "image": "a"}],
+                    "initContainers": [{"name": "init", "image": "a",
+                        "volumeMounts": [{"name": "cosmosq-publish-invoices", "mountPath": "/k"}]}]}}),
+                "spec.template.spec.containers",
+            ),
+            (
+                json!({"spec": {"containers": [{"name": "app", "image": "a"}],
+                    "volumes": [{"name": "cosmosq-account-key", "emptyDir": {}}]}}),
+                "spec.template.spec.volumes",
+            ),
+        ] {
+            let e = build(
+                &group(json!({"template": template})),
+                &key_queue(),
+                &defaults(),
+            )
+            .unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+        }
+    }
+
+    #[test]
+    fn a_queue_to_publish_to_on_another_identity_is_refused() {
+        let g = group(json!({"publishTo": [{"queueRef": {"name": "audit"}}]}));
+        let settings = crate::spec::group(&g).unwrap();
+        let on_identity = |name: &str, client: &str| {
+            let mut q = queue(json!({"workloadIdentity": {"clientId": client}}));
+            q.metadata.name = Some(name.into());
+            q.spec.container = name.into();
+            q
+        };
+        let audit = on_identity("audit", "id-2");
+        for consumed in [key_queue(), on_identity("orders", "id-1")] {
+            let e = deployment(
+                &g,
+                &settings,
+                &consumed,
+                std::slice::from_ref(&audit),
+                &defaults(),
+            )
+            .unwrap_err();
+            assert_eq!(e.field, "spec.publishTo");
+            assert!(e.reason.contains("uses workload identity id-2"), "{e}");
+        }
+        // The same identity as the group's own queue: its pods have it.
+        let d = deployment(
+            &g,
+            &settings,
+            &on_identity("orders", "id-2"),
+            &[audit],
+            &defaults(),
+        );
+        assert!(d.is_ok(), "{d:?}");
     }
 
     #[test]

@@ -35,6 +35,10 @@ pub struct BuiltFrom {
     pub group: Option<i64>,
     /// The queue's generation.
     pub queue: Option<i64>,
+    /// The generations of the queues of `spec.publishTo`, by name (none recorded for a group
+    /// without: its record reads as before pipelines).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub targets: BTreeMap<String, i64>,
     /// The group's [`ROLLOUT_REQUESTED`] value.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<String>,
@@ -64,8 +68,9 @@ impl BuiltFrom {
 /// Bumped with every change to how the workers' pod templates are built that reaches every
 /// group (a variable added or spelled anew): an operator built from it rolls the groups under
 /// its budget, as a new version does, even when the version number did not change. 2: every
-/// sidecar setting written from `SidecarSettings`.
-pub const TEMPLATE_REVISION: u32 = 2;
+/// sidecar setting written from `SidecarSettings`; 3: the app's protocol and Dapr's gRPC API
+/// (`COSMOSQ_APP_PROTOCOL`, `COSMOSQ_GRPC_LISTEN`, `DAPR_GRPC_PORT`).
+pub const TEMPLATE_REVISION: u32 = 3;
 
 /// The operator as [`BuiltFrom::operator`] names it.
 pub fn operator(sidecar_image: &str) -> String {
@@ -104,7 +109,11 @@ pub fn cause(running: Option<&BuiltFrom>, desired: &BuiltFrom, spec_changed: boo
             Cause::Operator
         };
     };
-    if running.group != desired.group || running.queue != desired.queue {
+    if running.group != desired.group
+        || running.queue != desired.queue
+        || running.targets != desired.targets
+    {
+        // A queue the group publishes to changed (moved, re-created): the user's change too.
         Cause::Spec
     } else if running.request != desired.request {
         Cause::Request
@@ -295,11 +304,32 @@ mod tests {
         BuiltFrom {
             group: Some(group),
             queue: Some(1),
+            targets: BTreeMap::new(),
             request: None,
             operator: operator.into(),
             key: key.map(Into::into),
             tokens: None,
         }
+    }
+
+    #[test]
+    fn a_queue_the_group_publishes_to_changing_is_the_users_change() {
+        let running = BuiltFrom {
+            targets: BTreeMap::from([("invoices".to_owned(), 1)]),
+            ..built(3, "0.4.0/sidecar:0.4.0", Some("k1"))
+        };
+        let moved = BuiltFrom {
+            targets: BTreeMap::from([("invoices".to_owned(), 2)]),
+            // An upgrade waiting too: it does not hold the user's change.
+            operator: "0.5.0/sidecar:0.5.0".into(),
+            ..running.clone()
+        };
+        assert_eq!(cause(Some(&running), &moved, false), Cause::Spec);
+        // A record written before pipelines reads as one without targets.
+        let old = r#"{"group":3,"queue":1,"operator":"0.4.0/sidecar:0.4.0","key":"k1"}"#;
+        let read = BuiltFrom::of(&BTreeMap::from([(BUILT_FROM.to_owned(), old.to_owned())]));
+        assert_eq!(read, Some(built(3, "0.4.0/sidecar:0.4.0", Some("k1"))));
+        assert!(!built(3, "o", None).annotation().contains("targets"));
     }
 
     #[test]

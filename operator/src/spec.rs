@@ -210,6 +210,9 @@ pub fn control(qcg: &QueueConsumerGroup) -> (Control, Option<PauseError>) {
     (control, None)
 }
 
+/// The ports the sidecar listens on in every worker pod.
+const SIDECAR_PORTS: [i32; 3] = [3500, 50001, 9464];
+
 /// The settings of a QueueConsumerGroup.
 pub fn group(qcg: &QueueConsumerGroup) -> Result<GroupSettings, SpecError> {
     let s = &qcg.spec;
@@ -218,6 +221,17 @@ pub fn group(qcg: &QueueConsumerGroup) -> Result<GroupSettings, SpecError> {
         return Err(invalid(
             "spec.group",
             "\"lease\" is reserved (it names the lease documents); set spec.group",
+        ));
+    }
+    // The CRD refuses these; a group stored before it did is refused here, not by a sidecar
+    // that cannot start.
+    if let Some(port) = s.app.port.filter(|p| SIDECAR_PORTS.contains(p)) {
+        return Err(invalid(
+            "spec.app.port",
+            format!(
+                "{port} is the sidecar's (3500: Dapr's HTTP API, 50001: its gRPC API, 9464: \
+                 probes); the app listens on another port"
+            ),
         ));
     }
     let retry = RetryPolicy {

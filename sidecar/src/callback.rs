@@ -205,15 +205,21 @@ pub fn as_dapr_entries(listed: &pb::ListTopicSubscriptionsResponse) -> Value {
         .iter()
         .map(|s| {
             let routes = s.routes.clone().unwrap_or_default();
+            let mut listed = json!({
+                "rules": routes.rules.iter()
+                    .map(|r| json!({"match": r.r#match, "path": route(&r.path)}))
+                    .collect::<Vec<_>>(),
+            });
+            // As daprd reads them: a default route only when one is named, or when there are
+            // no rules (the topic's own handler, path ""); with rules and none, a message no
+            // rule matches has no route (daprd drops it, the sidecar dead-letters it).
+            if !routes.default.is_empty() || routes.rules.is_empty() {
+                listed["default"] = json!(route(&routes.default));
+            }
             let mut entry = json!({
                 "pubsubname": s.pubsub_name,
                 "topic": s.topic,
-                "routes": {
-                    "rules": routes.rules.iter()
-                        .map(|r| json!({"match": r.r#match, "path": route(&r.path)}))
-                        .collect::<Vec<_>>(),
-                    "default": route(&routes.default),
-                },
+                "routes": listed,
                 "metadata": s.metadata.iter().collect::<BTreeMap<_, _>>(),
             });
             if let Some(bulk) = &s.bulk_subscribe {
@@ -244,6 +250,7 @@ pub fn event_request(
     raw: Option<(&[u8], String)>,
 ) -> pb::TopicEventRequest {
     let text = |name: &str| event[name].as_str().unwrap_or_default().to_owned();
+    let text_of = text;
     let (data, data_content_type) = match raw {
         Some((body, content_type)) => (body.to_vec(), content_type),
         None => {
@@ -254,7 +261,10 @@ pub fn event_request(
                         .decode(b64)
                         .unwrap_or_default()
                 }
-                (Value::String(text), None) => text.clone().into_bytes(),
+                // Text as text; a JSON string stays JSON (`"hello"`), which SDKs decode.
+                (Value::String(text), None) if !is_json(&text_of("datacontenttype")) => {
+                    text.clone().into_bytes()
+                }
                 (Value::Null, None) => Vec::new(),
                 (data, None) => serde_json::to_vec(data).unwrap_or_default(),
             };
@@ -291,6 +301,12 @@ pub fn event_request(
         path: path.to_owned(),
         extensions: Some(prost_types::Struct { fields: extensions }),
     }
+}
+
+/// Whether a media type is JSON's (`application/json`, `…+json`).
+fn is_json(media_type: &str) -> bool {
+    let media = media_type.split(';').next().unwrap_or_default().trim();
+    media.eq_ignore_ascii_case("application/json") || media.to_ascii_lowercase().ends_with("+json")
 }
 
 /// A JSON value as protobuf's `Value`.
@@ -343,10 +359,17 @@ pub fn classify(answer: Result<i32, tonic::Status>, timeout: Duration) -> Called
                 None,
             ),
         },
-        Err(status) if status.code() == Code::DeadlineExceeded => called(
-            retry(format!("the app did not answer within {timeout:?}")),
-            Some("timeout"),
-        ),
+        // The app's deadline passed: the server's answer, or the client's own timer (tonic's
+        // channel cancels the call itself, "Timeout expired").
+        Err(status)
+            if status.code() == Code::DeadlineExceeded
+                || status.code() == Code::Cancelled && status.message().contains("Timeout") =>
+        {
+            called(
+                retry(format!("the app did not answer within {timeout:?}")),
+                Some("timeout"),
+            )
+        }
         Err(status) if status.code() == Code::Unavailable && refused(&status) => called(
             Answer::Undelivered {
                 reason: "the app refused the connection".into(),
@@ -500,23 +523,45 @@ mod tests {
                 ..Default::default()
             }],
         };
-        let subscription = subscribe::parse(
-            &serde_json::to_vec(&as_dapr_entries(&listed)).unwrap(),
-            "orders",
-        )
-        .unwrap()
-        .unwrap();
-        let route = |data: Value| match subscription.route(&json!({"data": data})) {
-            Route::Path(route) => path_of(route).to_owned(),
-            Route::Unmatched(reason) => panic!("{reason}"),
+        let parsed = |listed: &pb::ListTopicSubscriptionsResponse| {
+            subscribe::parse(
+                &serde_json::to_vec(&as_dapr_entries(listed)).unwrap(),
+                "orders",
+            )
+            .unwrap()
+            .unwrap()
         };
-        assert_eq!(route(json!({"kind": "widget"})), "widgets");
+        let route = |subscription: &Subscription, data: Value| match subscription
+            .route(&json!({"data": data}))
+        {
+            Route::Path(route) => Some(path_of(route).to_owned()),
+            Route::Unmatched(_) => None,
+        };
+        let ruled = parsed(&listed);
+        assert_eq!(ruled.pubsub_name, "pubsub");
         assert_eq!(
-            route(json!({"kind": "gadget"})),
-            "",
-            "the topic's own handler"
+            route(&ruled, json!({"kind": "widget"})).as_deref(),
+            Some("widgets")
         );
-        assert_eq!(subscription.pubsub_name, "pubsub");
+        // Rules and no default: as daprd, no route for the rest (dead-lettered here).
+        assert_eq!(route(&ruled, json!({"kind": "gadget"})), None);
+        // A named default, or no rules at all (the topic's own handler, path "").
+        let mut with_default = listed.clone();
+        with_default.subscriptions[0]
+            .routes
+            .as_mut()
+            .unwrap()
+            .default = "others".into();
+        assert_eq!(
+            route(&parsed(&with_default), json!({"kind": "gadget"})).as_deref(),
+            Some("others")
+        );
+        let mut plain = listed.clone();
+        plain.subscriptions[0].routes = None;
+        assert_eq!(
+            route(&parsed(&plain), json!({"kind": "gadget"})).as_deref(),
+            Some("")
+        );
     }
 
     #[test]
@@ -552,6 +597,13 @@ mod tests {
         );
         let binary = event_request(&json!({"data_base64": "AAE="}), "", None);
         assert_eq!(binary.data, [0, 1]);
+        // A JSON string stays JSON, as SDKs decode a JSON content type.
+        let string = event_request(
+            &json!({"data": "hello", "datacontenttype": "application/json"}),
+            "",
+            None,
+        );
+        assert_eq!(string.data, br#""hello""#);
     }
 
     #[test]
@@ -569,5 +621,8 @@ mod tests {
         assert_eq!(failed.failure, Some("status"));
         let late = classify(Err(tonic::Status::deadline_exceeded("late")), t);
         assert_eq!(late.failure, Some("timeout"));
+        // What tonic's channel says when the request's own timeout passes.
+        let timed_out = classify(Err(tonic::Status::cancelled("Timeout expired")), t);
+        assert_eq!(timed_out.failure, Some("timeout"));
     }
 }

@@ -198,6 +198,10 @@ async fn serve(
             id: config.group.clone(),
             app_port: config.app_port.filter(|_| config.app_mode == AppMode::Push),
             max_concurrency: config.max_concurrency,
+            protocol: match config.app_protocol {
+                AppProtocol::Http => "http",
+                AppProtocol::Grpc => "grpc",
+            },
         },
         attributes: Default::default(),
         puller,
@@ -228,17 +232,25 @@ async fn serve(
         }));
     }
     if let Some(addr) = config.grpc_addr()? {
-        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
-            SidecarError::Config(format!("--grpc-listen (COSMOSQ_GRPC_LISTEN) {addr}: {e}"))
-        })?;
-        info!(grpc = %listener.local_addr().unwrap_or(addr), "serving Dapr's gRPC API");
-        let api = crate::dapr::grpc::DaprApi::new(Arc::clone(&state), config.api_token.clone());
-        let stop = api_stop.clone();
-        servers.push(tokio::spawn(async move {
-            if let Err(e) = crate::dapr::grpc::serve(api, listener, stop).await {
-                warn!(error = %e, "Dapr's gRPC API stopped");
+        // Optional for the app: a port taken (an app of its own on 50001) costs the gRPC API,
+        // not the pod's deliveries.
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(listener) => {
+                info!(grpc = %listener.local_addr().unwrap_or(addr), "serving Dapr's gRPC API");
+                let api =
+                    crate::dapr::grpc::DaprApi::new(Arc::clone(&state), config.api_token.clone());
+                let stop = api_stop.clone();
+                servers.push(tokio::spawn(async move {
+                    if let Err(e) = crate::dapr::grpc::serve(api, listener, stop).await {
+                        warn!(error = %e, "Dapr's gRPC API stopped");
+                    }
+                }));
             }
-        }));
+            Err(e) => warn!(
+                %addr, error = %e,
+                "Dapr's gRPC API is not served: --grpc-listen (COSMOSQ_GRPC_LISTEN) cannot be bound"
+            ),
+        }
     }
     if let Some(addr) = config.probe_addr()? {
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {

@@ -413,8 +413,11 @@ impl SidecarSettings {
                     ),
                 );
             }
+            let probe_port = self.probe_addr()?.map(|p| p.port());
             if grpc.port() != 0
-                && (grpc.port() == self.listen.port() || Some(grpc.port()) == self.app_port)
+                && (grpc.port() == self.listen.port()
+                    || Some(grpc.port()) == self.app_port
+                    || Some(grpc.port()) == probe_port)
             {
                 return bad(
                     "--grpc-listen (COSMOSQ_GRPC_LISTEN)",

@@ -219,16 +219,9 @@ fn a_pipeline_s_queues_reach_the_sidecar_with_their_own_keys_mounted() {
                    "credentials": {"secretKeyRef": {"name": "ledger-key", "key": "primary"}},
                    "database": "ledger", "container": "receipts-v2"}),
         ),
-        // Entra ID: the workers' own identity, no key.
-        queue(
-            "audit",
-            json!({"endpoint": "https://audit.documents.azure.com:443/",
-                   "credentials": {"workloadIdentity": {"clientId": "00000000-0000-0000-0000-000000000001"}},
-                   "database": "audit", "container": "events"}),
-        ),
     ];
     let group = json!({"publishTo": [{"queueRef": {"name": "invoices"}},
-        {"queueRef": {"name": "receipts"}}, {"queueRef": {"name": "audit"}}]});
+        {"queueRef": {"name": "receipts"}}]});
     let (environment, meant, pod) = sidecar_of(group, &targets);
     let config = parse(&environment);
     assert_eq!(config.publish_to, meant.publish_to);
@@ -245,7 +238,7 @@ fn a_pipeline_s_queues_reach_the_sidecar_with_their_own_keys_mounted() {
             )
         })
         .collect();
-    use cosmosq_queue::Auth::{Identity, Key};
+    use cosmosq_queue::Auth::Key;
     assert_eq!(
         published,
         [
@@ -260,12 +253,6 @@ fn a_pipeline_s_queues_reach_the_sidecar_with_their_own_keys_mounted() {
                 "receipts-v2",
                 "https://ledger.documents.azure.com:443/",
                 Key
-            ),
-            (
-                "audit",
-                "events",
-                "https://audit.documents.azure.com:443/",
-                Identity
             ),
         ]
     );
@@ -304,7 +291,6 @@ fn a_pipeline_s_queues_reach_the_sidecar_with_their_own_keys_mounted() {
         [
             Some(("cosmos-key".into(), "key".into())),
             Some(("ledger-key".into(), "primary".into())),
-            None,
         ]
     );
     assert_eq!(

@@ -1888,7 +1888,7 @@ async fn grpc_python_app(bulk: bool) {
             app_protocol: cosmosq_sidecar::settings::AppProtocol::Grpc,
             // Declared, as `app.subscription` with `bulk` writes it (the SDK cannot ask).
             app_subscription: bulk.then(|| {
-                json!({"pubsubname": "pubsub", "topic": "q", "routes": {"default": "/"},
+                json!({"pubsubname": "pubsub", "topic": "q", "routes": {"default": "/orders"},
                        "bulkSubscribe": {"enabled": true, "maxMessagesCount": 10,
                                          "maxAwaitDurationMs": 200}})
                 .to_string()

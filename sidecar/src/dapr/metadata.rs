@@ -28,6 +28,8 @@ pub struct About {
     pub app_port: Option<u16>,
     /// Deliveries in flight at most (daprd's `--app-max-concurrency`).
     pub max_concurrency: usize,
+    /// How the app is called: `http` or `grpc` (daprd's `--app-protocol`).
+    pub protocol: &'static str,
 }
 
 /// The subscription as Dapr's metadata lists it (pure): each rule with its CEL `match`, then
@@ -87,7 +89,7 @@ pub fn document(
     if let Some(port) = about.app_port {
         document["appConnectionProperties"] = json!({
             "port": port,
-            "protocol": "http",
+            "protocol": about.protocol,
             "channelAddress": "127.0.0.1",
             "maxConcurrency": about.max_concurrency,
         });
@@ -162,6 +164,7 @@ mod tests {
             id: "billing".into(),
             app_port,
             max_concurrency: 8,
+            protocol: "http",
         }
     }
 
