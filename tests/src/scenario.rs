@@ -431,6 +431,17 @@ async fn api_tokens_are_made_for_the_group_and_never_taken(s: &Scenario) {
 }
 
 /// Runs the operator and the scenario; panics with what did not happen.
+/// Whether a container of the Deployment's pod template sets `name` to a value that `holds`.
+fn env_holds(deployment: Option<&Deployment>, name: &str, holds: impl Fn(&str) -> bool) -> bool {
+    deployment
+        .and_then(|d| d.spec.as_ref())
+        .and_then(|s| s.template.spec.as_ref())
+        .into_iter()
+        .flat_map(|p| p.containers.iter())
+        .flat_map(|c| c.env.iter().flatten())
+        .any(|e| e.name == name && e.value.as_deref().is_some_and(&holds))
+}
+
 pub async fn operator_scenario(mut s: Scenario) {
     let ns = s.namespace.as_str();
     let mut args = vec![
@@ -592,14 +603,7 @@ pub async fn operator_scenario(mut s: Scenario) {
         &deployments,
         "billing-workers",
         "the changed concurrency",
-        |d| {
-            d.and_then(|d| d.spec.as_ref())
-                .and_then(|s| s.template.spec.as_ref())
-                .into_iter()
-                .flat_map(|p| p.containers.iter())
-                .flat_map(|c| c.env.iter().flatten())
-                .any(|e| e.name == "COSMOSQ_MAX_CONCURRENCY" && e.value.as_deref() == Some("4"))
-        },
+        |d| env_holds(d, "COSMOSQ_MAX_CONCURRENCY", |v| v == "4"),
     )
     .await;
 
@@ -624,17 +628,9 @@ pub async fn operator_scenario(mut s: Scenario) {
         "billing-workers",
         "the queue to publish to",
         |d| {
-            d.and_then(|d| d.spec.as_ref())
-                .and_then(|s| s.template.spec.as_ref())
-                .into_iter()
-                .flat_map(|p| p.containers.iter())
-                .flat_map(|c| c.env.iter().flatten())
-                .any(|e| {
-                    e.name == "COSMOSQ_PUBLISH_TO"
-                        && e.value
-                            .as_deref()
-                            .is_some_and(|v| v.contains(r#""queue":"invoices""#))
-                })
+            env_holds(d, "COSMOSQ_PUBLISH_TO", |v| {
+                v.contains(r#""queue":"invoices""#)
+            })
         },
     )
     .await;
