@@ -221,6 +221,7 @@ async fn start_sidecar(endpoint: &str, group: &str, api_port: u16, env: &[(&str,
     // Another build of the binary (another profile, the image's musl build) when named.
     let binary = std::env::var("COSMOSQ_BENCH_SIDECAR")
         .unwrap_or_else(|_| env!("CARGO_BIN_EXE_cosmosq-sidecar").to_owned());
+    let grpc_listen = format!("127.0.0.1:{}", free_port());
     let child = Command::new(binary)
         .envs([
             ("COSMOSQ_ENDPOINT", endpoint),
@@ -231,7 +232,8 @@ async fn start_sidecar(endpoint: &str, group: &str, api_port: u16, env: &[(&str,
             ("COSMOSQ_START_FROM", "beginning"),
             ("COSMOSQ_LISTEN", &format!("127.0.0.1:{api_port}")),
             ("COSMOSQ_PROBE_LISTEN", ""),
-            ("COSMOSQ_GRPC_LISTEN", ""),
+            // Dapr's gRPC API served, as in a pod (its memory is the sidecar's).
+            ("COSMOSQ_GRPC_LISTEN", &grpc_listen),
             ("COSMOSQ_MAX_CONCURRENCY", "64"),
             ("COSMOSQ_LEASE_ACQUIRE", "500ms"),
             ("POD_NAME", &format!("{group}-0")),
