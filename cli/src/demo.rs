@@ -169,18 +169,18 @@ pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
         ..Default::default()
     })?;
     let client = emulator.client().await?;
-    let config = QueueConfig::new(DATABASE, QUEUE);
-    let mut shipments = None;
+    // The orders queue (the producer's) and the pipeline's second one.
+    let mut opened = Vec::new();
     for queue in [QUEUE, SHIPMENTS] {
         let config = QueueConfig::new(DATABASE, queue);
         provision(&client, &config).await?;
         emulator
             .apply_partition_count(&config.database, &config.container)
             .await?;
-        shipments = Some(Queue::open(&client, config).await?);
+        opened.push(Queue::open(&client, config).await?);
     }
-    let shipments = shipments.expect("provisioned");
-    let producer = Queue::open(&client, config.clone()).await?;
+    let shipments = opened.pop().expect("two queues");
+    let producer = opened.pop().expect("two queues");
     let console = CancellationToken::new();
     let _stop_console = console.clone().drop_guard();
     if let Some(listen) = args.console {

@@ -250,7 +250,6 @@ pub fn event_request(
     raw: Option<(&[u8], String)>,
 ) -> pb::TopicEventRequest {
     let text = |name: &str| event[name].as_str().unwrap_or_default().to_owned();
-    let text_of = text;
     let (data, data_content_type) = match raw {
         Some((body, content_type)) => (body.to_vec(), content_type),
         None => {
@@ -262,8 +261,8 @@ pub fn event_request(
                         .unwrap_or_default()
                 }
                 // Text as text; a JSON string stays JSON (`"hello"`), which SDKs decode.
-                (Value::String(text), None) if !is_json(&text_of("datacontenttype")) => {
-                    text.clone().into_bytes()
+                (Value::String(string), None) if !is_json(&text("datacontenttype")) => {
+                    string.clone().into_bytes()
                 }
                 (Value::Null, None) => Vec::new(),
                 (data, None) => serde_json::to_vec(data).unwrap_or_default(),

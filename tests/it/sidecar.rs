@@ -1301,14 +1301,21 @@ fn node_sdk_app(
     api_port: u16,
     mode: &[&str],
 ) -> (Killed, tokio::sync::mpsc::UnboundedReceiver<String>) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_sdk_app.cjs");
     spawn_app(
-        std::process::Command::new("node")
-            .args([script, &app_port.to_string(), "q"])
+        node("dapr_sdk_app.cjs", &[&app_port.to_string(), "q"])
             .args(mode)
-            .env("NODE_PATH", cosmosq_tests::dapr_js())
             .env("DAPR_HTTP_PORT", api_port.to_string()),
     )
+}
+
+/// `node tests/node/<script> <args>`, with the JavaScript SDK the tools installed on its path.
+fn node(script: &str, args: &[&str]) -> std::process::Command {
+    let mut command = std::process::Command::new("node");
+    command
+        .arg(format!("{}/node/{script}", env!("CARGO_MANIFEST_DIR")))
+        .args(args)
+        .env("NODE_PATH", cosmosq_tests::dapr_js());
+    command
 }
 
 impl Drop for Killed {
@@ -1483,12 +1490,9 @@ async fn an_app_on_the_javascript_sdk_over_grpc_starts_subscribes_and_publishes(
 async fn javascript_sdk_app(grpc: bool) {
     let fixture = Fixture::new(1).await;
     let (app_port, api_port, grpc_port) = (free_port(), free_port(), free_port());
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_sdk_app.cjs");
     let (_app, mut events) = spawn_app(
-        std::process::Command::new("node")
-            .args([script, &app_port.to_string(), "q"])
+        node("dapr_sdk_app.cjs", &[&app_port.to_string(), "q"])
             .args(grpc.then_some("grpc"))
-            .env("NODE_PATH", cosmosq_tests::dapr_js())
             .env("DAPR_HTTP_PORT", api_port.to_string())
             .env("DAPR_GRPC_PORT", grpc_port.to_string()),
     );
@@ -1507,6 +1511,13 @@ async fn javascript_sdk_app(grpc: bool) {
         SidecarSettings {
             app_protocol: protocol,
             grpc_listen: format!("127.0.0.1:{grpc_port}"),
+            // Over gRPC, the other delivery mode, in order per key.
+            mode: if grpc {
+                DeliveryMode::Stream
+            } else {
+                DeliveryMode::Exclusive
+            },
+            ordered: grpc,
             ..settings("orders-app", app_port, api_port)
         },
     );
@@ -1599,12 +1610,12 @@ async fn a_pipeline_of_sdk_apps_publishes_each_order_once_to_the_next_queue() {
     .await
     .unwrap();
     let stage = |app_port: u16, api_port: u16, input: &str, output: &str| {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/node/dapr_pipeline_stage.cjs");
         spawn_app(
-            std::process::Command::new("node")
-                .args([script, &app_port.to_string(), input, output])
-                .env("NODE_PATH", cosmosq_tests::dapr_js())
-                .env("DAPR_HTTP_PORT", api_port.to_string()),
+            node(
+                "dapr_pipeline_stage.cjs",
+                &[&app_port.to_string(), input, output],
+            )
+            .env("DAPR_HTTP_PORT", api_port.to_string()),
         )
     };
     let (billing_app, billing_api, mailer_app, mailer_api) =
@@ -1886,6 +1897,12 @@ async fn grpc_python_app(bulk: bool) {
         &fixture,
         SidecarSettings {
             app_protocol: cosmosq_sidecar::settings::AppProtocol::Grpc,
+            // In bulk, on the other exclusive write path (a state document per delivery).
+            exclusive_writes: if bulk {
+                ExclusiveWrites::Claims
+            } else {
+                ExclusiveWrites::Lease
+            },
             // Declared, as `app.subscription` with `bulk` writes it (the SDK cannot ask).
             app_subscription: bulk.then(|| {
                 json!({"pubsubname": "pubsub", "topic": "q", "routes": {"default": "/orders"},
