@@ -1,10 +1,13 @@
-//! The operator binary at scale: 50 CosmosQueues and 100 QueueConsumerGroups, against the
-//! in-memory API server (served over HTTP, reached through a kubeconfig) and the Cosmos DB
-//! emulator on localhost (reached with the account key from a Secret) — the same code paths a
-//! cluster uses. Prints convergence time, the latency from a group's spec change to its
-//! Deployment's change, and the operator's resident memory.
+//! The operator binary at scale: 50 CosmosQueues and 100 QueueConsumerGroups by default,
+//! against the in-memory API server (served over HTTP, reached through a kubeconfig) and the
+//! Cosmos DB emulator on localhost (reached with the account key from a Secret) — the same code
+//! paths a cluster uses. Prints convergence time, the latency from a group's spec change to its
+//! Deployment's change, one scaling round's duration, the Kubernetes API requests a minute at
+//! rest, the time from a message to a Deployment scaled from zero, and resident memory.
 //!
-//! `cargo bench -p cosmosq-operator --features testkit --bench operator`
+//! `cargo bench -p cosmosq-operator --bench operator`; at scale:
+//! `COSMOSQ_BENCH_QUEUES=1000 COSMOSQ_BENCH_GROUPS_PER_QUEUE=5 COSMOSQ_BENCH_SCALE_INTERVAL=15s`.
+//! `COSMOSQ_BENCH_OPERATOR` names another build of the binary (before/after).
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,9 +20,29 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
 
-const QUEUES: usize = 50;
-const GROUPS_PER_QUEUE: usize = 2;
 const LATENCY_SAMPLES: usize = 40;
+
+fn setting<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A sample of the operator's own metrics (the insecure listener, loopback only).
+async fn scrape(metrics: &str, name: &str) -> f64 {
+    let body = reqwest::get(format!("http://{metrics}/metrics"))
+        .await
+        .and_then(|r| r.error_for_status())
+        .expect("the operator's /metrics")
+        .text()
+        .await
+        .unwrap_or_default();
+    body.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
 
 /// `VmRSS` and `VmHWM` (peak) of a process, in KiB (Linux).
 fn memory_kib(pid: u32) -> (u64, u64) {
@@ -57,7 +80,7 @@ async fn until(
             panic!("the operator exited ({status}) while waiting for {what}; see operator.log");
         }
         assert!(started.elapsed() < timeout, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
     started.elapsed()
 }
@@ -68,6 +91,14 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 #[tokio::main]
 async fn main() {
+    let queues_total: usize = setting("COSMOSQ_BENCH_QUEUES", 50);
+    let per_queue: usize = setting("COSMOSQ_BENCH_GROUPS_PER_QUEUE", 2);
+    let interval: String = setting("COSMOSQ_BENCH_SCALE_INTERVAL", "5s".to_owned());
+    let interval_secs: u64 = interval
+        .trim_end_matches('s')
+        .parse()
+        .expect("an interval in s");
+    let groups_total = queues_total * per_queue;
     let cosmos = Emulator::serve_localhost(0, EmulatorOptions::default())
         .await
         .expect("emulator");
@@ -91,22 +122,29 @@ async fn main() {
     // Another build of the binary (the image's profile, say) when named.
     let binary = std::env::var("COSMOSQ_BENCH_OPERATOR")
         .unwrap_or_else(|_| env!("CARGO_BIN_EXE_cosmosq-operator").to_owned());
+    let metrics = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        free.local_addr().unwrap().to_string()
+    };
     let mut operator = Command::new(&binary)
         .env("KUBECONFIG", &kubeconfig)
         .env("RUST_LOG", "warn")
         .args(["--listen", "127.0.0.1:0"]) // nothing here reads it
+        .args(["--insecure-metrics-listen", &metrics])
+        .args(["--allowed-endpoint", &cosmos.endpoint])
         .args(["--lease-namespace", "bench", "--identity", "operator-0"])
-        .args(["--scale-interval", "5s"])
+        .args(["--scale-interval", &interval])
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
         .expect("the operator binary");
     let pid = operator.id();
 
-    // Declare everything at once, as `kubectl apply -f` of a directory would.
+    // Declare everything at once, as `kubectl apply -f` of a directory would. Idle groups
+    // scale to zero within a second, so the bench also sees wake-ups from zero.
     let queues: Api<CosmosQueue> = Api::namespaced(client.clone(), "bench");
     let groups: Api<QueueConsumerGroup> = Api::namespaced(client.clone(), "bench");
-    for q in 0..QUEUES {
+    for q in 0..queues_total {
         let queue = json!({
             "apiVersion": "cosmosq.io/v1alpha1", "kind": "CosmosQueue",
             "metadata": {"name": format!("q{q}")},
@@ -120,13 +158,15 @@ async fn main() {
             )
             .await
             .unwrap();
-        for g in 0..GROUPS_PER_QUEUE {
+        for g in 0..per_queue {
             let group = json!({
                 "apiVersion": "cosmosq.io/v1alpha1", "kind": "QueueConsumerGroup",
                 "metadata": {"name": format!("q{q}-g{g}")},
                 "spec": {"queueRef": {"name": format!("q{q}")}, "startFrom": "beginning",
                          "template": {"spec": {"containers": [{"name": "app", "image": "example/app"}]}},
-                         "app": {"port": 8080}, "scaling": {"targetBacklogPerReplica": 50}}
+                         "app": {"port": 8080},
+                         "scaling": {"targetBacklogPerReplica": 50, "scaleDownStabilization": "1s",
+                                     "scaleToZeroCooldown": "1s"}}
             });
             groups
                 .create(
@@ -137,42 +177,109 @@ async fn main() {
                 .unwrap();
         }
     }
-    let groups_total = QUEUES * GROUPS_PER_QUEUE;
+    let deployment_of = |i: usize| format!("q{}-g{}-workers", i / per_queue, i % per_queue);
+    // Checked in order, each once it holds: a check is cheap at any scale.
+    let (mut queues_ready, mut applied) = (0, 0);
     let converged = until(
         "every queue ready and every Deployment applied",
-        Duration::from_secs(300),
+        Duration::from_secs(1800),
         &mut operator,
         || {
-            let ready = (0..QUEUES).all(|q| {
-                fake.get(
-                    "apis/cosmosq.io/v1alpha1/cosmosqueues",
-                    "bench",
-                    &format!("q{q}"),
-                )
-                .is_some_and(|o| o["status"]["partitions"] == 4)
-            });
-            ready
-                && (0..groups_total).all(|i| {
-                    let name = format!(
-                        "q{}-g{}-workers",
-                        i / GROUPS_PER_QUEUE,
-                        i % GROUPS_PER_QUEUE
-                    );
-                    fake.get("apis/apps/v1/deployments", "bench", &name)
-                        .is_some()
-                })
+            while queues_ready < queues_total
+                && fake
+                    .get(
+                        "apis/cosmosq.io/v1alpha1/cosmosqueues",
+                        "bench",
+                        &format!("q{queues_ready}"),
+                    )
+                    .is_some_and(|o| o["status"]["partitions"] == 4)
+            {
+                queues_ready += 1;
+            }
+            while applied < groups_total
+                && fake
+                    .get("apis/apps/v1/deployments", "bench", &deployment_of(applied))
+                    .is_some()
+            {
+                applied += 1;
+            }
+            queues_ready == queues_total && applied == groups_total
         },
     )
     .await;
     let after_start = memory_kib(pid);
-
-    // A backlog on one queue: both of its groups scale up.
-    let q0 = Queue::open(
-        &cosmos.emulator.client().await.unwrap(),
-        QueueConfig::new("bench", "q0"),
+    let replicas = |name: &str| {
+        fake.get("apis/apps/v1/deployments", "bench", name)
+            .and_then(|d| d["spec"]["replicas"].as_i64())
+    };
+    // Every group at zero: nothing was enqueued yet.
+    let mut at_zero = 0;
+    let settled = until(
+        "every group scaled to zero",
+        Duration::from_secs(600),
+        &mut operator,
+        || {
+            while at_zero < groups_total && replicas(&deployment_of(at_zero)) == Some(0) {
+                at_zero += 1;
+            }
+            at_zero == groups_total
+        },
     )
-    .await
-    .unwrap();
+    .await;
+
+    // At rest: what a minute of rounds costs the API server, and how long a round takes.
+    let rounds_before = scrape(&metrics, "cosmosq_operator_scaling_round_seconds_count").await;
+    let spent_before = scrape(&metrics, "cosmosq_operator_scaling_round_seconds_sum").await;
+    let requests_before = fake.requests();
+    let rest = Duration::from_secs(60);
+    tokio::time::sleep(rest).await;
+    let requests_at_rest: Vec<(String, u64)> = {
+        let mut diff: Vec<_> = fake
+            .requests()
+            .into_iter()
+            .map(|(what, n)| {
+                let before = requests_before.get(&what).copied().unwrap_or(0);
+                (what, n - before)
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        diff.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+        diff
+    };
+    let rounds =
+        scrape(&metrics, "cosmosq_operator_scaling_round_seconds_count").await - rounds_before;
+    let round_mean = (scrape(&metrics, "cosmosq_operator_scaling_round_seconds_sum").await
+        - spent_before)
+        / rounds;
+    let (rest_rss, _) = memory_kib(pid);
+
+    // From zero: a message on a queue whose groups are all at zero.
+    let mut wakes = Vec::new();
+    let client_cosmos = cosmos.emulator.client().await.unwrap();
+    for q in [1 % queues_total, queues_total / 2, queues_total - 1] {
+        let queue = Queue::open(&client_cosmos, QueueConfig::new("bench", &format!("q{q}")))
+            .await
+            .unwrap();
+        let sent = Instant::now();
+        queue
+            .enqueue(NewMessage::json(json!({"wake": q})))
+            .await
+            .unwrap();
+        let name = format!("q{q}-g0-workers");
+        until(
+            "a group to scale from zero",
+            Duration::from_secs(120),
+            &mut operator,
+            || replicas(&name).is_some_and(|r| r > 0),
+        )
+        .await;
+        wakes.push(sent.elapsed().as_secs_f64());
+    }
+
+    // A backlog on one queue: each of its groups scales up.
+    let q0 = Queue::open(&client_cosmos, QueueConfig::new("bench", "q0"))
+        .await
+        .unwrap();
     for result in q0
         .enqueue_batch(
             (0..200)
@@ -185,26 +292,17 @@ async fn main() {
     }
     let scaled = until(
         "q0's groups to scale",
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         &mut operator,
-        || {
-            (0..GROUPS_PER_QUEUE).all(|g| {
-                fake.get(
-                    "apis/apps/v1/deployments",
-                    "bench",
-                    &format!("q0-g{g}-workers"),
-                )
-                .is_some_and(|d| d["spec"]["replicas"] == 4)
-            })
-        },
+        || (0..per_queue).all(|g| replicas(&format!("q0-g{g}-workers")) == Some(4)),
     )
     .await;
 
     // Spec change → Deployment change, one group at a time.
     let mut latencies = Vec::with_capacity(LATENCY_SAMPLES);
     for n in 0..LATENCY_SAMPLES {
-        let q = n % QUEUES;
-        let name = format!("q{q}-g{}", n % GROUPS_PER_QUEUE);
+        let q = n % queues_total;
+        let name = format!("q{q}-g{}", n % per_queue);
         let concurrency = 100 + n;
         let sent = Instant::now();
         groups
@@ -218,7 +316,7 @@ async fn main() {
         let deployment = format!("{name}-workers");
         until(
             "the Deployment to follow its group",
-            Duration::from_secs(30),
+            Duration::from_secs(60),
             &mut operator,
             || {
                 fake.get("apis/apps/v1/deployments", "bench", &deployment)
@@ -231,8 +329,6 @@ async fn main() {
     }
     latencies.sort_by(f64::total_cmp);
 
-    // Idle: a few scaling rounds over every group.
-    tokio::time::sleep(Duration::from_secs(12)).await;
     let (idle_rss, peak_rss) = memory_kib(pid);
     let requests = fake.requests();
     let _ = Command::new("kill")
@@ -242,13 +338,41 @@ async fn main() {
     stop.cancel();
     cosmos.stop.cancel();
 
-    println!("cosmosq operator ({binary}) with {QUEUES} queues and {groups_total} groups");
+    println!("cosmosq operator ({binary}) with {queues_total} queues and {groups_total} groups, {interval} rounds");
     println!("API server: in-memory over HTTP; Cosmos DB: emulator over HTTP with the key from a Secret\n");
     println!(
         "converged        {:>8.2} s   (all queues provisioned and ready, all Deployments applied)",
         converged.as_secs_f64()
     );
-    println!("scaled up        {:>8.2} s   (200 messages enqueued → both groups at 4 replicas, 5 s rounds)", scaled.as_secs_f64());
+    println!(
+        "at zero          {:>8.2} s   later (every group idle past its 1 s cool-down)",
+        settled.as_secs_f64()
+    );
+    println!(
+        "scaling round    {:>8.2} s   mean of {rounds} rounds at rest ({interval_secs} s interval)",
+        round_mean
+    );
+    let at_rest: u64 = requests_at_rest.iter().map(|(_, n)| n).sum();
+    println!(
+        "API at rest      {:>8} requests in {} s; by kind:",
+        at_rest,
+        rest.as_secs()
+    );
+    for (what, n) in requests_at_rest.iter().take(8) {
+        println!("    {n:>6}  {what}");
+    }
+    println!(
+        "from zero        {}   (one message → its group's Deployment at 1 replica)",
+        wakes
+            .iter()
+            .map(|s| format!("{s:.2} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "scaled up        {:>8.2} s   (200 messages enqueued → each of q0's groups at 4 replicas)",
+        scaled.as_secs_f64()
+    );
     println!(
         "spec → Deployment p50 {:>6.1} ms, p99 {:.1} ms, max {:.1} ms ({LATENCY_SAMPLES} changes)",
         percentile(&latencies, 0.5),
@@ -256,8 +380,9 @@ async fn main() {
         latencies[latencies.len() - 1]
     );
     println!(
-        "resident memory  {:>8.1} MiB after converging, {:.1} MiB idle after 2 rounds, {:.1} MiB peak",
+        "resident memory  {:>8.1} MiB after converging, {:.1} MiB at rest, {:.1} MiB at the end, {:.1} MiB peak",
         after_start.0 as f64 / 1024.0,
+        rest_rss as f64 / 1024.0,
         idle_rss as f64 / 1024.0,
         peak_rss as f64 / 1024.0
     );
