@@ -224,7 +224,7 @@ async fn reconcile(qcg: &QueueConsumerGroup, ctx: &Context) -> Result<Action, Re
                             action: Action::requeue(if recheck {
                                 crate::context::RECHECK
                             } else {
-                                crate::context::RESYNC
+                                crate::context::group_resync(&qcg.uid().unwrap_or_default())
                             }),
                         },
                     }
@@ -656,7 +656,7 @@ mod tests {
             (server, status)
         });
         let action = reconcile_group(qcg, ctx.clone()).await.unwrap();
-        assert_eq!(action, Action::requeue(crate::context::RESYNC));
+        assert_eq!(action, Action::requeue(crate::context::group_resync("g1")));
         let (server, body) = verifier.await.unwrap();
         assert_eq!(ready(&body["status"]), ("True", "Applied"));
         // Applied, not yet seen by the Deployment controller (no status): in progress.

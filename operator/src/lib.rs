@@ -31,6 +31,7 @@ pub mod leader;
 pub mod metrics;
 pub mod queue;
 pub mod rollout;
+pub mod rotation;
 pub mod run;
 pub mod scaler;
 /// The pure scaling decision, shared with `cosmosq demo`.

@@ -149,6 +149,8 @@ pub async fn run_with_management(
     ctx.telemetry = Telemetry::start(&config.otlp, "cosmosq-operator")?;
     let (changed_tx, changed_rx) = mpsc::unbounded_channel();
     ctx.changed = Some(changed_tx);
+    let (reconcile_tx, reconcile_rx) = mpsc::unbounded_channel();
+    ctx.reconcile = Some(reconcile_tx);
     let ctx = Arc::new(ctx);
 
     // The HTTP surface comes first: the kubelet probes a standby too.
@@ -304,7 +306,7 @@ pub async fn run_with_management(
                 &config,
                 ctx.clone(),
                 shared.clone(),
-                changed_rx,
+                (changed_rx, reconcile_rx),
                 work.clone(),
             ),
             keeping
@@ -443,25 +445,52 @@ fn changes<K>(
 where
     K: Watched,
 {
+    changed_objects(watcher(api, config).default_backoff(), signature)
+}
+
+/// The objects of a watch's `events` when first seen, deleted, or changed by `signature`.
+fn changed_objects<K>(
+    events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    signature: fn(&K) -> u64,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
+where
+    K: Watched,
+{
     let mut seen = std::collections::HashMap::<ObjectRef<K>, u64>::new();
-    watcher(api, config)
-        .default_backoff()
-        .filter_map(move |event| {
-            let passed = match event {
-                Ok(watcher::Event::Delete(object)) => {
-                    seen.remove(&ObjectRef::from_obj(&object));
-                    Some(Ok(object))
-                }
-                Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) => {
-                    let key = ObjectRef::from_obj(&object);
-                    let now = signature(&object);
-                    (seen.insert(key, now) != Some(now)).then_some(Ok(object))
-                }
-                Ok(_) => None,
-                Err(e) => Some(Err(e)),
-            };
-            futures::future::ready(passed)
-        })
+    events.filter_map(move |event| {
+        let passed = match event {
+            Ok(watcher::Event::Delete(object)) => {
+                seen.remove(&ObjectRef::from_obj(&object));
+                Some(Ok(object))
+            }
+            Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) => {
+                let key = ObjectRef::from_obj(&object);
+                let now = signature(&object);
+                (seen.insert(key, now) != Some(now)).then_some(Ok(object))
+            }
+            Ok(_) => None,
+            Err(e) => Some(Err(e)),
+        };
+        futures::future::ready(passed)
+    })
+}
+
+/// What the operator keeps of a workers' Deployment (pure): what the scaling loop reads
+/// (replicas, selector, owner) and what a change is told by (generation, conditions). The
+/// pod template and the field managers are most of a Deployment and go: 5,000 groups must
+/// not mean 5,000 templates in memory. Reconciles read the whole object when they apply.
+pub fn trim_deployment(deployment: &mut Deployment) {
+    deployment.metadata.managed_fields = None;
+    deployment.metadata.annotations = None;
+    if let Some(spec) = deployment.spec.as_mut() {
+        spec.template = Default::default();
+        spec.strategy = None;
+    }
+}
+
+/// Field managers are half of a small object and nothing here reads them.
+fn trim_managed_fields<K: Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
 }
 
 /// A hash of a group's pause annotations and its reconcile and rollout requests.
@@ -512,6 +541,7 @@ where
         watcher::Config::default().any_semantic(),
     )
     .default_backoff()
+    .modify(trim_managed_fields::<K>)
     .reflect(writer)
     .applied_objects()
     .predicate_filter(
@@ -529,7 +559,10 @@ async fn run_controllers(
     config: &Config,
     ctx: Arc<Context>,
     shared: Shared,
-    changed: mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
+    (changed, reconcile): (
+        mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
+        mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
+    ),
     work: CancellationToken,
 ) {
     let ns = config.watch_namespace.as_deref();
@@ -541,15 +574,25 @@ async fn run_controllers(
     // A pause is an annotation: it changes no generation, yet its HPA must go (or come back).
     // So are reconcile and rollout requests.
     let (group_store, group_changes) = spec_changes(client, ns, pause_annotations);
+    // The workers' Deployments, trimmed, cached for the scaling loop (no GET per group per
+    // round) from the watch the group controller runs anyway.
+    let (deployment_store, deployment_writer) = reflector::store();
+    let deployment_events = watcher(
+        watch_api::<Deployment>(client, ns),
+        watcher::Config::default().labels(MANAGED).any_semantic(),
+    )
+    .default_backoff()
+    .modify(trim_deployment)
+    .reflect(deployment_writer);
     let groups = Controller::for_stream(group_changes, group_store.clone())
         .with_config(limits)
         // An owned object's deletion, a spec change by someone else, or (Deployments) a
         // change of its conditions: not every replica count of a rollout or HPA status write.
-        .owns_stream(changes(
-            watch_api::<Deployment>(client, ns),
-            watcher::Config::default().labels(MANAGED).any_semantic(),
-            deployment_signature,
-        ))
+        .owns_stream(changed_objects(deployment_events, deployment_signature))
+        // A key the group reads was rotated (the scaling loop's key checks).
+        .reconcile_on(futures::stream::unfold(reconcile, |mut rx| async move {
+            rx.recv().await.map(|group| (group, rx))
+        }))
         .owns_stream(changes(
             watch_api::<HorizontalPodAutoscaler>(client, ns),
             watcher::Config::default().labels(MANAGED).any_semantic(),
@@ -595,14 +638,16 @@ async fn run_controllers(
         ctx.clone(),
         group_store.clone(),
         queue_store.clone(),
+        deployment_store.clone(),
     ));
     let interval = config.scale_interval;
     let scaling = async {
-        // Scaling needs both caches: a half-filled one would read as "no queue".
+        // Scaling needs every cache: a half-filled one would read as "no queue" or "no
+        // workers".
         tokio::select! {
             _ = work.cancelled() => return,
-            ready = async { tokio::join!(queue_store.wait_until_ready(), group_store.wait_until_ready()) } => {
-                if ready.0.is_err() || ready.1.is_err() {
+            ready = async { tokio::join!(queue_store.wait_until_ready(), group_store.wait_until_ready(), deployment_store.wait_until_ready()) } => {
+                if ready.0.is_err() || ready.1.is_err() || ready.2.is_err() {
                     return;
                 }
             }

@@ -16,7 +16,7 @@
 //! A failed estimate keeps the replicas as they are and sets `Degraded`: never scale down on an
 //! error.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,7 +26,7 @@ use cosmosq_crds::{
 };
 use cosmosq_queue::clock::{duration_ms, system_now_ms as now_ms};
 use cosmosq_queue::config::GroupConfig;
-use cosmosq_queue::estimate::GroupEstimate;
+use cosmosq_queue::estimate::{head_unchanged, FeedHead, GroupEstimate, DUE_HORIZON};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -49,8 +49,21 @@ use crate::status::{self, reasons, SCALER_MANAGER};
 /// Ranges listed in a group's status; beyond this the status would grow past what `kubectl`
 /// shows usefully (the metrics carry the totals).
 const MAX_RANGES_IN_STATUS: usize = 256;
-/// Groups estimated at the same time in a round.
-const CONCURRENT_ESTIMATES: usize = 8;
+/// Groups estimated at the same time in a round, at least: one round must fit its interval
+/// whatever the number of groups, so the width grows with the groups and their latency
+/// ([`round_width`]) up to `MAX_CONCURRENT_ESTIMATES`.
+const MIN_CONCURRENT_ESTIMATES: usize = 8;
+/// At most: each estimate in flight holds a connection and a few pages of a feed.
+const MAX_CONCURRENT_ESTIMATES: usize = 128;
+
+/// How many groups a round estimates at once (pure): enough for `groups` rounds of
+/// `per_group` each to take half the `interval`, leaving the other half as headroom for slow
+/// accounts, within `MIN_CONCURRENT_ESTIMATES..=MAX_CONCURRENT_ESTIMATES`.
+pub fn round_width(groups: usize, per_group: Duration, interval: Duration) -> usize {
+    let budget = (interval / 2).as_secs_f64().max(0.001);
+    let needed = (groups as f64 * per_group.as_secs_f64() / budget).ceil() as usize;
+    needed.clamp(MIN_CONCURRENT_ESTIMATES, MAX_CONCURRENT_ESTIMATES)
+}
 
 /// What can fail a group's round.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +83,68 @@ struct GroupState {
     written: Option<(QueueConsumerGroupStatus, tokio::time::Instant)>,
     /// The generation whose ignored `spec.replicas` was last reported (once per change).
     replicas_ignored: Option<i64>,
+    /// The spec's settings as last validated, by (uid, generation): its CEL rules are
+    /// compiled once per change, not every round.
+    settings: Option<(SpecVersion, Option<spec::GroupSettings>)>,
+    /// The last estimate, when it found no work: reused while the feed stands still.
+    idle: Option<Idle>,
+    /// Whether the last estimate found work (then the next one is made without a probe).
+    busy: bool,
+}
+
+/// An estimate that found no work, the feed head probed before it (`None`: not probed), and
+/// when it was made (ms).
+#[derive(Clone, Debug)]
+pub struct Idle {
+    /// The queue's feed head, probed before the estimate.
+    pub head: Option<FeedHead>,
+    /// The estimate.
+    pub estimate: GroupEstimate,
+    /// When it was made (ms).
+    pub at: i64,
+}
+
+/// Whether an estimate found no work (pure): every range's lag known and nothing unread or
+/// pending anywhere.
+pub fn found_no_work(estimate: &GroupEstimate) -> bool {
+    !estimate.ranges.is_empty()
+        && estimate.ranges.iter().all(|r| r.lag.is_some())
+        && estimate.backlog() == 0
+}
+
+/// Whether an idle group's last estimate still holds now (pure), so the round skips its
+/// estimate: nothing was written to the queue since the probe made before that estimate
+/// (no new message, so no new lag; and with no work there is no delivery to leave a lock or a
+/// retry behind), and it is younger than the estimator's due horizon (a retry or scheduled
+/// message due within it was counted in it, so one falling due since cannot be missed).
+pub fn still_idle(idle: &Idle, head: &FeedHead, now: i64) -> bool {
+    let young = now.saturating_sub(idle.at) < duration_ms(DUE_HORIZON);
+    young
+        && idle
+            .head
+            .as_ref()
+            .is_some_and(|before| head_unchanged(before, head))
+}
+
+/// A queue's feed head, probed once per round by whichever of its groups asks first.
+type HeadCell = Arc<tokio::sync::OnceCell<Option<FeedHead>>>;
+
+/// A spec as its object's uid and generation tell it.
+type SpecVersion = (Option<String>, Option<i64>);
+
+impl GroupState {
+    /// The group's settings, `None` for an invalid spec (the reconciler reports why).
+    fn settings(&mut self, qcg: &QueueConsumerGroup) -> Option<spec::GroupSettings> {
+        let version = (qcg.uid(), qcg.metadata.generation);
+        match &self.settings {
+            Some((seen, settings)) if *seen == version => settings.clone(),
+            _ => {
+                let settings = spec::group(qcg).ok();
+                self.settings = Some((version, settings.clone()));
+                settings
+            }
+        }
+    }
 }
 
 /// How often a status whose only change is in the figures (backlog, lag, ranges) is written:
@@ -372,8 +447,18 @@ pub struct Scaler {
     ctx: Arc<Context>,
     groups: Store<QueueConsumerGroup>,
     queues: Store<CosmosQueue>,
+    /// The workers' Deployments, trimmed (`run::trim_deployment`): read here, not fetched.
+    deployments: Store<Deployment>,
     state: Mutex<HashMap<ObjectRef<QueueConsumerGroup>, Arc<Mutex<GroupState>>>>,
-    queue_written: Mutex<HashMap<ObjectRef<CosmosQueue>, CosmosQueueStatus>>,
+    queue_written:
+        Mutex<HashMap<ObjectRef<CosmosQueue>, (CosmosQueueStatus, tokio::time::Instant)>>,
+    /// Each queue's feed head as this round probed it (the round's start, ms).
+    heads: std::sync::Mutex<(i64, HashMap<ObjectRef<CosmosQueue>, HeadCell>)>,
+    /// The Secrets the workers read, as last read, for rotations ([`crate::rotation`]).
+    secrets: Mutex<crate::rotation::SecretWatch>,
+    /// A group's round as the last round measured it (mean, in microseconds): the next
+    /// round's width follows it.
+    per_group_micros: std::sync::atomic::AtomicU64,
 }
 
 impl Scaler {
@@ -382,13 +467,18 @@ impl Scaler {
         ctx: Arc<Context>,
         groups: Store<QueueConsumerGroup>,
         queues: Store<CosmosQueue>,
+        deployments: Store<Deployment>,
     ) -> Self {
         Self {
             ctx,
             groups,
             queues,
+            deployments,
             state: Mutex::default(),
             queue_written: Mutex::default(),
+            per_group_micros: std::sync::atomic::AtomicU64::new(0),
+            secrets: Mutex::default(),
+            heads: std::sync::Mutex::default(),
         }
     }
 
@@ -404,7 +494,7 @@ impl Scaler {
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                _ = tick.tick() => self.round().await,
+                _ = tick.tick() => self.round_within(interval).await,
                 Some(group) = changed.recv() => {
                     if let Some(qcg) = self.groups.get(&group) {
                         self.scale_logged(&qcg, now_ms()).await;
@@ -414,15 +504,29 @@ impl Scaler {
         }
     }
 
-    /// One round over every group, then the queues' totals.
-    #[instrument(skip(self), fields(groups = self.groups.state().len()))]
+    /// One round over every group at the default interval (tests).
     pub async fn round(&self) {
+        self.round_within(Duration::from_secs(15)).await;
+    }
+
+    /// One round over every group, as wide as fitting it in `interval` takes, then the
+    /// queues' totals.
+    #[instrument(skip(self), fields(groups = self.groups.state().len()))]
+    pub async fn round_within(&self, interval: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
         let started = Instant::now();
         let groups = self.groups.state();
         let now = now_ms();
+        let per_group = Duration::from_micros(self.per_group_micros.load(Relaxed));
+        let width = round_width(groups.len(), per_group, interval);
+        let spent = std::sync::atomic::AtomicU64::new(0);
         futures::stream::iter(groups.iter())
-            .for_each_concurrent(CONCURRENT_ESTIMATES, |qcg| self.scale_logged(qcg, now))
+            .for_each_concurrent(width, |qcg| self.scale_timed(qcg, now, &spent))
             .await;
+        if !groups.is_empty() {
+            let mean = spent.load(Relaxed) / groups.len() as u64;
+            self.per_group_micros.store(mean, Relaxed);
+        }
         self.forget_deleted().await;
         if let Err(e) = self.write_queue_totals().await {
             warn!(error = %e, "could not write the queues' backlog");
@@ -431,13 +535,80 @@ impl Scaler {
             .metrics
             .scaling_round
             .observe(started.elapsed().as_secs_f64());
-        debug!(elapsed = ?started.elapsed(), "scaling round");
+        debug!(elapsed = ?started.elapsed(), width, "scaling round");
+        self.check_secrets().await;
+    }
+
+    /// Reads the Secrets the workers read that are due a check (each once every
+    /// `rotation::SECRET_CHECK`, however many groups name it) and asks for a reconcile of
+    /// each group that reads one that changed.
+    async fn check_secrets(&self) {
+        let Some(reconcile) = &self.ctx.reconcile else {
+            return;
+        };
+        let groups = self.groups.state();
+        let wanted = groups
+            .iter()
+            .flat_map(|g| crate::rotation::secrets_of(g, &self.queues))
+            .collect();
+        let now = tokio::time::Instant::now();
+        let changed = self
+            .secrets
+            .lock()
+            .await
+            .check(&self.ctx.client, &wanted, now)
+            .await;
+        if changed.is_empty() {
+            return;
+        }
+        for group in crate::rotation::groups_reading(&changed, &groups, &self.queues) {
+            // Closed only when the controllers stop, and this loop with them.
+            let _ = reconcile.send(group);
+        }
+    }
+
+    /// [`Self::scale_logged`], its time added to `spent` (microseconds).
+    async fn scale_timed(
+        &self,
+        qcg: &QueueConsumerGroup,
+        now: i64,
+        spent: &std::sync::atomic::AtomicU64,
+    ) {
+        let started = Instant::now();
+        self.scale_logged(qcg, now).await;
+        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        spent.fetch_add(micros, std::sync::atomic::Ordering::Relaxed);
     }
 
     async fn scale_logged(&self, qcg: &QueueConsumerGroup, now: i64) {
         if let Err(e) = self.scale_group(qcg, now).await {
             warn!(group = %qcg.name_any(), namespace = ?qcg.namespace(), error = %e, "scaling round failed");
         }
+    }
+
+    /// The queue's feed head as this round (`round`: its start, ms) probed it: once per queue
+    /// per round, whichever of its groups asks first (Cosmos). `None` when it cannot be read:
+    /// the groups are then estimated.
+    async fn head(&self, cq: &CosmosQueue, round: i64) -> Option<FeedHead> {
+        let cell = {
+            let mut heads = self.heads.lock().expect("heads");
+            if heads.0 != round {
+                *heads = (round, HashMap::new());
+            }
+            heads.1.entry(ObjectRef::from_obj(cq)).or_default().clone()
+        };
+        cell.get_or_init(|| async {
+            match self.ctx.cosmos.queue(cq).await {
+                Ok(queue) => queue
+                    .feed_head()
+                    .await
+                    .inspect_err(|e| debug!(error = %e, "could not probe the feed head"))
+                    .ok(),
+                Err(_) => None,
+            }
+        })
+        .await
+        .clone()
     }
 
     /// The remaining work of a group (Cosmos). A failure drops the queue's connection, so
@@ -466,7 +637,8 @@ impl Scaler {
     }
 
     /// One group's round: read → validate → estimate → decide → build → apply. It composes
-    /// the steps; each step talks to one system at most.
+    /// the steps; each step talks to one system at most. `now` (ms) also names the round:
+    /// groups scaled with the same `now` share one probe of their queue's feed head.
     #[instrument(skip_all, fields(namespace = ?qcg.namespace(), group = %qcg.name_any()))]
     pub async fn scale_group(
         &self,
@@ -478,18 +650,42 @@ impl Scaler {
         let Some(cq) = self.queues.get(&queue_ref) else {
             return Ok(Round::Skipped("queue not found"));
         };
-        let Ok(settings) = spec::group(qcg) else {
-            return Ok(Round::Skipped("invalid spec"));
-        };
-        let Some(workers) = self.workers(qcg).await? else {
-            return Ok(Round::Skipped("no Deployment of its own yet"));
-        };
-
-        let estimate = self.estimate(&cq, settings.config, now).await;
-
         let key = ObjectRef::from_obj(qcg);
         let state = self.state.lock().await.entry(key).or_default().clone();
         let mut state = state.lock().await;
+        let Some(settings) = state.settings(qcg) else {
+            return Ok(Round::Skipped("invalid spec"));
+        };
+        let Some(workers) = self.workers(qcg) else {
+            return Ok(Round::Skipped("no Deployment of its own yet"));
+        };
+
+        // An idle group is estimated again only when its queue's feed moved (one probe per
+        // queue per round, shared by its groups); a busy one at once.
+        let head = match state.idle.is_some() || !state.busy {
+            true => self.head(&cq, now).await,
+            false => None,
+        };
+        let reused = match (&state.idle, &head) {
+            (Some(idle), Some(head)) if still_idle(idle, head, now) => Some(idle.estimate.clone()),
+            _ => None,
+        };
+        let estimate = match &reused {
+            Some(estimate) => Ok(estimate.clone()),
+            None => self.estimate(&cq, settings.config, now).await,
+        };
+        if reused.is_none() {
+            state.busy = estimate.as_ref().is_ok_and(|e| !found_no_work(e));
+            state.idle = match &estimate {
+                Ok(e) if found_no_work(e) => Some(Idle {
+                    head,
+                    estimate: e.clone(),
+                    at: now,
+                }),
+                _ => None,
+            };
+        }
+
         if state.last_scale.is_none() {
             // After a restart, the last scale is what the status says (not forgotten).
             let status = qcg.status.as_ref();
@@ -629,21 +825,21 @@ impl Scaler {
         }
     }
 
-    fn deployments(&self, qcg: &QueueConsumerGroup) -> Api<Deployment> {
+    fn deployment_api(&self, qcg: &QueueConsumerGroup) -> Api<Deployment> {
         Api::namespaced(
             self.ctx.client.clone(),
             &qcg.namespace().unwrap_or_default(),
         )
     }
 
-    /// The group's workers as its Deployment says (Kubernetes); `None` before the reconciler
-    /// made it, or while a Deployment of that name is someone else's (never scaled).
-    async fn workers(&self, qcg: &QueueConsumerGroup) -> Result<Option<Workers>, ScalerError> {
-        let deployment = self.deployments(qcg).get_opt(&workers_name(qcg)).await?;
-        Ok(deployment
+    /// The group's workers as its Deployment says (the watch's cache); `None` before the
+    /// reconciler made it, or while a Deployment of that name is someone else's (never scaled).
+    fn workers(&self, qcg: &QueueConsumerGroup) -> Option<Workers> {
+        let key = ObjectRef::new(&workers_name(qcg)).within(&qcg.namespace().unwrap_or_default());
+        self.deployments
+            .get(&key)
             .filter(|d| crate::apply::controlled_by(&d.metadata, qcg))
-            .as_ref()
-            .map(Workers::of))
+            .map(|d| Workers::of(&d))
     }
 
     /// The scaling loop's part of the group's status (Kubernetes).
@@ -674,7 +870,7 @@ impl Scaler {
         replicas: u32,
         description: &str,
     ) -> Result<(), ScalerError> {
-        self.deployments(qcg)
+        self.deployment_api(qcg)
             .patch_scale(
                 &workers_name(qcg),
                 &PatchParams {
@@ -742,9 +938,9 @@ impl Scaler {
         self.ctx.figures.write().await.insert(resource, figures);
     }
 
-    /// Drops what the loop kept for groups that no longer exist.
+    /// Drops what the loop kept for groups that no longer exist (linear in the groups).
     async fn forget_deleted(&self) {
-        let live: Vec<ObjectRef<QueueConsumerGroup>> = self
+        let live: HashSet<ObjectRef<QueueConsumerGroup>> = self
             .groups
             .state()
             .iter()
@@ -754,9 +950,7 @@ impl Scaler {
         state.retain(|key, _| live.contains(key));
         let mut figures = self.ctx.figures.write().await;
         figures.retain(|(namespace, name), f| {
-            let keep = live
-                .iter()
-                .any(|r| r.namespace.as_deref() == Some(namespace) && &r.name == name);
+            let keep = live.contains(&ObjectRef::new(name).within(namespace));
             if !keep {
                 self.ctx
                     .metrics
@@ -768,12 +962,15 @@ impl Scaler {
 
     /// Each queue's backlog and oldest age, summed over its groups, into its status. A queue
     /// with a group whose estimate failed keeps its last total: a partial sum would read low.
+    /// As a group's figures, a total is written at once when it starts or ends a backlog, and
+    /// otherwise at most every `FIGURES_STATUS_INTERVAL`.
     async fn write_queue_totals(&self) -> Result<(), ScalerError> {
         let totals = queue_totals(self.ctx.figures.read().await.values());
         let mut written = self.queue_written.lock().await;
+        let now = tokio::time::Instant::now();
         for ((namespace, name), status) in totals {
             let key = ObjectRef::new(&name).within(&namespace);
-            if self.queues.get(&key).is_none() || written.get(&key) == Some(&status) {
+            if self.queues.get(&key).is_none() || !total_due(written.get(&key), &status, now) {
                 continue;
             }
             let api: Api<CosmosQueue> = Api::namespaced(self.ctx.client.clone(), &namespace);
@@ -783,10 +980,25 @@ impl Scaler {
                 &status::patch::<CosmosQueue, _>(&status),
             )
             .await?;
-            written.insert(key, status);
+            written.insert(key, (status, now));
         }
         Ok(())
     }
+}
+
+/// Whether a queue's total is worth a write (pure): the first, one that starts or ends a
+/// backlog, or a changed one whose last write is `FIGURES_STATUS_INTERVAL` old.
+fn total_due(
+    written: Option<&(CosmosQueueStatus, tokio::time::Instant)>,
+    status: &CosmosQueueStatus,
+    now: tokio::time::Instant,
+) -> bool {
+    let Some((before, at)) = written else {
+        return true;
+    };
+    let busy = |s: &CosmosQueueStatus| s.backlog.unwrap_or(0) > 0;
+    before != status
+        && (busy(before) != busy(status) || now.duration_since(*at) >= FIGURES_STATUS_INTERVAL)
 }
 
 fn ranges(estimate: &GroupEstimate) -> Vec<RangeStatus> {
@@ -838,6 +1050,84 @@ mod tests {
             status_due(None, &status(0, 0), t0),
             "the first status is written"
         );
+    }
+
+    #[test]
+    fn an_idle_estimate_holds_while_the_feed_stands_still_within_the_due_horizon() {
+        let head = |lsns: &[u64]| {
+            FeedHead(
+                lsns.iter()
+                    .enumerate()
+                    .map(|(i, lsn)| ((i.to_string(), (i + 1).to_string()), Some(*lsn)))
+                    .collect(),
+            )
+        };
+        let idle = Idle {
+            head: Some(head(&[7, 3])),
+            estimate: estimate(&[(0, Some(0), None), (0, Some(0), None)]),
+            at: 1_000,
+        };
+        assert!(found_no_work(&idle.estimate));
+        assert!(still_idle(&idle, &head(&[7, 3]), 30_000));
+        assert!(!still_idle(&idle, &head(&[7, 4]), 30_000), "a write");
+        assert!(!still_idle(&idle, &head(&[7]), 30_000), "a split or merge");
+        assert!(
+            !still_idle(&idle, &head(&[7, 3]), 61_000),
+            "older than the due horizon: a scheduled message may be due"
+        );
+        let unprobed = Idle { head: None, ..idle };
+        assert!(!still_idle(&unprobed, &head(&[7, 3]), 30_000));
+        assert!(
+            !found_no_work(&estimate(&[(0, None, None)])),
+            "a lag not known"
+        );
+        assert!(!found_no_work(&estimate(&[(2, Some(2), None)])));
+    }
+
+    #[test]
+    fn a_round_is_as_wide_as_fitting_its_interval_takes() {
+        let ms = Duration::from_millis;
+        let interval = Duration::from_secs(15);
+        assert_eq!(
+            round_width(100, ms(20), interval),
+            8,
+            "2 s of work: the floor"
+        );
+        assert_eq!(
+            round_width(5_000, ms(20), interval),
+            14,
+            "100 s of work in 7.5 s"
+        );
+        assert_eq!(round_width(5_000, ms(500), interval), 128, "at most");
+        assert_eq!(
+            round_width(5_000, Duration::ZERO, interval),
+            8,
+            "nothing measured yet"
+        );
+    }
+
+    #[test]
+    fn a_queue_total_is_written_when_a_backlog_starts_or_ends_and_else_at_a_bounded_rate() {
+        let total = |backlog: i64| CosmosQueueStatus {
+            backlog: Some(backlog),
+            ..CosmosQueueStatus::default()
+        };
+        let t0 = tokio::time::Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        for (before, new, now, due) in [
+            (40, 40, 100, false), // nothing changed
+            (40, 55, 15, false),  // a busy queue's total moved, 15 s after the last write
+            (40, 55, 60, true),   // and a minute after
+            (0, 3, 1, true),      // work arrived: at once
+            (3, 0, 1, true),      // and it is done: at once
+        ] {
+            assert_eq!(
+                total_due(Some(&(total(before), t0)), &total(new), at(now)),
+                due,
+                "{before} → {new} at {now} s"
+            );
+        }
+        assert!(total_due(None, &total(0), t0), "the first total is written");
     }
 
     fn estimate(ranges: &[(u64, Option<u64>, Option<&str>)]) -> GroupEstimate {
@@ -1008,7 +1298,6 @@ mod tests {
     use kube::runtime::watcher;
     use serde_json::Value;
 
-    const DEPLOYMENT: &str = "/apis/apps/v1/namespaces/shop/deployments/billing-workers";
     const SCALE: &str = "/apis/apps/v1/namespaces/shop/deployments/billing-workers/scale";
     const GROUP_STATUS: &str =
         "/apis/cosmosq.io/v1alpha1/namespaces/shop/queueconsumergroups/billing/status";
@@ -1037,16 +1326,28 @@ mod tests {
                "status": {"replicas": replicas}})
     }
 
-    impl ApiServerVerifier {
-        async fn deployment(&mut self, replicas: i32) {
-            self.answer(
-                Method::GET,
-                DEPLOYMENT,
-                json_response(StatusCode::OK, &deployment(replicas)),
-            )
-            .await;
+    /// The workers' Deployment as the watch's cache holds it; each test sets it.
+    #[derive(Clone)]
+    struct Cached(Arc<std::sync::Mutex<Writer<Deployment>>>, Store<Deployment>);
+
+    impl Cached {
+        fn new() -> Self {
+            let writer = Writer::default();
+            let store = writer.as_reader();
+            Self(Arc::new(std::sync::Mutex::new(writer)), store)
         }
 
+        /// The Deployment runs `replicas` (as its spec and status say).
+        fn at(&self, replicas: i32) {
+            let object = serde_json::from_value(deployment(replicas)).unwrap();
+            self.0
+                .lock()
+                .unwrap()
+                .apply_watcher_event(&watcher::Event::Apply(object));
+        }
+    }
+
+    impl ApiServerVerifier {
         async fn scale(&mut self) -> Value {
             let seen = self.expect(Method::PATCH, SCALE).await;
             let scale = json!({"apiVersion": "autoscaling/v1", "kind": "Scale",
@@ -1079,7 +1380,7 @@ mod tests {
         scaling: Value,
         messages: usize,
         container: &str,
-    ) -> (Scaler, ApiServerVerifier, Value) {
+    ) -> (Scaler, ApiServerVerifier, Value, Cached) {
         let (ctx, server, _cosmos) = emulator_context().await;
         let mut queue = queue_json();
         let provisioned: CosmosQueue = serde_json::from_value(queue.clone()).unwrap();
@@ -1097,16 +1398,21 @@ mod tests {
         queue["spec"]["container"] = json!(container);
         ctx.cosmos.forget(&provisioned).await;
         let group = group_json(json!({"startFrom": "beginning", "scaling": scaling}));
-        let scaler = Scaler::new(ctx, store(vec![group.clone()]), store(vec![queue]));
-        (scaler, server, group)
+        let cached = Cached::new();
+        let scaler = Scaler::new(
+            ctx,
+            store(vec![group.clone()]),
+            store(vec![queue]),
+            cached.1.clone(),
+        );
+        (scaler, server, group, cached)
     }
 
     #[tokio::test]
     async fn a_backlog_scales_the_workers_up_and_is_reported() {
-        let (scaler, mut server, group) =
+        let (scaler, mut server, group, cached) =
             setup(json!({"targetBacklogPerReplica": 100}), 250, "orders").await;
         let verifier = tokio::spawn(async move {
-            server.deployment(1).await;
             let scale = server.scale().await;
             assert_eq!(scale, json!({"spec": {"replicas": 3}}));
             let event = server.event().await;
@@ -1118,19 +1424,19 @@ mod tests {
             let status = server.scaler_status(GROUP_STATUS, group.clone()).await;
             let queue = server.scaler_status(QUEUE_STATUS, queue_json()).await;
             // Next round: the three replicas run; only that changed in the status.
-            server.deployment(3).await;
             let next = server.scaler_status(GROUP_STATUS, group.clone()).await;
             assert_eq!(
                 (next["replicas"].as_i64(), next["backlog"].as_i64()),
                 (Some(3), Some(250))
             );
             // And then nothing changed, so nothing is written.
-            server.deployment(3).await;
             (server, status, queue)
         });
-        for _ in 0..3 {
-            scaler.round().await;
-        }
+        cached.at(1);
+        scaler.round().await;
+        cached.at(3);
+        scaler.round().await;
+        scaler.round().await;
         let (server, status, queue) = verifier.await.unwrap();
         assert_eq!(status["backlog"], 250);
         assert_eq!(status["lag"], 250);
@@ -1168,14 +1474,14 @@ mod tests {
 
     #[tokio::test]
     async fn an_empty_queue_scales_down_after_the_window() {
-        let (scaler, mut server, group) = setup(
+        let (scaler, mut server, group, cached) = setup(
             json!({"minReplicas": 1, "scaleDownStabilization": "0s"}),
             0,
             "orders",
         )
         .await;
+        cached.at(5);
         let verifier = tokio::spawn(async move {
-            server.deployment(5).await;
             assert_eq!(server.scale().await, json!({"spec": {"replicas": 1}}));
             server.event().await;
             server.scaler_status(GROUP_STATUS, group).await
@@ -1199,9 +1505,9 @@ mod tests {
     #[tokio::test]
     async fn a_failed_estimate_keeps_the_replicas_and_degrades_the_group() {
         // The queue resource points at a container that does not exist.
-        let (scaler, mut server, group) = setup(json!({}), 10, "missing").await;
+        let (scaler, mut server, group, cached) = setup(json!({}), 10, "missing").await;
+        cached.at(5);
         let verifier = tokio::spawn(async move {
-            server.deployment(5).await;
             // No scale request: straight to the Warning and the status.
             let event = server.event().await;
             assert_eq!(
@@ -1229,7 +1535,8 @@ mod tests {
 
     #[tokio::test]
     async fn hpa_mode_measures_but_leaves_the_replicas_to_the_hpa() {
-        let (scaler, mut server, mut group) = setup(json!({"mode": "HPA"}), 150, "orders").await;
+        let (scaler, mut server, mut group, cached) =
+            setup(json!({"mode": "HPA"}), 150, "orders").await;
         // What an earlier operator process recorded survives this one's first write.
         group["status"] = json!({"lastScaleTime": "2026-11-30T09:00:00Z",
                                  "lastScaleReason": "backlog 900: scaling up to 9"});
@@ -1237,11 +1544,10 @@ mod tests {
             scaler.ctx.clone(),
             store(vec![group.clone()]),
             scaler.queues.clone(),
+            scaler.deployments.clone(),
         );
-        let verifier = tokio::spawn(async move {
-            server.deployment(2).await;
-            server.scaler_status(GROUP_STATUS, group).await
-        });
+        cached.at(2);
+        let verifier = tokio::spawn(async move { server.scaler_status(GROUP_STATUS, group).await });
         let round = one_round(&scaler).await;
         assert_eq!(
             round,
@@ -1283,17 +1589,18 @@ mod tests {
             scaler.ctx.clone(),
             store(vec![group.clone()]),
             scaler.queues.clone(),
+            scaler.deployments.clone(),
         )
     }
 
     #[tokio::test]
     async fn external_mode_runs_spec_replicas_whatever_the_backlog() {
-        let (scaler, mut server, mut group) =
+        let (scaler, mut server, mut group, cached) =
             setup(json!({"mode": "External", "maxReplicas": 3}), 500, "orders").await;
         group["spec"]["replicas"] = json!(5);
         let scaler = with_group(&scaler, &group);
+        cached.at(1);
         let verifier = tokio::spawn(async move {
-            server.deployment(1).await;
             assert_eq!(server.scale().await, json!({"spec": {"replicas": 5}}));
             let event = server.event().await;
             assert!(
@@ -1327,9 +1634,10 @@ mod tests {
 
     #[tokio::test]
     async fn external_mode_without_replicas_leaves_the_workers_where_they_are() {
-        let (scaler, mut server, group) = setup(json!({"mode": "External"}), 500, "orders").await;
+        let (scaler, mut server, group, cached) =
+            setup(json!({"mode": "External"}), 500, "orders").await;
+        cached.at(2);
         let verifier = tokio::spawn(async move {
-            server.deployment(2).await;
             // No scale request, no Event: straight to the status.
             server.scaler_status(GROUP_STATUS, group).await
         });
@@ -1349,12 +1657,13 @@ mod tests {
     #[tokio::test]
     async fn a_pause_holds_the_workers_at_its_count_in_every_mode() {
         for mode in ["Direct", "External", "HPA"] {
-            let (scaler, mut server, mut group) = setup(json!({"mode": mode}), 500, "orders").await;
+            let (scaler, mut server, mut group, cached) =
+                setup(json!({"mode": mode}), 500, "orders").await;
             group["spec"]["replicas"] = json!(4);
             group["metadata"]["annotations"] = json!({"cosmosq.io/paused-replicas": "1"});
             let scaler = with_group(&scaler, &group);
+            cached.at(3);
             let verifier = tokio::spawn(async move {
-                server.deployment(3).await;
                 assert_eq!(server.scale().await, json!({"spec": {"replicas": 1}}));
                 server.event().await; // Scaled
                 let paused = server.event().await;
@@ -1398,12 +1707,12 @@ mod tests {
 
     #[tokio::test]
     async fn an_unreadable_pause_holds_the_workers_and_warns_once() {
-        let (unpaused, mut server, mut group) = setup(json!({}), 500, "orders").await;
+        let (unpaused, mut server, mut group, cached) = setup(json!({}), 500, "orders").await;
         group["metadata"]["annotations"] = json!({"cosmosq.io/paused-replicas": "two"});
         let scaler = with_group(&unpaused, &group);
         drop(unpaused);
+        cached.at(1);
         let verifier = tokio::spawn(async move {
-            server.deployment(1).await;
             let warning = server.event().await;
             assert_eq!(
                 (&warning["type"], &warning["reason"]),
@@ -1433,14 +1742,92 @@ mod tests {
         // wrote: no second Warning.
         let (mut server, group) = verifier.await.unwrap();
         let next = with_group(&scaler, &group);
+        cached.at(1);
         let verifier = tokio::spawn(async move {
-            server.deployment(1).await;
             server.scaler_status(GROUP_STATUS, group).await;
             server
         });
         one_round(&next).await;
         let server = verifier.await.unwrap();
         drop((scaler, next));
+        server.done().await;
+    }
+
+    #[tokio::test]
+    async fn an_idle_group_is_estimated_again_only_when_its_queue_moved() {
+        let (scaler, mut server, group, cached) = setup(json!({}), 0, "orders").await;
+        cached.at(0);
+        let verifier = tokio::spawn(async move {
+            server.scaler_status(GROUP_STATUS, group.clone()).await;
+            // Round 2 changes nothing and writes nothing; round 3 finds the message.
+            assert_eq!(server.scale().await, json!({"spec": {"replicas": 1}}));
+            server.event().await;
+            let status = server.scaler_status(GROUP_STATUS, group).await;
+            (server, status)
+        });
+        let cq = scaler.queues.state()[0].clone();
+        let queue = scaler.ctx.cosmos.queue(&cq).await.unwrap();
+        let calls = |since: &cosmosq_queue::ChargeSnapshot, operation: &str| {
+            let spent = queue.charges().snapshot().since(since);
+            spent.by_operation.get(operation).map_or(0, |c| c.calls)
+        };
+
+        let first = queue.charges().snapshot();
+        let round = one_round(&scaler).await;
+        assert!(
+            matches!(
+                round,
+                Round::Decided {
+                    decision: Decision { replicas: 0, .. },
+                    ..
+                }
+            ),
+            "{round:?}"
+        );
+        assert!(calls(&first, "estimate") > 0, "the first round estimates");
+
+        let second = queue.charges().snapshot();
+        let group = scaler.groups.state()[0].clone();
+        let round = scaler.scale_group(&group, now_ms() + 500).await.unwrap();
+        assert!(
+            matches!(
+                round,
+                Round::Decided {
+                    decision: Decision { replicas: 0, .. },
+                    ..
+                }
+            ),
+            "{round:?}"
+        );
+        assert_eq!(
+            calls(&second, "estimate"),
+            0,
+            "nothing was written: nothing estimated"
+        );
+        assert_eq!(calls(&second, "feed head"), 4, "one probe per partition");
+
+        queue
+            .enqueue(NewMessage::json(json!({"late": true})))
+            .await
+            .unwrap();
+        let third = queue.charges().snapshot();
+        // A later round (rounds are told apart by their start; these come within a millisecond).
+        let round = scaler.scale_group(&group, now_ms() + 1_000).await.unwrap();
+        assert!(
+            matches!(
+                round,
+                Round::Decided {
+                    decision: Decision { replicas: 1, .. },
+                    scaled: true,
+                    ..
+                }
+            ),
+            "the feed moved: estimated, and woken: {round:?}"
+        );
+        assert!(calls(&third, "estimate") > 0);
+        let (server, status) = verifier.await.unwrap();
+        assert_eq!(status["backlog"], 1);
+        drop(scaler);
         server.done().await;
     }
 
@@ -1455,12 +1842,17 @@ mod tests {
             .await
             .unwrap();
         let group = group_json(json!({"scaling": {"minReplicas": 0, "activationThreshold": 3}}));
-        let scaler = Scaler::new(ctx, store(vec![group.clone()]), store(vec![queue_json()]));
+        let cached = Cached::new();
+        cached.at(0);
+        let scaler = Scaler::new(
+            ctx,
+            store(vec![group.clone()]),
+            store(vec![queue_json()]),
+            cached.1.clone(),
+        );
         let verifier = tokio::spawn(async move {
-            server.deployment(0).await;
             let first = server.scaler_status(GROUP_STATUS, group.clone()).await;
             server.scaler_status(QUEUE_STATUS, queue_json()).await;
-            server.deployment(0).await;
             assert_eq!(server.scale().await, json!({"spec": {"replicas": 1}}));
             let event = server.event().await;
             assert!(

@@ -150,6 +150,58 @@ pub fn extrapolated_lag(
     items + (rest * items).div_ceil(span)
 }
 
+/// Where each physical partition of a queue's messages container stands: its bounds and
+/// its feed's LSN. The operator probes it each round (one small read per partition) and
+/// re-estimates an idle group only when it moved ([`head_unchanged`]): no message written
+/// means no new work for a group that had none.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FeedHead(pub Vec<((String, String), Option<u64>)>);
+
+/// Whether nothing was written between two probes (pure): the same partitions, each at the
+/// same LSN. An LSN not known is a change: only a proven standstill may skip an estimate.
+pub fn head_unchanged(before: &FeedHead, now: &FeedHead) -> bool {
+    before == now && now.0.iter().all(|(_, lsn)| lsn.is_some()) && !now.0.is_empty()
+}
+
+impl crate::Queue {
+    /// The messages container's [`FeedHead`]: per physical partition, a change-feed read from
+    /// now of at most one item (nothing is read; the response says the partition's LSN).
+    pub async fn feed_head(&self) -> Result<FeedHead> {
+        let partitions = self
+            .messages()
+            .read_feed_ranges(Some(
+                azure_data_cosmos::options::ReadFeedRangesOptions::default()
+                    .with_force_refresh(true),
+            ))
+            .await
+            .map_err(QueueError::cosmos("read feed ranges"))?;
+        let mut head = Vec::with_capacity(partitions.len());
+        for range in partitions {
+            let bounds = crate::range::range_bounds(&range);
+            let mut pages = feed::open(
+                self.messages(),
+                FeedScope::range(range),
+                StartFrom::Now,
+                None,
+                1,
+                "feed head",
+            )
+            .await?;
+            let lsn = match pages.next().await {
+                Some(page) => {
+                    let page = page.map_err(QueueError::cosmos("feed head"))?;
+                    self.charges()
+                        .record_diagnostics("feed head", &page.diagnostics());
+                    page.headers().lsn()
+                }
+                None => None,
+            };
+            head.push((bounds, lsn));
+        }
+        Ok(FeedHead(head))
+    }
+}
+
 /// What a lease's window accounts for past its checkpoint, which the feed's lag counts: the
 /// messages settled there, and those a state document holds (counted with the state documents
 /// when due). Nothing for lists a split copied from the parent: they may name the other half.
