@@ -7,7 +7,8 @@
 //!
 //! `cargo bench -p cosmosq-operator --bench operator`; at scale:
 //! `COSMOSQ_BENCH_QUEUES=1000 COSMOSQ_BENCH_GROUPS_PER_QUEUE=5 COSMOSQ_BENCH_SCALE_INTERVAL=15s`.
-//! `COSMOSQ_BENCH_OPERATOR` names another build of the binary (before/after).
+//! `COSMOSQ_BENCH_OPERATOR` names another build of the binary (before/after);
+//! `COSMOSQ_BENCH_REST_SECONDS` (60) the window at rest.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -231,7 +232,8 @@ async fn main() {
     let rounds_before = scrape(&metrics, "cosmosq_operator_scaling_round_seconds_count").await;
     let spent_before = scrape(&metrics, "cosmosq_operator_scaling_round_seconds_sum").await;
     let requests_before = fake.requests();
-    let rest = Duration::from_secs(60);
+    // 330 s covers a reconcile resync of every object at 5 minutes, and a key check.
+    let rest = Duration::from_secs(setting("COSMOSQ_BENCH_REST_SECONDS", 60u64));
     tokio::time::sleep(rest).await;
     let requests_at_rest: Vec<(String, u64)> = {
         let mut diff: Vec<_> = fake
@@ -257,7 +259,7 @@ async fn main() {
     let mut wakes = Vec::new();
     let client_cosmos = cosmos.emulator.client().await.unwrap();
     for q in [1 % queues_total, queues_total / 2, queues_total - 1] {
-        let queue = Queue::open(&client_cosmos, QueueConfig::new("bench", &format!("q{q}")))
+        let queue = Queue::open(&client_cosmos, QueueConfig::new("bench", format!("q{q}")))
             .await
             .unwrap();
         let sent = Instant::now();
@@ -354,9 +356,10 @@ async fn main() {
     );
     let at_rest: u64 = requests_at_rest.iter().map(|(_, n)| n).sum();
     println!(
-        "API at rest      {:>8} requests in {} s; by kind:",
+        "API at rest      {:>8} requests in {} s ({:.0} a minute); by kind:",
         at_rest,
-        rest.as_secs()
+        rest.as_secs(),
+        at_rest as f64 * 60.0 / rest.as_secs_f64()
     );
     for (what, n) in requests_at_rest.iter().take(8) {
         println!("    {n:>6}  {what}");

@@ -257,14 +257,28 @@ async fn apply(cq: &CosmosQueue, ctx: &Context) -> Result<Action, QueueReconcile
         observed_generation: generation,
         ..CosmosQueueStatus::default()
     };
-    let api: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
-    api.patch_status(
-        &cq.name_any(),
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &status::patch::<CosmosQueue, _>(&status),
-    )
-    .await?;
+    // A resync that finds what the status says writes nothing (1,000 queues: 200 writes a
+    // minute for nothing otherwise).
+    if !status_holds(cq.status.as_ref(), &status) {
+        let api: Api<CosmosQueue> = Api::namespaced(ctx.client.clone(), &namespace);
+        api.patch_status(
+            &cq.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &status::patch::<CosmosQueue, _>(&status),
+        )
+        .await?;
+    }
     Ok(action)
+}
+
+/// Whether the stored status already says what this reconciler would write (pure): its
+/// conditions (transition times kept when unchanged), partitions and observed generation.
+fn status_holds(stored: Option<&CosmosQueueStatus>, new: &CosmosQueueStatus) -> bool {
+    stored.is_some_and(|s| {
+        s.conditions == new.conditions
+            && s.partitions == new.partitions
+            && s.observed_generation == new.observed_generation
+    })
 }
 
 /// Whether the queue's status says `Ready=False` (pure).
@@ -440,6 +454,11 @@ mod tests {
         .await
         .unwrap();
         let (server, first, second) = verifier.await.unwrap();
+        // 4. A resync of the queue as that status left it: nothing to write.
+        let mut settled = queue(json!({"deletionPolicy": "Delete"}), true);
+        settled["status"] = second["status"].clone();
+        let action = reconcile_queue(arc(&settled), ctx.clone()).await.unwrap();
+        assert_eq!(action, Action::requeue(crate::context::RESYNC));
         for body in [&first, &second] {
             assert_eq!(condition(&body["status"], "Ready"), ("True", "Provisioned"));
             assert_eq!(condition(&body["status"], "Provisioned").0, "True");
@@ -673,14 +692,10 @@ mod tests {
             "the database was created"
         );
 
-        // Looked at again, still missing: the status, and no second Event.
+        // Looked at again, still missing: the status already says so, so nothing is written,
+        // and no second Event.
         input["status"] = body["status"].clone();
-        let verifier = tokio::spawn(async move {
-            server.status(STATUS, queue(json!({}), false)).await;
-            server
-        });
         reconcile_queue(arc(&input), ctx.clone()).await.unwrap();
-        let mut server = verifier.await.unwrap();
 
         // An admin creates them (as `az` or Bicep would): ready, and an Event says so.
         let config = crate::spec::queue(&arc(&input).spec).unwrap();

@@ -418,12 +418,13 @@ impl<K> Watched for K where
 {
 }
 
-/// What of a Deployment its group's reconcile reacts to: its spec (generation) and its
-/// conditions (availability, pods refused).
+/// What of a Deployment its group's reconcile reacts to: its spec but the replicas (a scale
+/// by the scaling loop or an HPA bumps the generation and needs no reconcile), as
+/// [`trim_deployment`] kept it, and its conditions (availability, pods refused).
 fn deployment_signature(d: &Deployment) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    d.metadata.generation.hash(&mut hasher);
+    d.annotations().get(SPEC_HASH).hash(&mut hasher);
     for c in d
         .status
         .as_ref()
@@ -475,13 +476,31 @@ where
     })
 }
 
+/// Where the cached copy of a Deployment keeps a hash of its spec but the replicas: the
+/// template it hashes is not kept. Never written to the API server.
+const SPEC_HASH: &str = "cosmosq.io/cached-spec-hash";
+
 /// What the operator keeps of a workers' Deployment (pure): what the scaling loop reads
-/// (replicas, selector, owner) and what a change is told by (generation, conditions). The
-/// pod template and the field managers are most of a Deployment and go: 5,000 groups must
-/// not mean 5,000 templates in memory. Reconciles read the whole object when they apply.
+/// (replicas, selector, owner) and what a change is told by (a hash of the spec but the
+/// replicas, the conditions). The pod template and the field managers are most of a
+/// Deployment and go: 5,000 groups must not mean 5,000 templates in memory. Reconciles read
+/// the whole object when they apply.
 pub fn trim_deployment(deployment: &mut Deployment) {
+    use std::hash::{Hash, Hasher};
+    let spec_hash = deployment.spec.as_ref().map(|spec| {
+        let unscaled = k8s_openapi::api::apps::v1::DeploymentSpec {
+            replicas: None,
+            ..spec.clone()
+        };
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        serde_json::to_string(&unscaled)
+            .unwrap_or_default()
+            .hash(&mut hasher);
+        format!("{:016x}", hasher.finish())
+    });
     deployment.metadata.managed_fields = None;
-    deployment.metadata.annotations = None;
+    deployment.metadata.annotations =
+        spec_hash.map(|hash| std::iter::once((SPEC_HASH.to_owned(), hash)).collect());
     if let Some(spec) = deployment.spec.as_mut() {
         spec.template = Default::default();
         spec.strategy = None;
@@ -709,5 +728,49 @@ async fn label_own_pod(pods: &Api<Pod>, name: &str, leader: bool) {
         .await
     {
         warn!(pod = %name, error = %e, "could not label this pod");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trimmed(replicas: i32, generation: i64, image: &str) -> Deployment {
+        let mut d: Deployment = serde_json::from_value(json!({
+            "metadata": {"name": "billing-workers", "namespace": "shop", "generation": generation,
+                         "annotations": {"cosmosq.io/built-from": "a long record"},
+                         "managedFields": [{"manager": "cosmosq-operator"}]},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "billing"}},
+                     "template": {"spec": {"containers": [{"name": "app", "image": image}]}}}
+        }))
+        .unwrap();
+        trim_deployment(&mut d);
+        d
+    }
+
+    #[test]
+    fn a_scale_reconciles_nothing_and_a_spec_change_does() {
+        let before = trimmed(1, 1, "example/app:1");
+        let spec = before.spec.as_ref().unwrap();
+        assert_eq!(spec.template, Default::default(), "no template kept");
+        assert_eq!(
+            spec.replicas,
+            Some(1),
+            "the scaling loop reads the replicas"
+        );
+        assert!(before.metadata.managed_fields.is_none());
+        assert!(!before.annotations().contains_key("cosmosq.io/built-from"));
+        let scaled = trimmed(0, 2, "example/app:1");
+        assert_eq!(
+            deployment_signature(&before),
+            deployment_signature(&scaled),
+            "a scale bumps the generation only"
+        );
+        let edited = trimmed(1, 2, "example/app:2");
+        assert_ne!(
+            deployment_signature(&before),
+            deployment_signature(&edited),
+            "someone changed the template"
+        );
     }
 }
