@@ -102,6 +102,8 @@ pub struct Idle {
     pub estimate: GroupEstimate,
     /// When it was made (ms).
     pub at: i64,
+    /// The queue it was made on (uid, generation): another container's head says nothing.
+    pub queue: SpecVersion,
 }
 
 /// Whether an estimate found no work (pure): every range's lag known and nothing unread or
@@ -141,6 +143,9 @@ impl GroupState {
             _ => {
                 let settings = spec::group(qcg).ok();
                 self.settings = Some((version, settings.clone()));
+                // Another spec may read other leases (`spec.group`, `startFrom`).
+                self.idle = None;
+                self.busy = false;
                 settings
             }
         }
@@ -662,12 +667,17 @@ impl Scaler {
 
         // An idle group is estimated again only when its queue's feed moved (one probe per
         // queue per round, shared by its groups); a busy one at once.
+        let queue_version = (cq.uid(), cq.metadata.generation);
         let head = match state.idle.is_some() || !state.busy {
             true => self.head(&cq, now).await,
             false => None,
         };
         let reused = match (&state.idle, &head) {
-            (Some(idle), Some(head)) if still_idle(idle, head, now) => Some(idle.estimate.clone()),
+            (Some(idle), Some(head))
+                if idle.queue == queue_version && still_idle(idle, head, now) =>
+            {
+                Some(idle.estimate.clone())
+            }
             _ => None,
         };
         let estimate = match &reused {
@@ -681,6 +691,7 @@ impl Scaler {
                     head,
                     estimate: e.clone(),
                     at: now,
+                    queue: queue_version,
                 }),
                 _ => None,
             };
@@ -1066,6 +1077,7 @@ mod tests {
             head: Some(head(&[7, 3])),
             estimate: estimate(&[(0, Some(0), None), (0, Some(0), None)]),
             at: 1_000,
+            queue: (Some("q1".into()), Some(1)),
         };
         assert!(found_no_work(&idle.estimate));
         assert!(still_idle(&idle, &head(&[7, 3]), 30_000));
@@ -1082,6 +1094,26 @@ mod tests {
             "a lag not known"
         );
         assert!(!found_no_work(&estimate(&[(2, Some(2), None)])));
+    }
+
+    #[test]
+    fn a_changed_spec_forgets_the_idle_estimate() {
+        let mut qcg: QueueConsumerGroup =
+            serde_json::from_value(crate::testing::group_json(json!({}))).unwrap();
+        let mut state = GroupState::default();
+        assert!(state.settings(&qcg).is_some());
+        state.idle = Some(Idle {
+            head: Some(FeedHead::default()),
+            estimate: estimate(&[(0, Some(0), None)]),
+            at: 0,
+            queue: (None, None),
+        });
+        assert!(state.settings(&qcg).is_some());
+        assert!(state.idle.is_some(), "the same spec");
+        // Another generation may name another group (`spec.group`) and so other leases.
+        qcg.metadata.generation = Some(4);
+        assert!(state.settings(&qcg).is_some());
+        assert!(state.idle.is_none());
     }
 
     #[test]

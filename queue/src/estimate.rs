@@ -167,14 +167,7 @@ impl crate::Queue {
     /// The messages container's [`FeedHead`]: per physical partition, a change-feed read from
     /// now of at most one item (nothing is read; the response says the partition's LSN).
     pub async fn feed_head(&self) -> Result<FeedHead> {
-        let partitions = self
-            .messages()
-            .read_feed_ranges(Some(
-                azure_data_cosmos::options::ReadFeedRangesOptions::default()
-                    .with_force_refresh(true),
-            ))
-            .await
-            .map_err(QueueError::cosmos("read feed ranges"))?;
+        let partitions = self.feed_ranges().await?;
         let mut head = Vec::with_capacity(partitions.len());
         for range in partitions {
             let bounds = crate::range::range_bounds(&range);
@@ -268,13 +261,8 @@ impl Group {
         // no end of the feed). Reading the ranges afresh is a metadata read, no request units.
         let partitions: Vec<(String, String)> = self
             .queue()
-            .messages()
-            .read_feed_ranges(Some(
-                azure_data_cosmos::options::ReadFeedRangesOptions::default()
-                    .with_force_refresh(true),
-            ))
-            .await
-            .map_err(QueueError::cosmos("read feed ranges"))?
+            .feed_ranges()
+            .await?
             .iter()
             .map(crate::range::range_bounds)
             .collect();

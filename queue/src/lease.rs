@@ -7,9 +7,7 @@
 use azure_core::http::Etag;
 use azure_data_cosmos::feed::FeedRange;
 use azure_data_cosmos::models::EffectivePartitionKey;
-use azure_data_cosmos::options::{
-    BatchDeleteOptions, ItemWriteOptions, Precondition, ReadFeedRangesOptions,
-};
+use azure_data_cosmos::options::{BatchDeleteOptions, ItemWriteOptions, Precondition};
 use azure_data_cosmos::{FeedScope, PartitionKey, TransactionalBatch};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -435,15 +433,8 @@ impl LeaseStore {
         per_partition: u32,
         expired: impl Fn(&Lease) -> bool,
     ) -> Result<Reconciled> {
-        let ranges = self
-            .queue
-            .messages()
-            // Refreshed each round: the SDK's cached topology would hide a split.
-            .read_feed_ranges(Some(
-                ReadFeedRangesOptions::default().with_force_refresh(true),
-            ))
-            .await
-            .map_err(QueueError::cosmos("read feed ranges"))?;
+        // Refreshed each round: the SDK's cached topology would hide a split.
+        let ranges = self.queue.feed_ranges().await?;
         let physical: Vec<(String, String)> = ranges.iter().map(range_bounds).collect();
         let mut leases = self.list().await?;
         // A new group's leases, or those an interrupted creation (an error after some were

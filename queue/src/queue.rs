@@ -151,15 +151,19 @@ impl Queue {
 
     /// Physical partitions of the messages container, read fresh (a split shows at once).
     pub async fn partitions(&self) -> Result<usize> {
-        let ranges = self
-            .messages()
+        Ok(self.feed_ranges().await?.len())
+    }
+
+    /// The messages container's physical partitions as feed ranges, read fresh: the SDK's
+    /// cached topology would hide a split or a merge (a metadata read, no request units).
+    pub(crate) async fn feed_ranges(&self) -> Result<Vec<azure_data_cosmos::feed::FeedRange>> {
+        self.messages()
             .read_feed_ranges(Some(
                 azure_data_cosmos::options::ReadFeedRangesOptions::default()
                     .with_force_refresh(true),
             ))
             .await
-            .map_err(QueueError::cosmos("read feed ranges"))?;
-        Ok(ranges.len())
+            .map_err(QueueError::cosmos("read feed ranges"))
     }
 
     /// Up to `limit` retained messages, oldest first per range, without consuming anything.
