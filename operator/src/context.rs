@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use cosmosq_crds::QueueConsumerGroup;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Event, EventType, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource};
 use serde::Serialize;
@@ -15,6 +15,7 @@ use cosmosq_program::telemetry::{self, Attribute, Telemetry};
 
 use crate::build::Defaults;
 use crate::cosmos::Cosmos;
+use crate::events::Recorder;
 use crate::metrics::OperatorMetrics;
 
 /// The latest estimate of one group, as the metrics APIs serve it.

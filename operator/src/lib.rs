@@ -24,6 +24,7 @@ pub mod console;
 pub mod context;
 pub mod cosmos;
 pub mod endpoint;
+pub mod events;
 pub mod grants;
 pub mod group;
 pub mod http;
