@@ -21,6 +21,32 @@ pub fn init_tracing() {
         .init();
 }
 
+/// The variable tokio reads for its worker count; set, it wins over [`runtime`]'s bound.
+pub const WORKER_THREADS: &str = "TOKIO_WORKER_THREADS";
+
+/// How many workers a runtime is given (pure): `None` leaves it to tokio (which reads
+/// [`WORKER_THREADS`]); otherwise the CPUs available, at most `most`. A pod without a CPU
+/// limit sees every core of its node, and each worker costs a stack and, with glibc, a
+/// malloc arena: a sidecar on a 64-core node would start 64 workers for I/O two keep up with.
+pub fn worker_threads(set: bool, available: usize, most: usize) -> Option<usize> {
+    (!set).then(|| available.clamp(1, most.max(1)))
+}
+
+/// A multi-threaded runtime with I/O and timers and at most `most` workers unless
+/// [`WORKER_THREADS`] says otherwise (linkerd's proxy sizes its runtime from its CPU limit
+/// the same way).
+pub fn runtime(most: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    let available = std::thread::available_parallelism().map_or(1, usize::from);
+    if let Some(workers) =
+        worker_threads(std::env::var_os(WORKER_THREADS).is_some(), available, most)
+    {
+        builder.worker_threads(workers);
+    }
+    builder.build()
+}
+
 /// What a program says while it stops (each names what it finishes).
 pub struct Stopping {
     /// On the first signal, when the main task is asked to stop.
@@ -98,4 +124,32 @@ async fn terminated() {
     }
     #[cfg(not(unix))]
     let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runtime_has_the_cpus_available_up_to_its_bound_unless_the_variable_is_set() {
+        // A pod without a CPU limit on a 64-core node, and on a 1-CPU limit.
+        assert_eq!(worker_threads(false, 64, 2), Some(2));
+        assert_eq!(worker_threads(false, 1, 2), Some(1));
+        assert_eq!(worker_threads(false, 0, 2), Some(1));
+        // `TOKIO_WORKER_THREADS` set: tokio reads it, whatever it says.
+        assert_eq!(worker_threads(true, 64, 2), None);
+    }
+
+    #[test]
+    fn the_runtime_built_runs_tasks_and_timers() {
+        let runtime = runtime(2).unwrap();
+        let workers = runtime.metrics().num_workers();
+        assert!((1..=2).contains(&workers), "{workers} workers");
+        let slept = runtime.block_on(async {
+            tokio::spawn(tokio::time::sleep(Duration::from_millis(1)))
+                .await
+                .is_ok()
+        });
+        assert!(slept);
+    }
 }

@@ -7,9 +7,22 @@ use cosmosq_sidecar::{run, settings::SidecarSettings};
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+/// Workers the runtime starts, unless `TOKIO_WORKER_THREADS` says otherwise: a sidecar's
+/// work is one pod's I/O, and each worker more is memory in every worker pod.
+const WORKERS: usize = 2;
+
+fn main() -> std::process::ExitCode {
     let settings = SidecarSettings::parse();
+    match process::runtime(WORKERS) {
+        Ok(runtime) => runtime.block_on(serve(settings)),
+        Err(e) => {
+            eprintln!("starting the runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(settings: SidecarSettings) -> std::process::ExitCode {
     process::init_tracing();
     if let Err(e) = settings.validate() {
         error!("{e}");
