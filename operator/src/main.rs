@@ -10,9 +10,23 @@ use cosmosq_operator::{check::CheckArgs, run};
 use cosmosq_program::process::{self, Stopping};
 use tokio_util::sync::CancellationToken;
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+/// Workers the runtime starts, unless `TOKIO_WORKER_THREADS` says otherwise: the operator
+/// waits on the API server and the accounts, and on a node of many cores one worker each held
+/// memory its pod's limit does not have (docs/benchmarks.md).
+const WORKERS: usize = 2;
+
+fn main() -> std::process::ExitCode {
     let config = Config::parse();
+    match process::runtime(WORKERS) {
+        Ok(runtime) => runtime.block_on(operate(config)),
+        Err(e) => {
+            eprintln!("starting the runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn operate(config: Config) -> std::process::ExitCode {
     process::init_tracing();
     if let Some(Command::Check(args)) = &config.command {
         return check(args).await;
