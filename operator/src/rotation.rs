@@ -42,6 +42,19 @@ fn due(seen: Option<&(Version, Instant)>, now: Instant) -> bool {
     seen.is_none_or(|(_, at)| now.duration_since(*at) >= SECRET_CHECK)
 }
 
+/// When a Secret's first read counts as made (pure): up to [`SECRET_CHECK`] before it, by a
+/// hash of its name. The Secrets the operator finds at start are all read in one round; counted
+/// as read at once, they would stay due together and every `SECRET_CHECK` one round would read
+/// them all (1,000 reads in a row at 1,000 queues), so their second reads, and all after, fall
+/// across the interval instead. A rotation is still noticed within `SECRET_CHECK`.
+fn first_read_at(secret: &SecretRef, now: Instant) -> Instant {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    secret.hash(&mut hasher);
+    let spread = Duration::from_millis(hasher.finish() % SECRET_CHECK.as_millis() as u64);
+    now.checked_sub(spread).unwrap_or(now)
+}
+
 /// Whether a read means a rotation (pure): a Secret seen before that is now another version
 /// (or gone, or back). The first read only records: the groups' reconciles at start read it.
 fn rotated(seen: Option<&(Version, Instant)>, now: &Version) -> bool {
@@ -105,7 +118,11 @@ impl SecretWatch {
                 tracing::info!(%namespace, secret = %name, "a Secret the workers read changed: reconciling their groups");
                 changed.push(secret.clone());
             }
-            self.seen.insert(secret.clone(), (version, now));
+            let at = match self.seen.contains_key(secret) {
+                true => now,
+                false => first_read_at(secret, now),
+            };
+            self.seen.insert(secret.clone(), (version, at));
         }
         changed
     }
@@ -149,6 +166,46 @@ mod tests {
         assert!(
             rotated(Some(&(None, t0)), &Some("v/1".into())),
             "made again"
+        );
+    }
+
+    #[test]
+    fn secrets_first_read_together_are_read_again_across_the_interval_not_all_in_one_round() {
+        let t0 = Instant::now() + SECRET_CHECK; // an Instant that can go back SECRET_CHECK
+        let secrets: Vec<SecretRef> = (0..1000)
+            .map(|i| (format!("team-{}", i % 40), format!("queue-{i}-key")))
+            .collect();
+        let mut seen: BTreeMap<&SecretRef, Instant> =
+            secrets.iter().map(|s| (s, first_read_at(s, t0))).collect();
+        let round = Duration::from_secs(15);
+        let mut reads = Vec::new();
+        let mut last_read: BTreeMap<&SecretRef, Instant> =
+            secrets.iter().map(|s| (s, t0)).collect();
+        let mut now = t0;
+        while now < t0 + 2 * SECRET_CHECK {
+            now += round;
+            let due_now: Vec<_> = seen
+                .iter()
+                .filter(|(_, at)| due(Some(&(None, **at)), now))
+                .map(|(s, _)| *s)
+                .collect();
+            for secret in &due_now {
+                assert!(
+                    now.duration_since(last_read[secret]) <= SECRET_CHECK + round,
+                    "read within its interval (and the round that notices)"
+                );
+                seen.insert(secret, now);
+                last_read.insert(secret, now);
+            }
+            reads.push(due_now.len());
+        }
+        // 20 rounds an interval: 50 reads a round on average, never the whole lot.
+        let most = *reads.iter().max().unwrap();
+        assert!(most <= 100, "{most} reads in one round: {reads:?}");
+        assert_eq!(
+            reads.iter().sum::<usize>(),
+            2000,
+            "each read twice in two intervals"
         );
     }
 
