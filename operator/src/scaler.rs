@@ -78,9 +78,9 @@ pub enum ScalerError {
 struct GroupState {
     scaling: Autoscaler,
     last_scale: Option<(Time, String)>,
-    /// The status last written (as [`comparable`]), so an unchanged one is not written again,
+    /// The status last written (as [`Written`]), so an unchanged one is not written again,
     /// and when.
-    written: Option<(QueueConsumerGroupStatus, tokio::time::Instant)>,
+    written: Option<(Written, tokio::time::Instant)>,
     /// The generation whose ignored `spec.replicas` was last reported (once per change).
     replicas_ignored: Option<i64>,
     /// The spec's settings as last validated, by (uid, generation): its CEL rules are
@@ -157,36 +157,55 @@ impl GroupState {
 /// Replicas, decisions and conditions are written at once.
 pub const FIGURES_STATUS_INTERVAL: Duration = Duration::from_secs(60);
 
-/// A status as rounds compare it: transition times aside (they are kept, not chosen).
-fn comparable(status: &QueueConsumerGroupStatus) -> QueueConsumerGroupStatus {
-    let mut s = status.clone();
-    for c in &mut s.conditions {
-        c.last_transition_time = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+/// A status as rounds compare it, kept as two hashes (not a copy of the status per group):
+/// of the whole, and of all but the figures. Transition times are left out (they are kept,
+/// not chosen).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Written {
+    whole: u64,
+    without_figures: u64,
+}
+
+impl Written {
+    /// The hashes of `status` (pure).
+    fn of(status: &QueueConsumerGroupStatus) -> Self {
+        use std::hash::{Hash, Hasher};
+        let mut s = status.clone();
+        for c in &mut s.conditions {
+            c.last_transition_time = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+        }
+        let hash = |s: &QueueConsumerGroupStatus| {
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            serde_json::to_vec(s)
+                .expect("a status serializes")
+                .hash(&mut hasher);
+            hasher.finish()
+        };
+        let whole = hash(&s);
+        s.backlog = None;
+        s.lag = None;
+        s.ranges = Vec::new();
+        Self {
+            whole,
+            without_figures: hash(&s),
+        }
     }
-    s
 }
 
 /// Whether a new status is worth a write (pure): anything but the figures changed, or the
-/// figures changed and the last write is `FIGURES_STATUS_INTERVAL` old. Both are
-/// [`comparable`].
+/// figures changed and the last write is `FIGURES_STATUS_INTERVAL` old.
 fn status_due(
-    written: Option<&(QueueConsumerGroupStatus, tokio::time::Instant)>,
-    status: &QueueConsumerGroupStatus,
+    written: Option<&(Written, tokio::time::Instant)>,
+    status: Written,
     now: tokio::time::Instant,
 ) -> bool {
     let Some((before, at)) = written else {
         return true;
     };
-    if before == status {
+    if *before == status {
         return false;
     }
-    let without_figures = |s: &QueueConsumerGroupStatus| QueueConsumerGroupStatus {
-        backlog: None,
-        lag: None,
-        ranges: Vec::new(),
-        ..s.clone()
-    };
-    without_figures(before) != without_figures(status)
+    before.without_figures != status.without_figures
         || now.duration_since(*at) >= FIGURES_STATUS_INTERVAL
 }
 
@@ -761,9 +780,9 @@ impl Scaler {
             .await;
 
         // Written only when it changed: a busy group changes every round, an idle one rarely.
-        let comparable = comparable(&status);
+        let comparable = Written::of(&status);
         let now_instant = tokio::time::Instant::now();
-        if status_due(state.written.as_ref(), &comparable, now_instant) {
+        if status_due(state.written.as_ref(), comparable, now_instant) {
             self.write_status(qcg, &status).await?;
             state.written = Some((comparable, now_instant));
         }
@@ -1043,7 +1062,7 @@ mod tests {
     #[test]
     fn figures_alone_are_written_at_a_bounded_rate() {
         let t0 = tokio::time::Instant::now();
-        let written = (status(100, 2), t0);
+        let written = (Written::of(&status(100, 2)), t0);
         let at = |s: u64| t0 + Duration::from_secs(s);
         for (new, now, due) in [
             (status(100, 2), 100, false), // nothing changed
@@ -1052,15 +1071,31 @@ mod tests {
             (status(120, 3), 15, true),   // a decision: at once
         ] {
             assert_eq!(
-                status_due(Some(&written), &new, at(now)),
+                status_due(Some(&written), Written::of(&new), at(now)),
                 due,
                 "{new:?} at {now}"
             );
         }
         assert!(
-            status_due(None, &status(0, 0), t0),
+            status_due(None, Written::of(&status(0, 0)), t0),
             "the first status is written"
         );
+        // A condition's transition time is kept, not chosen: alone, it is no change.
+        let ready_at = |second: i64| QueueConsumerGroupStatus {
+            conditions: vec![status::condition(
+                &[],
+                status::READY,
+                true,
+                "Ready",
+                "ok".into(),
+                Some(1),
+                Time(k8s_openapi::jiff::Timestamp::from_second(second).unwrap()),
+            )],
+            ..status(100, 2)
+        };
+        let written = (Written::of(&ready_at(1_800_000_000)), t0);
+        let later = Written::of(&ready_at(1_800_000_100));
+        assert!(!status_due(Some(&written), later, at(100)));
     }
 
     #[test]
