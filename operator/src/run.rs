@@ -482,9 +482,10 @@ const SPEC_HASH: &str = "cosmosq.io/cached-spec-hash";
 
 /// What the operator keeps of a workers' Deployment (pure): what the scaling loop reads
 /// (replicas, selector, owner) and what a change is told by (a hash of the spec but the
-/// replicas, the conditions). The pod template and the field managers are most of a
-/// Deployment and go: 5,000 groups must not mean 5,000 templates in memory. Reconciles read
-/// the whole object when they apply.
+/// replicas, the conditions' type, status and reason). The pod template, the field managers,
+/// the labels (the watch selects by them on the server) and the conditions' messages and
+/// times go: 5,000 groups must not mean 5,000 templates in memory. Reconciles read the whole
+/// object when they apply.
 pub fn trim_deployment(deployment: &mut Deployment) {
     use std::hash::{Hash, Hasher};
     let spec_hash = deployment.spec.as_ref().map(|spec| {
@@ -499,8 +500,20 @@ pub fn trim_deployment(deployment: &mut Deployment) {
         format!("{:016x}", hasher.finish())
     });
     deployment.metadata.managed_fields = None;
+    deployment.metadata.labels = None;
     deployment.metadata.annotations =
         spec_hash.map(|hash| std::iter::once((SPEC_HASH.to_owned(), hash)).collect());
+    for condition in deployment
+        .status
+        .as_mut()
+        .and_then(|s| s.conditions.as_mut())
+        .into_iter()
+        .flatten()
+    {
+        condition.message = None;
+        condition.last_update_time = None;
+        condition.last_transition_time = None;
+    }
     if let Some(spec) = deployment.spec.as_mut() {
         spec.template = Default::default();
         spec.strategy = None;
@@ -772,5 +785,57 @@ mod tests {
             deployment_signature(&edited),
             "someone changed the template"
         );
+    }
+
+    #[test]
+    fn the_cache_keeps_owner_and_conditions_and_not_their_messages_nor_the_labels() {
+        let deployment = |available: &str, message: &str, at: &str| {
+            let mut d: Deployment = serde_json::from_value(json!({
+                "metadata": {"name": "billing-workers", "namespace": "shop",
+                             "labels": {"app.kubernetes.io/managed-by": "cosmosq-operator"},
+                             "ownerReferences": [{"apiVersion": "cosmosq.io/v1alpha1",
+                                 "kind": "QueueConsumerGroup", "name": "billing", "uid": "u-1",
+                                 "controller": true}]},
+                "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "billing"}},
+                         "template": {}},
+                "status": {"replicas": 2, "conditions": [
+                    {"type": "Available", "status": available, "reason": "MinimumReplicasAvailable",
+                     "message": message, "lastUpdateTime": at, "lastTransitionTime": at}]}
+            }))
+            .unwrap();
+            trim_deployment(&mut d);
+            d
+        };
+        let kept = deployment(
+            "True",
+            "Deployment has minimum availability.",
+            "2026-12-06T08:00:00Z",
+        );
+        assert!(kept.metadata.labels.is_none());
+        assert_eq!(
+            kept.metadata.owner_references.as_ref().unwrap()[0].uid,
+            "u-1"
+        );
+        let status = kept.status.as_ref().unwrap();
+        assert_eq!(status.replicas, Some(2));
+        let condition = &status.conditions.as_ref().unwrap()[0];
+        assert_eq!(
+            (condition.type_.as_str(), condition.status.as_str()),
+            ("Available", "True")
+        );
+        assert_eq!(
+            condition.reason.as_deref(),
+            Some("MinimumReplicasAvailable")
+        );
+        assert!(condition.message.is_none() && condition.last_update_time.is_none());
+        // Another message or time alone is no change; another status is.
+        let touched = deployment("True", "Still available.", "2026-12-06T09:00:00Z");
+        assert_eq!(deployment_signature(&kept), deployment_signature(&touched));
+        let down = deployment(
+            "False",
+            "Deployment does not have minimum availability.",
+            "2026-12-06T09:00:00Z",
+        );
+        assert_ne!(deployment_signature(&kept), deployment_signature(&down));
     }
 }
