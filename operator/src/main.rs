@@ -17,13 +17,7 @@ const WORKERS: usize = 2;
 
 fn main() -> std::process::ExitCode {
     let config = Config::parse();
-    match process::runtime(WORKERS) {
-        Ok(runtime) => runtime.block_on(operate(config)),
-        Err(e) => {
-            eprintln!("starting the runtime: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    process::block_on(WORKERS, operate(config))
 }
 
 async fn operate(config: Config) -> std::process::ExitCode {

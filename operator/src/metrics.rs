@@ -204,18 +204,18 @@ impl OperatorMetrics {
         let encoder = TextEncoder::new();
         // As `Registry::gather` has them: no empty family, families by name, series by
         // their labels' values.
-        let values = |m: &prometheus::proto::Metric| {
-            m.get_label()
+        let by_values = |a: &prometheus::proto::Metric, b: &prometheus::proto::Metric| {
+            a.get_label()
                 .iter()
-                .map(|l| l.value().to_owned())
-                .collect::<Vec<_>>()
+                .map(|l| l.value())
+                .cmp(b.get_label().iter().map(|l| l.value()))
         };
         for collector in &self.collectors {
             let mut families = collector.collect();
             families.retain(|family| !family.get_metric().is_empty());
             families.sort_by(|a, b| a.name().cmp(b.name()));
             for family in &mut families {
-                family.mut_metric().sort_by_cached_key(values);
+                family.mut_metric().sort_by(by_values);
             }
             encoder
                 .encode(&families, &mut buffer)

@@ -93,7 +93,7 @@ impl SecretWatch {
         self.seen.retain(|secret, _| wanted.contains(secret));
         let mut changed = Vec::new();
         for secret in wanted {
-            if !due(self.seen.get(secret), now) {
+            if !self.is_due(secret, now) {
                 continue;
             }
             let (namespace, name) = secret;
@@ -114,17 +114,30 @@ impl SecretWatch {
                     continue;
                 }
             };
-            if rotated(self.seen.get(secret), &version) {
+            if self.record(secret, version, now) {
                 tracing::info!(%namespace, secret = %name, "a Secret the workers read changed: reconciling their groups");
                 changed.push(secret.clone());
             }
-            let at = match self.seen.contains_key(secret) {
-                true => now,
-                false => first_read_at(secret, now),
-            };
-            self.seen.insert(secret.clone(), (version, at));
         }
         changed
+    }
+
+    /// Records a read of `secret` made `now` (a first read as spread by [`first_read_at`]);
+    /// whether it means a rotation.
+    fn record(&mut self, secret: &SecretRef, version: Version, now: Instant) -> bool {
+        let before = self.seen.get(secret);
+        let rotated = rotated(before, &version);
+        let at = match before {
+            Some(_) => now,
+            None => first_read_at(secret, now),
+        };
+        self.seen.insert(secret.clone(), (version, at));
+        rotated
+    }
+
+    /// Whether `secret` is due a read at `now`.
+    fn is_due(&self, secret: &SecretRef, now: Instant) -> bool {
+        due(self.seen.get(secret), now)
     }
 }
 
@@ -175,26 +188,29 @@ mod tests {
         let secrets: Vec<SecretRef> = (0..1000)
             .map(|i| (format!("team-{}", i % 40), format!("queue-{i}-key")))
             .collect();
-        let mut seen: BTreeMap<&SecretRef, Instant> =
-            secrets.iter().map(|s| (s, first_read_at(s, t0))).collect();
+        let mut watch = SecretWatch::default();
+        let version = Some("u/1".to_owned());
+        for secret in &secrets {
+            assert!(watch.is_due(secret, t0));
+            assert!(
+                !watch.record(secret, version.clone(), t0),
+                "a first read records"
+            );
+        }
         let round = Duration::from_secs(15);
-        let mut reads = Vec::new();
         let mut last_read: BTreeMap<&SecretRef, Instant> =
             secrets.iter().map(|s| (s, t0)).collect();
+        let mut reads = Vec::new();
         let mut now = t0;
         while now < t0 + 2 * SECRET_CHECK {
             now += round;
-            let due_now: Vec<_> = seen
-                .iter()
-                .filter(|(_, at)| due(Some(&(None, **at)), now))
-                .map(|(s, _)| *s)
-                .collect();
+            let due_now: Vec<_> = secrets.iter().filter(|s| watch.is_due(s, now)).collect();
             for secret in &due_now {
                 assert!(
                     now.duration_since(last_read[secret]) <= SECRET_CHECK + round,
                     "read within its interval (and the round that notices)"
                 );
-                seen.insert(secret, now);
+                assert!(!watch.record(secret, version.clone(), now));
                 last_read.insert(secret, now);
             }
             reads.push(due_now.len());
@@ -207,6 +223,8 @@ mod tests {
             2000,
             "each read twice in two intervals"
         );
+        // A read that finds another version is a rotation.
+        assert!(watch.record(&secrets[0], Some("u/2".to_owned()), now));
     }
 
     #[test]

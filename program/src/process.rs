@@ -47,6 +47,17 @@ pub fn runtime(most: usize) -> std::io::Result<tokio::runtime::Runtime> {
     builder.build()
 }
 
+/// Runs a program's `main` future on [`runtime`]`(most)`.
+pub fn block_on(most: usize, main: impl Future<Output = ExitCode>) -> ExitCode {
+    match runtime(most) {
+        Ok(runtime) => runtime.block_on(main),
+        Err(e) => {
+            eprintln!("starting the runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// What a program says while it stops (each names what it finishes).
 pub struct Stopping {
     /// On the first signal, when the main task is asked to stop.

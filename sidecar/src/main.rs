@@ -13,13 +13,7 @@ const WORKERS: usize = 2;
 
 fn main() -> std::process::ExitCode {
     let settings = SidecarSettings::parse();
-    match process::runtime(WORKERS) {
-        Ok(runtime) => runtime.block_on(serve(settings)),
-        Err(e) => {
-            eprintln!("starting the runtime: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    process::block_on(WORKERS, serve(settings))
 }
 
 async fn serve(settings: SidecarSettings) -> std::process::ExitCode {
