@@ -46,7 +46,6 @@ impl OperatorMetrics {
     pub fn new() -> Self {
         // Checks the families' names and labels, once.
         let registry = Registry::new();
-        let mut names = Vec::new();
         let reconciles = IntCounterVec::new(
             Opts::new(
                 "cosmosq_operator_reconciles_total",
@@ -136,35 +135,9 @@ impl OperatorMetrics {
             "1 while this replica holds the leader lease",
         )
         .expect("valid metric");
-        let every = || -> Vec<Box<dyn Collector>> {
-            let mut every: Vec<Box<dyn Collector>> = vec![
-                Box::new(reconciles.clone()),
-                Box::new(reconcile_errors.clone()),
-                Box::new(reconcile_duration.clone()),
-                Box::new(backlog.clone()),
-                Box::new(lag.clone()),
-                Box::new(oldest_age.clone()),
-                Box::new(desired_replicas.clone()),
-                Box::new(estimate_errors.clone()),
-                Box::new(scale_events.clone()),
-                Box::new(scaling_round.clone()),
-                Box::new(leader.clone()),
-            ];
-            #[cfg(target_os = "linux")]
-            every.push(Box::new(
-                prometheus::process_collector::ProcessCollector::for_self(),
-            ));
-            every
-        };
-        for collector in every() {
-            names.extend(collector.desc().iter().map(|d| d.fq_name.clone()));
-            registry.register(collector).expect("unique metric");
-        }
-        let mut collectors = every();
-        collectors.sort_by_key(|c| c.desc().first().map(|d| d.fq_name.clone()));
-        Self {
-            collectors,
-            names,
+        let mut metrics = Self {
+            collectors: Vec::new(),
+            names: Vec::new(),
             reconciles,
             reconcile_errors,
             reconcile_duration,
@@ -176,7 +149,40 @@ impl OperatorMetrics {
             scale_events,
             scaling_round,
             leader,
+        };
+        for collector in metrics.every() {
+            metrics
+                .names
+                .extend(collector.desc().iter().map(|d| d.fq_name.clone()));
+            registry.register(collector).expect("unique metric");
         }
+        metrics.collectors = metrics.every();
+        metrics
+            .collectors
+            .sort_by_key(|c| c.desc().first().map(|d| d.fq_name.clone()));
+        metrics
+    }
+
+    /// Every metric this process exports, boxed (handles to the same series).
+    fn every(&self) -> Vec<Box<dyn Collector>> {
+        let mut every: Vec<Box<dyn Collector>> = vec![
+            Box::new(self.reconciles.clone()),
+            Box::new(self.reconcile_errors.clone()),
+            Box::new(self.reconcile_duration.clone()),
+            Box::new(self.backlog.clone()),
+            Box::new(self.lag.clone()),
+            Box::new(self.oldest_age.clone()),
+            Box::new(self.desired_replicas.clone()),
+            Box::new(self.estimate_errors.clone()),
+            Box::new(self.scale_events.clone()),
+            Box::new(self.scaling_round.clone()),
+            Box::new(self.leader.clone()),
+        ];
+        #[cfg(target_os = "linux")]
+        every.push(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ));
+        every
     }
 
     /// Forgets a deleted group's series.
@@ -252,20 +258,7 @@ mod tests {
         metrics.scaling_round.observe(0.3);
         metrics.leader.set(1);
         let registry = Registry::new();
-        let every: [Box<dyn Collector>; 11] = [
-            Box::new(metrics.reconciles.clone()),
-            Box::new(metrics.reconcile_errors.clone()),
-            Box::new(metrics.reconcile_duration.clone()),
-            Box::new(metrics.backlog.clone()),
-            Box::new(metrics.lag.clone()),
-            Box::new(metrics.oldest_age.clone()),
-            Box::new(metrics.desired_replicas.clone()),
-            Box::new(metrics.estimate_errors.clone()),
-            Box::new(metrics.scale_events.clone()),
-            Box::new(metrics.scaling_round.clone()),
-            Box::new(metrics.leader.clone()),
-        ];
-        for collector in every {
+        for collector in metrics.every() {
             registry.register(collector).unwrap();
         }
         let mut gathered = Vec::new();

@@ -780,11 +780,11 @@ impl Scaler {
             .await;
 
         // Written only when it changed: a busy group changes every round, an idle one rarely.
-        let comparable = Written::of(&status);
+        let written = Written::of(&status);
         let now_instant = tokio::time::Instant::now();
-        if status_due(state.written.as_ref(), comparable, now_instant) {
+        if status_due(state.written.as_ref(), written, now_instant) {
             self.write_status(qcg, &status).await?;
-            state.written = Some((comparable, now_instant));
+            state.written = Some((written, now_instant));
         }
         if decision.reason == Reason::EstimateFailed {
             debug!("replicas kept: the estimate failed");
