@@ -1220,3 +1220,64 @@ async fn a_range_handed_over_inside_a_batch_delivers_the_rest_of_it_once() {
     );
     ledger.assert_each_once("g");
 }
+
+/// A range whose messages wait for a permit does not poll its feed: what it would read starts
+/// after them (unordered groups take permits in feed order), so each poll is a request unit
+/// for nothing. Once they have their permits, it reads again and delivers what came meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_range_whose_messages_wait_for_permits_does_not_poll_its_feed() {
+    for (what, config) in [
+        ("exclusive", GroupConfig::new("x")),
+        (
+            "stream",
+            GroupConfig::new("s").with_mode(cosmosq_queue::DeliveryMode::Stream),
+        ),
+    ] {
+        let fixture = Fixture::paused(1).await;
+        enqueue(&fixture, 0..20).await;
+        let config = config.with_start_from(StartFrom::Beginning);
+        // One permit, held by the first delivery until the gate opens.
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel();
+        let handler = {
+            let gate = Arc::clone(&gate);
+            move |d: Delivery| {
+                let (gate, arrived) = (Arc::clone(&gate), arrived_tx.clone());
+                async move {
+                    let _ = arrived.send(d.message.id.clone());
+                    gate.acquire().await.expect("open").forget();
+                    Outcome::Complete
+                }
+            }
+        };
+        let options = HostOptions {
+            max_concurrency: 1,
+            min_poll: Duration::from_millis(20),
+            max_poll: Duration::from_secs(1),
+            ..fast(&format!("{what}-host"))
+        };
+        let host = start(&fixture, &config, options, handler);
+        let first = arrived.recv().await.expect("a first delivery");
+        let before = fixture.queue.charges().snapshot();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let spent = fixture.queue.charges().snapshot().since(&before);
+        let reads = spent
+            .by_operation
+            .get("read change feed")
+            .map_or(0, |c| c.calls);
+        assert!(
+            reads <= 1,
+            "{what}: the range read its feed {reads} times in 10 s while 19 messages waited for the one permit"
+        );
+        // A message written meanwhile is read once they have their permits, and delivered.
+        enqueue(&fixture, 20..21).await;
+        gate.add_permits(1_000);
+        let mut seen = std::collections::BTreeSet::from([first]);
+        while seen.len() < 21 {
+            seen.insert(arrived.recv().await.expect("deliveries"));
+        }
+        host.stop.cancel();
+        host.task.await.unwrap().unwrap();
+        assert_eq!(ConsumerStats::get(&host.stats.completed), 21, "{what}");
+    }
+}

@@ -109,6 +109,11 @@ impl<H: Handler> RangeProcessor<H> {
                 }
                 _ = tokio::time::sleep_until(r.renew_at) => self.renew(&mut r).await,
                 _ = flush.tick(), if r.checkpoint_due() => self.flush(&mut r).await,
+                // The range's last message read got its permit: reading may go on.
+                _ = async { r.in_feed_order.as_mut().expect("checked").await }, if r.in_feed_order.is_some() => {
+                    r.in_feed_order = None;
+                    None
+                }
                 _ = tokio::time::sleep_until(read_at), if r.reading && self.room(&r) => {
                     r.read_at = None;
                     self.read_page(&mut r).await
@@ -133,10 +138,13 @@ impl<H: Handler> RangeProcessor<H> {
     }
 
     /// Whether the range may read another page: fewer messages in flight than its limit,
-    /// and (exclusive groups) a window small enough to write with the lease.
+    /// (exclusive groups) a window small enough to write with the lease, and, once the range
+    /// has caught up with its feed, each message it read has its permit (see [`read_wanted`]).
     pub(super) fn room(&self, r: &Reading) -> bool {
         let limit = self.options.max_in_flight_per_range;
-        r.in_flight < limit && (!r.windowed || (r.checkpoint.window_docs() as usize) < limit * 4)
+        r.in_flight < limit
+            && (!r.windowed || (r.checkpoint.window_docs() as usize) < limit * 4)
+            && read_wanted(r.poll.delay().is_zero(), r.in_feed_order.is_some())
     }
 
     pub(super) async fn start(&self, lease: Lease, acquired: Instant) -> Result<Reading> {
@@ -978,6 +986,15 @@ pub(super) fn answer_starts(
     } else {
         StartAnswer::Refused
     }
+}
+
+/// Whether a range reads its feed again: at once while its last page came back full (more is
+/// waiting there); once caught up, only when each message it read has its permit. A message
+/// read now starts after those (unordered groups take permits in feed order), so polling
+/// while they wait buys no latency and costs a read (1 RU) every `minPoll`: with several
+/// groups sharing a process, most of their reads were such polls, empty.
+pub(super) fn read_wanted(behind: bool, waiting_for_permits: bool) -> bool {
+    behind || !waiting_for_permits
 }
 
 #[cfg(test)]
