@@ -1229,6 +1229,10 @@ async fn a_range_whose_messages_wait_for_permits_does_not_poll_its_feed() {
     for (what, config) in [
         ("exclusive", GroupConfig::new("x")),
         (
+            "exclusive (claims)",
+            GroupConfig::new("c").with_exclusive_writes(cosmosq_queue::ExclusiveWrites::Claims),
+        ),
+        (
             "stream",
             GroupConfig::new("s").with_mode(cosmosq_queue::DeliveryMode::Stream),
         ),
@@ -1254,7 +1258,7 @@ async fn a_range_whose_messages_wait_for_permits_does_not_poll_its_feed() {
             max_concurrency: 1,
             min_poll: Duration::from_millis(20),
             max_poll: Duration::from_secs(1),
-            ..fast(&format!("{what}-host"))
+            ..fast("host")
         };
         let host = start(&fixture, &config, options, handler);
         let first = arrived.recv().await.expect("a first delivery");
