@@ -1235,7 +1235,7 @@ mod tests {
     async fn an_invalid_spec_writes_nothing() {
         let (client, server) = client();
         let mut bad = group(json!({}));
-        bad.spec.template = json!({"spec": {"containers": []}});
+        bad.spec.template = json!({"spec": {"containers": []}}).into();
         let err = apply_group(&client, &bad, &queue(), &[], &defaults())
             .await
             .unwrap_err();

@@ -631,7 +631,7 @@ pub fn deployment(
     defaults: &Defaults,
 ) -> Result<Deployment, SpecError> {
     check_publish_targets(queue, targets)?;
-    let mut template: PodTemplateSpec = strict("spec.template", &qcg.spec.template)?;
+    let mut template: PodTemplateSpec = strict("spec.template", &qcg.spec.template.value())?;
     let mut pod = template
         .spec
         .take()
