@@ -535,20 +535,28 @@ impl Scaler {
 
     /// One round over every group, as wide as fitting it in `interval` takes, then the
     /// queues' totals.
-    #[instrument(skip(self), fields(groups = self.groups.state().len()))]
+    #[instrument(skip(self), fields(groups = tracing::field::Empty))]
     pub async fn round_within(&self, interval: Duration) {
         use std::sync::atomic::Ordering::Relaxed;
         let started = Instant::now();
+        // Each group's copy is let go once its turn is over: the round's status writes put
+        // a new copy of each in the cache, and holding the old ones to the end held two of
+        // every group at once (5,000 groups: tens of MB at the round's peak).
         let groups = self.groups.state();
+        let count = groups.len();
+        tracing::Span::current().record("groups", count);
         let now = now_ms();
         let per_group = Duration::from_micros(self.per_group_micros.load(Relaxed));
-        let width = round_width(groups.len(), per_group, interval);
+        let width = round_width(count, per_group, interval);
         let spent = std::sync::atomic::AtomicU64::new(0);
-        futures::stream::iter(groups.iter())
-            .for_each_concurrent(width, |qcg| self.scale_timed(qcg, now, &spent))
+        let total = &spent;
+        futures::stream::iter(groups)
+            .for_each_concurrent(width, |qcg| async move {
+                self.scale_timed(&qcg, now, total).await
+            })
             .await;
-        if !groups.is_empty() {
-            let mean = spent.load(Relaxed) / groups.len() as u64;
+        if count > 0 {
+            let mean = spent.load(Relaxed) / count as u64;
             self.per_group_micros.store(mean, Relaxed);
         }
         self.forget_deleted().await;
