@@ -1,11 +1,15 @@
 //! The operator's Prometheus metrics. Labels stay bounded: resource kinds, error kinds, and one
 //! series per consumer group (removed when the group is deleted).
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+
 use cosmosq_queue::metric_names;
-use prometheus::core::Collector;
+use prometheus::core::{Collector, Desc, Describer};
+use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
 };
 
 const GROUP_LABELS: &[&str] = &["namespace", "queue", "group"];
@@ -23,14 +27,8 @@ pub struct OperatorMetrics {
     pub reconcile_errors: IntCounterVec,
     /// How long reconciles took.
     pub reconcile_duration: HistogramVec,
-    /// A group's unsettled messages.
-    pub backlog: IntGaugeVec,
-    /// A group's unread messages.
-    pub lag: IntGaugeVec,
-    /// A group's oldest unsettled message's age.
-    pub oldest_age: IntGaugeVec,
-    /// A group's desired workers.
-    pub desired_replicas: IntGaugeVec,
+    /// Each group's backlog, lag, oldest age and desired workers.
+    pub groups: GroupGauges,
     /// Rounds whose estimate failed.
     pub estimate_errors: IntCounterVec,
     /// Replica changes applied, by direction.
@@ -73,39 +71,7 @@ impl OperatorMetrics {
             &["kind"],
         )
         .expect("valid metric");
-        let backlog = IntGaugeVec::new(
-            Opts::new(
-                metric_names::BACKLOG,
-                "Messages the group has not settled yet",
-            )
-            .const_label(metric_names::SCOPE, metric_names::SCOPE_GROUP),
-            GROUP_LABELS,
-        )
-        .expect("valid metric");
-        let lag = IntGaugeVec::new(
-            Opts::new(metric_names::LAG, "Messages the group has not read yet")
-                .const_label(metric_names::SCOPE, metric_names::SCOPE_GROUP),
-            GROUP_LABELS,
-        )
-        .expect("valid metric");
-        let oldest_age = IntGaugeVec::new(
-            Opts::new(
-                metric_names::OLDEST_MESSAGE_AGE,
-                "Age of the oldest message the group has not settled",
-            )
-            .const_label(metric_names::SCOPE, metric_names::SCOPE_GROUP),
-            GROUP_LABELS,
-        )
-        .expect("valid metric");
-        let desired_replicas = IntGaugeVec::new(
-            Opts::new(
-                metric_names::DESIRED_REPLICAS,
-                "Workers the scaling decision wants",
-            )
-            .const_label(metric_names::SCOPE, metric_names::SCOPE_GROUP),
-            GROUP_LABELS,
-        )
-        .expect("valid metric");
+        let groups = GroupGauges::default();
         let estimate_errors = IntCounterVec::new(
             Opts::new(
                 "cosmosq_operator_estimate_errors_total",
@@ -141,10 +107,7 @@ impl OperatorMetrics {
             reconciles,
             reconcile_errors,
             reconcile_duration,
-            backlog,
-            lag,
-            oldest_age,
-            desired_replicas,
+            groups,
             estimate_errors,
             scale_events,
             scaling_round,
@@ -169,15 +132,12 @@ impl OperatorMetrics {
             Box::new(self.reconciles.clone()),
             Box::new(self.reconcile_errors.clone()),
             Box::new(self.reconcile_duration.clone()),
-            Box::new(self.backlog.clone()),
-            Box::new(self.lag.clone()),
-            Box::new(self.oldest_age.clone()),
-            Box::new(self.desired_replicas.clone()),
             Box::new(self.estimate_errors.clone()),
             Box::new(self.scale_events.clone()),
             Box::new(self.scaling_round.clone()),
             Box::new(self.leader.clone()),
         ];
+        every.extend(self.groups.families());
         #[cfg(target_os = "linux")]
         every.push(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
@@ -187,14 +147,7 @@ impl OperatorMetrics {
 
     /// Forgets a deleted group's series.
     pub fn remove_group(&self, labels: &[&str; 3]) {
-        for gauge in [
-            &self.backlog,
-            &self.lag,
-            &self.oldest_age,
-            &self.desired_replicas,
-        ] {
-            let _ = gauge.remove_label_values(labels);
-        }
+        self.groups.remove(labels);
         let _ = self.estimate_errors.remove_label_values(labels);
     }
 
@@ -231,6 +184,139 @@ impl OperatorMetrics {
     }
 }
 
+/// A group's gauges as its last round set them.
+#[derive(Clone, Copy, Debug, Default)]
+struct GroupSeries {
+    /// Backlog, lag and oldest age, from the last estimate that succeeded (kept while one
+    /// fails: a gauge holds its last value).
+    estimated: Option<[i64; 3]>,
+    desired_replicas: i64,
+}
+
+/// The per-group gauges, one small record per group rendered at scrape time. A
+/// `prometheus` gauge vector keeps for every series its own copy of the family's
+/// description and label pairs: four families over 5,000 groups held ≈ 16 MB that way.
+#[derive(Clone, Default)]
+pub struct GroupGauges(Arc<RwLock<BTreeMap<[String; 3], GroupSeries>>>);
+
+/// Which of a group's figures a family shows.
+type Figure = fn(&GroupSeries) -> Option<i64>;
+
+impl GroupGauges {
+    /// A round's estimate of the group (labels: namespace, queue, group).
+    pub fn estimated(&self, labels: &[&str; 3], backlog: i64, lag: i64, oldest_age: i64) {
+        self.update(labels, |s| s.estimated = Some([backlog, lag, oldest_age]));
+    }
+
+    /// The workers the round's decision wants.
+    pub fn desired(&self, labels: &[&str; 3], replicas: i64) {
+        self.update(labels, |s| s.desired_replicas = replicas);
+    }
+
+    /// Forgets a group.
+    pub fn remove(&self, labels: &[&str; 3]) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&labels.map(str::to_owned));
+    }
+
+    fn update(&self, labels: &[&str; 3], change: impl FnOnce(&mut GroupSeries)) {
+        let mut series = self.0.write().unwrap_or_else(|e| e.into_inner());
+        change(series.entry(labels.map(str::to_owned)).or_default());
+    }
+
+    /// One collector per family, each rendering only its own.
+    fn families(&self) -> Vec<Box<dyn Collector>> {
+        let family = |name: &str, help: &str, figure: Figure| -> Box<dyn Collector> {
+            let desc = Opts::new(name, help)
+                .const_label(metric_names::SCOPE, metric_names::SCOPE_GROUP)
+                .variable_labels(GROUP_LABELS.iter().map(|l| l.to_string()).collect())
+                .describe()
+                .expect("valid metric");
+            Box::new(GroupFamily {
+                desc,
+                figure,
+                series: Arc::clone(&self.0),
+            })
+        };
+        vec![
+            family(
+                metric_names::BACKLOG,
+                "Messages the group has not settled yet",
+                |s| s.estimated.map(|e| e[0]),
+            ),
+            family(
+                metric_names::LAG,
+                "Messages the group has not read yet",
+                |s| s.estimated.map(|e| e[1]),
+            ),
+            family(
+                metric_names::OLDEST_MESSAGE_AGE,
+                "Age of the oldest message the group has not settled",
+                |s| s.estimated.map(|e| e[2]),
+            ),
+            family(
+                metric_names::DESIRED_REPLICAS,
+                "Workers the scaling decision wants",
+                |s| Some(s.desired_replicas),
+            ),
+        ]
+    }
+}
+
+/// One gauge family over every group.
+struct GroupFamily {
+    desc: Desc,
+    figure: Figure,
+    series: Arc<RwLock<BTreeMap<[String; 3], GroupSeries>>>,
+}
+
+impl Collector for GroupFamily {
+    fn desc(&self) -> Vec<&Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let pair = |name: &str, value: &str| {
+            let mut pair = LabelPair::default();
+            pair.set_name(name.to_owned());
+            pair.set_value(value.to_owned());
+            pair
+        };
+        let series = self.series.read().unwrap_or_else(|e| e.into_inner());
+        let metrics = series
+            .iter()
+            .filter_map(|(labels, s)| {
+                let value = (self.figure)(s)?;
+                let mut gauge = Gauge::default();
+                gauge.set_value(value as f64);
+                let mut metric = Metric::from_gauge(gauge);
+                let mut pairs: Vec<LabelPair> = GROUP_LABELS
+                    .iter()
+                    .zip(labels)
+                    .map(|(name, value)| pair(name, value))
+                    .chain(
+                        self.desc
+                            .const_label_pairs
+                            .iter()
+                            .map(|p| pair(p.name(), p.value())),
+                    )
+                    .collect();
+                pairs.sort_by(|a, b| a.name().cmp(b.name()));
+                metric.set_label(pairs);
+                Some(metric)
+            })
+            .collect();
+        let mut family = MetricFamily::default();
+        family.set_name(self.desc.fq_name.clone());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(MetricType::GAUGE);
+        family.set_metric(metrics);
+        vec![family]
+    }
+}
+
 impl Default for OperatorMetrics {
     fn default() -> Self {
         Self::new()
@@ -246,9 +332,8 @@ mod tests {
         let metrics = OperatorMetrics::new();
         for (group, backlog) in [("orders", 7), ("audit", 0), ("billing", 120)] {
             let labels = ["shop", "q", group];
-            metrics.backlog.with_label_values(&labels).set(backlog);
-            metrics.lag.with_label_values(&labels).set(backlog / 2);
-            metrics.desired_replicas.with_label_values(&labels).set(1);
+            metrics.groups.estimated(&labels, backlog, backlog / 2, 3);
+            metrics.groups.desired(&labels, 1);
         }
         metrics.reconciles.with_label_values(&["group"]).inc();
         metrics
@@ -278,6 +363,91 @@ mod tests {
         #[cfg(target_os = "linux")]
         assert!(
             rendered.contains("process_resident_memory_bytes"),
+            "{rendered}"
+        );
+    }
+
+    /// The group gauges scrape as the `prometheus` gauge vectors they replaced did: the same
+    /// families, labels and values, a value kept through a failed estimate, a group gone
+    /// once removed.
+    #[test]
+    fn group_gauges_scrape_as_gauge_vectors_did() {
+        let metrics = OperatorMetrics::new();
+        let registry = Registry::new();
+        let vector = |name: &str, help: &str| {
+            let v = prometheus::IntGaugeVec::new(
+                Opts::new(name, help).const_label(metric_names::SCOPE, metric_names::SCOPE_GROUP),
+                GROUP_LABELS,
+            )
+            .unwrap();
+            registry.register(Box::new(v.clone())).unwrap();
+            v
+        };
+        let backlog = vector(
+            metric_names::BACKLOG,
+            "Messages the group has not settled yet",
+        );
+        let lag = vector(metric_names::LAG, "Messages the group has not read yet");
+        let oldest = vector(
+            metric_names::OLDEST_MESSAGE_AGE,
+            "Age of the oldest message the group has not settled",
+        );
+        let desired = vector(
+            metric_names::DESIRED_REPLICAS,
+            "Workers the scaling decision wants",
+        );
+        // Rounds: an estimate, a failed one (only the desired workers change), a group that
+        // never had an estimate, and a group removed.
+        let rounds: [(&str, &str, Option<[i64; 3]>, i64); 6] = [
+            ("shop", "billing", Some([250, 40, 12]), 3),
+            ("shop", "audit", Some([0, 0, 0]), 0),
+            ("bank", "ledger", Some([9, 9, 1]), 1),
+            ("shop", "billing", None, 2),
+            ("shop", "fresh", None, 1),
+            ("bank", "ledger", Some([5, 0, 2]), 1),
+        ];
+        for (namespace, group, estimated, replicas) in rounds {
+            let labels = [namespace, "orders", group];
+            if let Some([b, l, o]) = estimated {
+                metrics.groups.estimated(&labels, b, l, o);
+                backlog.with_label_values(&labels).set(b);
+                lag.with_label_values(&labels).set(l);
+                oldest.with_label_values(&labels).set(o);
+            }
+            metrics.groups.desired(&labels, replicas);
+            desired.with_label_values(&labels).set(replicas);
+        }
+        let gone = ["shop", "orders", "audit"];
+        metrics.remove_group(&gone);
+        for v in [&backlog, &lag, &oldest, &desired] {
+            v.remove_label_values(&gone).unwrap();
+        }
+        let mut gathered = Vec::new();
+        TextEncoder::new()
+            .encode(&registry.gather(), &mut gathered)
+            .unwrap();
+        let gathered = String::from_utf8(gathered).unwrap();
+        let rendered = metrics.render();
+        let families = [
+            metric_names::BACKLOG,
+            metric_names::LAG,
+            metric_names::OLDEST_MESSAGE_AGE,
+            metric_names::DESIRED_REPLICAS,
+        ];
+        let of_groups = |text: &str| {
+            text.lines()
+                .filter(|l| families.iter().any(|f| l.contains(f)))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(of_groups(&rendered), of_groups(&gathered));
+        assert!(
+            rendered.contains(r#"cosmosq_backlog_messages{group="billing",namespace="shop",queue="orders",scope="group"} 250"#),
+            "{rendered}"
+        );
+        assert!(!rendered.contains(r#"group="audit""#), "{rendered}");
+        assert!(
+            !rendered.contains(r#"cosmosq_backlog_messages{group="fresh""#),
             "{rendered}"
         );
     }

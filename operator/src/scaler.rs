@@ -953,26 +953,17 @@ impl Scaler {
         ];
         let metrics = &self.ctx.metrics;
         match figures.backlog {
-            Some(backlog) => {
-                metrics
-                    .backlog
-                    .with_label_values(&labels)
-                    .set(saturating(backlog));
-                metrics
-                    .lag
-                    .with_label_values(&labels)
-                    .set(saturating(figures.lag.unwrap_or(0)));
-                metrics
-                    .oldest_age
-                    .with_label_values(&labels)
-                    .set(figures.oldest_message_age_seconds.unwrap_or(0));
-            }
+            Some(backlog) => metrics.groups.estimated(
+                &labels,
+                saturating(backlog),
+                saturating(figures.lag.unwrap_or(0)),
+                figures.oldest_message_age_seconds.unwrap_or(0),
+            ),
             None => metrics.estimate_errors.with_label_values(&labels).inc(),
         }
         metrics
-            .desired_replicas
-            .with_label_values(&labels)
-            .set(i64::from(figures.desired_replicas));
+            .groups
+            .desired(&labels, i64::from(figures.desired_replicas));
         self.ctx.figures.write().await.insert(resource, figures);
     }
 
@@ -1533,14 +1524,12 @@ mod tests {
         let figures = scaler.ctx.figures.read().await;
         let f = &figures[&("shop".to_owned(), "billing".to_owned())];
         assert_eq!((f.backlog, f.desired_replicas), (Some(250), 3));
-        assert_eq!(
-            scaler
-                .ctx
-                .metrics
-                .backlog
-                .with_label_values(&["shop", "orders", "billing"])
-                .get(),
-            250
+        let scraped = scaler.ctx.metrics.render();
+        assert!(
+            scraped.contains(
+                r#"cosmosq_backlog_messages{group="billing",namespace="shop",queue="orders",scope="group"} 250"#
+            ),
+            "{scraped}"
         );
         drop(figures);
         drop(scaler);

@@ -377,9 +377,8 @@ fn the_dashboard_queries_only_metrics_that_exist() {
         sidecar.render()
     );
     operator
-        .backlog
-        .with_label_values(&["shop", "orders", "billing"])
-        .set(3);
+        .groups
+        .estimated(&["shop", "orders", "billing"], 3, 0, 0);
     assert!(
         operator.render().contains(&format!(
             "{}{{group=\"billing\",namespace=\"shop\",queue=\"orders\",scope=\"group\"}} 3",
