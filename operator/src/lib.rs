@@ -17,6 +17,7 @@ pub mod apply;
 pub mod arm;
 pub mod auth;
 pub mod build;
+pub mod cached;
 pub mod certs;
 pub mod check;
 pub mod config;

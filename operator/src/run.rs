@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use cosmosq_crds::{CosmosQueue, QueueConsumerGroup};
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -25,6 +25,7 @@ use tracing::{info, warn};
 use crate::arm::Arm;
 use crate::auth::Authorizer;
 use crate::build::Defaults;
+use crate::cached::CachedDeployment;
 use crate::certs::{self, Keeper};
 use crate::config::Config;
 use crate::context::{Context, ReconcileFailure};
@@ -418,21 +419,13 @@ impl<K> Watched for K where
 {
 }
 
-/// What of a Deployment its group's reconcile reacts to: its spec but the replicas (a scale
-/// by the scaling loop or an HPA bumps the generation and needs no reconcile), as
-/// [`trim_deployment`] kept it, and its conditions (availability, pods refused).
-fn deployment_signature(d: &Deployment) -> u64 {
+/// What of a workers' Deployment its group's reconcile reacts to: its spec but the replicas
+/// (a scale by the scaling loop or an HPA bumps the generation and needs no reconcile) and its
+/// conditions (availability, pods refused).
+fn deployment_signature(d: &CachedDeployment) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    d.annotations().get(SPEC_HASH).hash(&mut hasher);
-    for c in d
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_deref())
-        .unwrap_or_default()
-    {
-        (&c.type_, &c.status, &c.reason).hash(&mut hasher);
-    }
+    (d.spec_hash, &d.conditions).hash(&mut hasher);
     hasher.finish()
 }
 
@@ -455,7 +448,7 @@ fn changed_objects<K>(
     signature: fn(&K) -> u64,
 ) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
 where
-    K: Watched,
+    K: Resource<DynamicType = ()> + Send + 'static,
 {
     let mut seen = std::collections::HashMap::<ObjectRef<K>, u64>::new();
     events.filter_map(move |event| {
@@ -474,50 +467,6 @@ where
         };
         futures::future::ready(passed)
     })
-}
-
-/// Where the cached copy of a Deployment keeps a hash of its spec but the replicas: the
-/// template it hashes is not kept. Never written to the API server.
-const SPEC_HASH: &str = "cosmosq.io/cached-spec-hash";
-
-/// What the operator keeps of a workers' Deployment (pure): what the scaling loop reads
-/// (replicas, selector, owner) and what a change is told by (a hash of the spec but the
-/// replicas, the conditions' type, status and reason). The pod template, the field managers,
-/// the labels (the watch selects by them on the server) and the conditions' messages and
-/// times go: 5,000 groups must not mean 5,000 templates in memory. Reconciles read the whole
-/// object when they apply.
-pub fn trim_deployment(deployment: &mut Deployment) {
-    use std::hash::{Hash, Hasher};
-    let spec_hash = deployment.spec.as_ref().map(|spec| {
-        let unscaled = k8s_openapi::api::apps::v1::DeploymentSpec {
-            replicas: None,
-            ..spec.clone()
-        };
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        serde_json::to_string(&unscaled)
-            .unwrap_or_default()
-            .hash(&mut hasher);
-        format!("{:016x}", hasher.finish())
-    });
-    deployment.metadata.managed_fields = None;
-    deployment.metadata.labels = None;
-    deployment.metadata.annotations =
-        spec_hash.map(|hash| std::iter::once((SPEC_HASH.to_owned(), hash)).collect());
-    for condition in deployment
-        .status
-        .as_mut()
-        .and_then(|s| s.conditions.as_mut())
-        .into_iter()
-        .flatten()
-    {
-        condition.message = None;
-        condition.last_update_time = None;
-        condition.last_transition_time = None;
-    }
-    if let Some(spec) = deployment.spec.as_mut() {
-        spec.template = Default::default();
-        spec.strategy = None;
-    }
 }
 
 /// Field managers are half of a small object and nothing here reads them.
@@ -606,15 +555,15 @@ async fn run_controllers(
     // A pause is an annotation: it changes no generation, yet its HPA must go (or come back).
     // So are reconcile and rollout requests.
     let (group_store, group_changes) = spec_changes(client, ns, pause_annotations);
-    // The workers' Deployments, trimmed, cached for the scaling loop (no GET per group per
-    // round) from the watch the group controller runs anyway.
+    // The workers' Deployments, as much as the scaling loop reads of them, cached for it (no
+    // GET per group per round) from the watch the group controller runs anyway.
     let (deployment_store, deployment_writer) = reflector::store();
     let deployment_events = watcher(
         watch_api::<Deployment>(client, ns),
         watcher::Config::default().labels(MANAGED).any_semantic(),
     )
     .default_backoff()
-    .modify(trim_deployment)
+    .map_ok(crate::cached::event)
     .reflect(deployment_writer);
     let groups = Controller::for_stream(group_changes, group_store.clone())
         .with_config(limits)
@@ -748,8 +697,8 @@ async fn label_own_pod(pods: &Api<Pod>, name: &str, leader: bool) {
 mod tests {
     use super::*;
 
-    fn trimmed(replicas: i32, generation: i64, image: &str) -> Deployment {
-        let mut d: Deployment = serde_json::from_value(json!({
+    fn trimmed(replicas: i32, generation: i64, image: &str) -> CachedDeployment {
+        let d: Deployment = serde_json::from_value(json!({
             "metadata": {"name": "billing-workers", "namespace": "shop", "generation": generation,
                          "annotations": {"cosmosq.io/built-from": "a long record"},
                          "managedFields": [{"manager": "cosmosq-operator"}]},
@@ -757,22 +706,19 @@ mod tests {
                      "template": {"spec": {"containers": [{"name": "app", "image": image}]}}}
         }))
         .unwrap();
-        trim_deployment(&mut d);
-        d
+        CachedDeployment::from(d)
     }
 
     #[test]
     fn a_scale_reconciles_nothing_and_a_spec_change_does() {
         let before = trimmed(1, 1, "example/app:1");
-        let spec = before.spec.as_ref().unwrap();
-        assert_eq!(spec.template, Default::default(), "no template kept");
         assert_eq!(
-            spec.replicas,
+            before.replicas,
             Some(1),
             "the scaling loop reads the replicas"
         );
         assert!(before.metadata.managed_fields.is_none());
-        assert!(!before.annotations().contains_key("cosmosq.io/built-from"));
+        assert!(before.metadata.annotations.is_none());
         let scaled = trimmed(0, 2, "example/app:1");
         assert_eq!(
             deployment_signature(&before),
@@ -790,9 +736,10 @@ mod tests {
     #[test]
     fn the_cache_keeps_owner_and_conditions_and_not_their_messages_nor_the_labels() {
         let deployment = |available: &str, message: &str, at: &str| {
-            let mut d: Deployment = serde_json::from_value(json!({
-                "metadata": {"name": "billing-workers", "namespace": "shop",
+            let d: Deployment = serde_json::from_value(json!({
+                "metadata": {"name": "billing-workers", "namespace": "shop", "uid": "d-1",
                              "labels": {"app.kubernetes.io/managed-by": "cosmosq-operator"},
+                             "annotations": {"cosmosq.io/spec-hash": "abc"},
                              "ownerReferences": [{"apiVersion": "cosmosq.io/v1alpha1",
                                  "kind": "QueueConsumerGroup", "name": "billing", "uid": "u-1",
                                  "controller": true}]},
@@ -803,31 +750,29 @@ mod tests {
                      "message": message, "lastUpdateTime": at, "lastTransitionTime": at}]}
             }))
             .unwrap();
-            trim_deployment(&mut d);
-            d
+            CachedDeployment::from(d)
         };
         let kept = deployment(
             "True",
             "Deployment has minimum availability.",
             "2026-12-06T08:00:00Z",
         );
-        assert!(kept.metadata.labels.is_none());
+        assert!(kept.metadata.labels.is_none() && kept.metadata.annotations.is_none());
+        assert_eq!(kept.metadata.uid.as_deref(), Some("d-1"));
         assert_eq!(
             kept.metadata.owner_references.as_ref().unwrap()[0].uid,
             "u-1"
         );
-        let status = kept.status.as_ref().unwrap();
-        assert_eq!(status.replicas, Some(2));
-        let condition = &status.conditions.as_ref().unwrap()[0];
+        assert_eq!((kept.replicas, kept.running), (Some(2), Some(2)));
+        assert_eq!(kept.selector["app"], "billing");
         assert_eq!(
-            (condition.type_.as_str(), condition.status.as_str()),
-            ("Available", "True")
+            kept.conditions,
+            vec![(
+                "Available".to_owned(),
+                "True".to_owned(),
+                Some("MinimumReplicasAvailable".to_owned())
+            )]
         );
-        assert_eq!(
-            condition.reason.as_deref(),
-            Some("MinimumReplicasAvailable")
-        );
-        assert!(condition.message.is_none() && condition.last_update_time.is_none());
         // Another message or time alone is no change; another status is.
         let touched = deployment("True", "Still available.", "2026-12-06T09:00:00Z");
         assert_eq!(deployment_signature(&kept), deployment_signature(&touched));

@@ -40,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
 use crate::build::workers_name;
+use crate::cached::CachedDeployment;
 use crate::context::{Context, GroupFigures};
 use crate::cosmos::CosmosError;
 use crate::scaling::{Autoscaler, Decision, Reason};
@@ -294,23 +295,11 @@ struct Workers {
 }
 
 impl Workers {
-    fn of(deployment: &Deployment) -> Self {
+    fn of(deployment: &CachedDeployment) -> Self {
         Self {
-            current: deployment
-                .spec
-                .as_ref()
-                .and_then(|s| s.replicas)
-                .unwrap_or(1)
-                .max(0) as u32,
-            running: deployment
-                .status
-                .as_ref()
-                .and_then(|s| s.replicas)
-                .unwrap_or(0),
-            selector: deployment
-                .spec
-                .as_ref()
-                .and_then(|s| s.selector.match_labels.as_ref())
+            current: deployment.replicas.unwrap_or(1).max(0) as u32,
+            running: deployment.running.unwrap_or(0),
+            selector: Some(&deployment.selector)
                 .filter(|labels| !labels.is_empty())
                 .map(|labels| {
                     labels
@@ -471,8 +460,8 @@ pub struct Scaler {
     ctx: Arc<Context>,
     groups: Store<QueueConsumerGroup>,
     queues: Store<CosmosQueue>,
-    /// The workers' Deployments, trimmed (`run::trim_deployment`): read here, not fetched.
-    deployments: Store<Deployment>,
+    /// The workers' Deployments, as much as is read here ([`CachedDeployment`]), not fetched.
+    deployments: Store<CachedDeployment>,
     state: Mutex<HashMap<ObjectRef<QueueConsumerGroup>, Arc<Mutex<GroupState>>>>,
     queue_written:
         Mutex<HashMap<ObjectRef<CosmosQueue>, (CosmosQueueStatus, tokio::time::Instant)>>,
@@ -491,7 +480,7 @@ impl Scaler {
         ctx: Arc<Context>,
         groups: Store<QueueConsumerGroup>,
         queues: Store<CosmosQueue>,
-        deployments: Store<Deployment>,
+        deployments: Store<CachedDeployment>,
     ) -> Self {
         Self {
             ctx,
@@ -1394,7 +1383,10 @@ mod tests {
 
     /// The workers' Deployment as the watch's cache holds it; each test sets it.
     #[derive(Clone)]
-    struct Cached(Arc<std::sync::Mutex<Writer<Deployment>>>, Store<Deployment>);
+    struct Cached(
+        Arc<std::sync::Mutex<Writer<CachedDeployment>>>,
+        Store<CachedDeployment>,
+    );
 
     impl Cached {
         fn new() -> Self {
@@ -1405,7 +1397,8 @@ mod tests {
 
         /// The Deployment runs `replicas` (as its spec and status say).
         fn at(&self, replicas: i32) {
-            let object = serde_json::from_value(deployment(replicas)).unwrap();
+            let object: Deployment = serde_json::from_value(deployment(replicas)).unwrap();
+            let object = CachedDeployment::from(object);
             self.0
                 .lock()
                 .unwrap()
