@@ -165,10 +165,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         spent: Vec::new(),
     });
 
-    // Consumers end to end: change feed + state machine, per mode and group count. A range's
-    // fixed costs (its lease, polls after work, sweeps) are spread over the messages it gets,
-    // so rows compared per message per group read the same count; the claims path's eight
-    // groups (two writes per message per group) read fewer to keep the run short.
+    // Consumers end to end: change feed + state machine, per mode and group count. Rows
+    // compared per message per group read the same count; the claims path's eight groups (two
+    // writes per message per group) read fewer to keep the run short.
     let few = args.messages.min(2_000);
     use ExclusiveWrites::{Claims, Lease};
     for (mode, writes, groups, count, retried) in [

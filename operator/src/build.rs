@@ -631,7 +631,13 @@ pub fn deployment(
     defaults: &Defaults,
 ) -> Result<Deployment, SpecError> {
     check_publish_targets(queue, targets)?;
-    let mut template: PodTemplateSpec = strict("spec.template", &qcg.spec.template.value())?;
+    let template = (qcg.spec.template.value()).map_err(|e| {
+        invalid(
+            "spec.template",
+            format!("not JSON this operator reads: {e}"),
+        )
+    })?;
+    let mut template: PodTemplateSpec = strict("spec.template", &template)?;
     let mut pod = template
         .spec
         .take()
@@ -1474,7 +1480,13 @@ mod tests {
 
     #[test]
     fn invalid_templates_are_named() {
+        // Deeper than JSON is read (a template the API server could not have sent).
+        let mut deep = json!({"containers": []});
+        for _ in 0..200 {
+            deep = json!({ "spec": deep });
+        }
         let cases = [
+            (json!({ "template": deep }), "spec.template"),
             (
                 json!({"template": {"spec": {"containers": []}}}),
                 "spec.template.spec.containers",

@@ -15,8 +15,8 @@ use kube::Resource;
 /// apply; this is for the scaling loop and for telling a change that needs a reconcile.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CachedDeployment {
-    /// Name, namespace, uid, owner references and versions: no labels (the watch selects by
-    /// them on the server), annotations or field managers.
+    /// Name, namespace, uid, owner references, versions and deletion time: no labels (the
+    /// watch selects by them on the server), annotations or field managers.
     pub metadata: ObjectMeta,
     /// `spec.replicas`: what the last scale asked for.
     pub replicas: Option<i32>,
@@ -119,5 +119,37 @@ impl Resource for CachedDeployment {
 
     fn meta_mut(&mut self) -> &mut ObjectMeta {
         &mut self.metadata
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::ResourceExt;
+
+    /// The group controller maps a cached Deployment to its group by the owner reference and
+    /// the kind it reports: a Deployment's, as the API server names it.
+    #[test]
+    fn it_is_a_deployment_to_the_controller() {
+        assert_eq!(CachedDeployment::kind(&()), "Deployment");
+        assert_eq!(CachedDeployment::api_version(&()), "apps/v1");
+        assert_eq!(CachedDeployment::plural(&()), "deployments");
+        let deployment: Deployment = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "billing-workers", "namespace": "shop", "uid": "d-1",
+                         "ownerReferences": [{"apiVersion": "cosmosq.io/v1alpha1",
+                             "kind": "QueueConsumerGroup", "name": "billing", "uid": "u-1",
+                             "controller": true}]}
+        }))
+        .unwrap();
+        let watcher::Event::Apply(cached) = event(watcher::Event::Apply(deployment)) else {
+            panic!("an apply stays an apply");
+        };
+        let reference = cached.object_ref(&());
+        assert_eq!(
+            (reference.kind.as_deref(), reference.name.as_deref()),
+            (Some("Deployment"), Some("billing-workers"))
+        );
+        assert_eq!(cached.owner_references()[0].uid, "u-1");
+        assert_eq!((cached.replicas, cached.running), (None, None));
     }
 }
