@@ -39,11 +39,6 @@ impl Template {
     pub fn value(&self) -> Result<serde_json::Value, serde_json::Error> {
         serde_json::from_str(&self.0)
     }
-
-    /// Its JSON text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
 }
 
 impl From<serde_json::Value> for Template {

@@ -537,11 +537,10 @@ impl Scaler {
         let now = now_ms();
         let per_group = Duration::from_micros(self.per_group_micros.load(Relaxed));
         let width = round_width(count, per_group, interval);
-        let spent = std::sync::atomic::AtomicU64::new(0);
-        let total = &spent;
+        let spent = &std::sync::atomic::AtomicU64::new(0);
         futures::stream::iter(groups)
             .for_each_concurrent(width, |qcg| async move {
-                self.scale_timed(&qcg, now, total).await
+                self.scale_timed(&qcg, now, spent).await
             })
             .await;
         if count > 0 {
