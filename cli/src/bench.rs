@@ -168,19 +168,47 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     // Consumers end to end: change feed + state machine, per mode and group count. Rows
     // compared per message per group read the same count; the claims path's eight groups (two
     // writes per message per group) read fewer to keep the run short.
+    //
+    // Eight groups sharing this process's cores deliver each at a fraction of one group's rate,
+    // and a range's time-driven requests (its window written every `checkpointInterval` while
+    // messages start, polls, sweeps, listings) are then spread over fewer messages. The paced
+    // rows run one group at the rate each of the eight had (its handler holds each message
+    // `concurrency / rate`), so that the cost of more groups is told from the cost of a lower
+    // rate.
     let few = args.messages.min(2_000);
     use ExclusiveWrites::{Claims, Lease};
-    for (mode, writes, groups, count, retried) in [
-        (DeliveryMode::Exclusive, Lease, 1, args.messages, false),
-        (DeliveryMode::Exclusive, Lease, 1, args.messages, true),
-        (DeliveryMode::Exclusive, Claims, 1, args.messages, false),
-        (DeliveryMode::Stream, Lease, 1, args.messages, false),
-        (DeliveryMode::Exclusive, Lease, 2, args.messages, false),
-        (DeliveryMode::Stream, Lease, 2, args.messages, false),
-        (DeliveryMode::Exclusive, Lease, 8, args.messages, false),
-        (DeliveryMode::Exclusive, Claims, 8, few, false),
-        (DeliveryMode::Stream, Lease, 8, args.messages, false),
-    ] {
+    // (mode, write path, groups, messages, 1 in 20 retried once, paced like the row before)
+    #[rustfmt::skip]
+    let consumer_rows = [
+        (DeliveryMode::Exclusive, Lease, 1, args.messages, false, false),
+        (DeliveryMode::Exclusive, Lease, 1, args.messages, true, false),
+        (DeliveryMode::Exclusive, Claims, 1, args.messages, false, false),
+        (DeliveryMode::Stream, Lease, 1, args.messages, false, false),
+        (DeliveryMode::Exclusive, Lease, 2, args.messages, false, false),
+        (DeliveryMode::Stream, Lease, 2, args.messages, false, false),
+        (DeliveryMode::Exclusive, Lease, 8, args.messages, false, false),
+        (DeliveryMode::Exclusive, Lease, 1, args.messages, false, true),
+        (DeliveryMode::Exclusive, Claims, 8, few, false, false),
+        (DeliveryMode::Stream, Lease, 8, args.messages, false, false),
+        (DeliveryMode::Stream, Lease, 1, args.messages, false, true),
+    ];
+    for (mode, writes, groups, count, retried, paced) in consumer_rows {
+        // The rate of each group in the last 8-group row of this path.
+        let pace = match paced {
+            true => {
+                let like = rows
+                    .last()
+                    .filter(|r: &&Row| r.groups == 8)
+                    .ok_or_else(|| anyhow::anyhow!("a paced row follows an 8-group row"))?;
+                let per_group = like.messages as f64 / like.seconds;
+                Some((
+                    Duration::from_secs_f64(args.concurrency as f64 / per_group),
+                    per_group,
+                ))
+            }
+            false => None,
+        };
+        let hold = pace.map(|(hold, _)| hold);
         let config = fresh();
         let producer = open(config.clone()).await?;
         for chunk in messages(count).chunks(1000) {
@@ -236,6 +264,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                             delay: None,
                         }
                     } else {
+                        if let Some(hold) = hold {
+                            tokio::time::sleep(hold).await;
+                        }
                         handled.fetch_add(1, Ordering::Relaxed);
                         Outcome::Complete
                     }
@@ -284,12 +315,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         };
         rows.push(Row {
             what: format!(
-                "lease loop, no-op handler, {path}, {groups} group{}{}",
+                "lease loop, {}, {path}, {groups} group{}{}",
+                match pace {
+                    Some((hold, _)) => format!("handler holding each {} ms", hold.as_millis()),
+                    None => "no-op handler".to_owned(),
+                },
                 if groups > 1 { "s" } else { "" },
-                if retried {
-                    ", 1 in 20 retried once"
-                } else {
-                    ""
+                match (retried, pace) {
+                    (true, _) => ", 1 in 20 retried once".to_owned(),
+                    (_, Some((_, rate))) => format!(", paced like one of 8 ({rate:.0} msg/s)"),
+                    _ => String::new(),
                 }
             ),
             messages: count,
