@@ -73,6 +73,9 @@ pub const LEASE_EXPIRE: &str = "COSMOSQ_LEASE_EXPIRE";
 pub const LEASES_PER_PARTITION: &str = "COSMOSQ_LEASES_PER_PARTITION";
 /// The longest wait between reads of an empty feed.
 pub const MAX_POLL: &str = "COSMOSQ_MAX_POLL";
+/// Exclusive groups: how often a range writes what it started and completed (its window) while
+/// something waits to be written; stream groups: how often a moved checkpoint is written.
+pub const CHECKPOINT_INTERVAL: &str = "COSMOSQ_CHECKPOINT_INTERVAL";
 /// How often expired locks and due retries are swept.
 pub const SWEEP_INTERVAL: &str = "COSMOSQ_SWEEP_INTERVAL";
 /// The localhost API's address (enqueue, health, metrics).

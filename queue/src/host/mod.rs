@@ -116,6 +116,26 @@ impl HostOptions {
 
     /// Refuses timings under which leases could not be kept (renewal slower than expiry, …).
     pub fn validate(&self) -> Result<()> {
+        // Each is a period something is done at: zero would spin (a read, a listing, a write
+        // in a loop) or panic (a tokio interval of zero).
+        for (name, period) in [
+            ("minPoll", self.min_poll),
+            ("maxPoll", self.max_poll),
+            ("sweepInterval", self.sweep_interval),
+            ("leaseRenew", self.lease_renew),
+            ("leaseAcquire", self.lease_acquire),
+            ("leaseExpire", self.lease_expire),
+            ("checkpointInterval", self.checkpoint_interval),
+        ] {
+            if period.is_zero() {
+                return Err(QueueError::Config(format!("{name} must be more than 0")));
+            }
+        }
+        if self.min_poll > self.max_poll {
+            return Err(QueueError::Config(
+                "minPoll must not be longer than maxPoll".into(),
+            ));
+        }
         if self.lease_renew >= self.lease_expire {
             return Err(QueueError::Config(
                 "leaseRenew must be shorter than leaseExpire".into(),
@@ -604,6 +624,29 @@ pub const DEFAULT_LEASE_EXPIRE: Duration = Duration::from_secs(60);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Timings that would spin or panic are refused by name; the defaults pass.
+    #[test]
+    fn timings_of_zero_are_refused_by_name() {
+        assert!(HostOptions::new("pod").validate().is_ok());
+        let zero = Duration::ZERO;
+        let base = || HostOptions::new("pod");
+        #[rustfmt::skip]
+        let cases = [
+            ("minPoll", HostOptions { min_poll: zero, ..base() }),
+            ("maxPoll", HostOptions { max_poll: zero, ..base() }),
+            ("sweepInterval", HostOptions { sweep_interval: zero, ..base() }),
+            ("leaseRenew", HostOptions { lease_renew: zero, ..base() }),
+            ("leaseAcquire", HostOptions { lease_acquire: zero, ..base() }),
+            ("leaseExpire", HostOptions { lease_expire: zero, ..base() }),
+            ("checkpointInterval", HostOptions { checkpoint_interval: zero, ..base() }),
+            ("minPoll must not be longer", HostOptions { min_poll: Duration::from_secs(6), ..base() }),
+        ];
+        for (name, options) in cases {
+            let error = options.validate().expect_err(name).to_string();
+            assert!(error.contains(name), "{name}: {error}");
+        }
+    }
 
     /// What happens to a lease between the first look and the decision.
     #[derive(Clone, Copy, Debug)]
