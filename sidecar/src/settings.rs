@@ -846,6 +846,16 @@ mod tests {
         assert_eq!(config.lock_duration, Duration::from_secs(60));
         assert_eq!(config.host_options().lease_renew, Duration::from_secs(17));
         assert_eq!(config.listen.to_string(), "127.0.0.1:3500");
+        // What the lease loop is given, the library's default unless set.
+        assert_eq!(
+            config.host_options().checkpoint_interval,
+            HostOptions::new("x").checkpoint_interval
+        );
+        let set = parse(&["--checkpoint-interval", "5s"]).unwrap();
+        assert_eq!(
+            set.host_options().checkpoint_interval,
+            Duration::from_secs(5)
+        );
     }
 
     #[test]
