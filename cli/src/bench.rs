@@ -192,20 +192,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         (DeliveryMode::Stream, Lease, 8, args.messages, false, false),
         (DeliveryMode::Stream, Lease, 1, args.messages, false, true),
     ];
+    // The last 8-group row: its path and the rate of each of its groups.
+    let mut eight: Option<(DeliveryMode, ExclusiveWrites, f64)> = None;
     for (mode, writes, groups, count, retried, paced) in consumer_rows {
-        // The rate of each group in the last 8-group row of this path.
         let pace = match paced {
-            true => {
-                let like = rows
-                    .last()
-                    .filter(|r: &&Row| r.groups == 8)
-                    .ok_or_else(|| anyhow::anyhow!("a paced row follows an 8-group row"))?;
-                let per_group = like.messages as f64 / like.seconds;
-                Some((
+            true => match eight {
+                Some((m, w, per_group)) if (m, w) == (mode, writes) && per_group > 0.0 => Some((
                     Duration::from_secs_f64(args.concurrency as f64 / per_group),
                     per_group,
-                ))
-            }
+                )),
+                _ => anyhow::bail!("a paced row follows an 8-group row of its path that delivered"),
+            },
             false => None,
         };
         let hold = pace.map(|(hold, _)| hold);
@@ -313,11 +310,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             (_, Lease) => "exclusive (lease writes)".to_owned(),
             (_, Claims) => "exclusive (claims)".to_owned(),
         };
+        if groups == 8 {
+            eight = Some((mode, writes, count as f64 / seconds));
+        }
         rows.push(Row {
             what: format!(
                 "lease loop, {}, {path}, {groups} group{}{}",
                 match pace {
-                    Some((hold, _)) => format!("handler holding each {} ms", hold.as_millis()),
+                    Some((hold, _)) =>
+                        format!("handler holding each {:.1} ms", hold.as_secs_f64() * 1000.0),
                     None => "no-op handler".to_owned(),
                 },
                 if groups > 1 { "s" } else { "" },

@@ -69,8 +69,9 @@ impl BuiltFrom {
 /// group (a variable added or spelled anew): an operator built from it rolls the groups under
 /// its budget, as a new version does, even when the version number did not change. 2: every
 /// sidecar setting written from `SidecarSettings`; 3: the app's protocol and Dapr's gRPC API
-/// (`COSMOSQ_APP_PROTOCOL`, `COSMOSQ_GRPC_LISTEN`, `DAPR_GRPC_PORT`).
-pub const TEMPLATE_REVISION: u32 = 3;
+/// (`COSMOSQ_APP_PROTOCOL`, `COSMOSQ_GRPC_LISTEN`, `DAPR_GRPC_PORT`); 4: the range's
+/// progress interval (`COSMOSQ_CHECKPOINT_INTERVAL`).
+pub const TEMPLATE_REVISION: u32 = 4;
 
 /// The operator as [`BuiltFrom::operator`] names it.
 pub fn operator(sidecar_image: &str) -> String {

@@ -510,6 +510,7 @@ impl SidecarSettings {
 
     /// The lease loop's settings.
     pub fn host_options(&self) -> HostOptions {
+        let defaults = HostOptions::new(self.owner());
         HostOptions {
             max_concurrency: self.max_concurrency,
             lease_renew: self.lease_renew,
@@ -520,7 +521,9 @@ impl SidecarSettings {
             sweep_interval: self.sweep_interval,
             promote_after: self.promote_after,
             checkpoint_interval: self.checkpoint_interval,
-            ..HostOptions::new(self.owner())
+            // The shortest poll is not a setting here: it follows a maximum set below it.
+            min_poll: defaults.min_poll.min(self.max_poll),
+            ..defaults
         }
     }
 
@@ -856,6 +859,10 @@ mod tests {
             set.host_options().checkpoint_interval,
             Duration::from_secs(5)
         );
+        // A maximum poll under the library's shortest is taken, the shortest following it.
+        let fast = parse(&["--max-poll", "10ms"]).unwrap();
+        fast.validate().unwrap();
+        assert_eq!(fast.host_options().min_poll, Duration::from_millis(10));
     }
 
     #[test]
@@ -869,6 +876,7 @@ mod tests {
             (&["--sweep-interval", "0s"], "sweepInterval"),
             (&["--checkpoint-interval", "0s"], "checkpointInterval"),
             (&["--lease-acquire", "0ms"], "leaseAcquire"),
+            (&["--max-poll", "0s"], "maxPoll"),
             (&["--auth", "key"], "--key"),
             (&["--listen", "127.0.0.1:8080"], "--listen"),
             (&["--probe-listen", "0.0.0.0:3500"], "--probe-listen"),

@@ -119,8 +119,8 @@ impl HostOptions {
         // Each is a period something is done at: zero would spin (a read, a listing, a write
         // in a loop) or panic (a tokio interval of zero).
         for (name, period) in [
-            ("minPoll", self.min_poll),
             ("maxPoll", self.max_poll),
+            ("minPoll", self.min_poll),
             ("sweepInterval", self.sweep_interval),
             ("leaseRenew", self.lease_renew),
             ("leaseAcquire", self.lease_acquire),
