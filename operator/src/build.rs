@@ -631,7 +631,7 @@ pub fn deployment(
     defaults: &Defaults,
 ) -> Result<Deployment, SpecError> {
     check_publish_targets(queue, targets)?;
-    let template = (qcg.spec.template.value()).map_err(|e| {
+    let template = qcg.spec.template.value().map_err(|e| {
         invalid(
             "spec.template",
             format!("not JSON this operator reads: {e}"),

@@ -625,9 +625,10 @@ pub const DEFAULT_LEASE_EXPIRE: Duration = Duration::from_secs(60);
 mod tests {
     use super::*;
 
-    /// Timings that would spin or panic are refused by name; the defaults pass.
+    /// Timings that would spin or panic (zero, a shortest poll over the longest) are refused
+    /// by name; the defaults pass.
     #[test]
-    fn timings_of_zero_are_refused_by_name() {
+    fn timings_that_would_spin_or_panic_are_refused_by_name() {
         assert!(HostOptions::new("pod").validate().is_ok());
         let zero = Duration::ZERO;
         let base = || HostOptions::new("pod");
