@@ -103,6 +103,9 @@ pub enum Attributes {
         namespace: String,
         /// One object's name, when the request names one.
         name: Option<String>,
+        /// A subresource (`scale`, or one no API server serves that RBAC still grants, as
+        /// `cosmosqueues/wake`).
+        subresource: Option<String>,
         /// The verb.
         verb: String,
     },
@@ -116,6 +119,25 @@ pub enum Attributes {
 }
 
 impl Attributes {
+    /// `verb` on one named object of cosmosq's own API group (or its `subresource`).
+    pub fn cosmosq_object(
+        resource: &str,
+        subresource: Option<&str>,
+        namespace: &str,
+        name: &str,
+        verb: &str,
+    ) -> Self {
+        Self::Resource {
+            group: cosmosq_crds::GROUP.into(),
+            version: cosmosq_crds::VERSION.into(),
+            resource: resource.into(),
+            namespace: namespace.into(),
+            name: Some(name.into()),
+            subresource: subresource.map(str::to_owned),
+            verb: verb.into(),
+        }
+    }
+
     fn describe(&self) -> String {
         match self {
             Self::Resource {
@@ -123,13 +145,18 @@ impl Attributes {
                 resource,
                 namespace,
                 name,
+                subresource,
                 verb,
                 ..
             } => {
                 format!(
-                    "{verb} {resource}{}{} in namespace {namespace:?}",
+                    "{verb} {resource}{}{}{} in namespace {namespace:?}",
                     if group.is_empty() { "" } else { "." },
-                    group
+                    group,
+                    subresource
+                        .as_ref()
+                        .map(|s| format!("/{s}"))
+                        .unwrap_or_default(),
                 ) + &name
                     .as_ref()
                     .map(|n| format!(" (name {n:?})"))
@@ -471,6 +498,7 @@ impl Authorizer {
                 resource,
                 namespace,
                 name,
+                subresource,
                 verb,
             } => (
                 Some(ResourceAttributes {
@@ -479,6 +507,7 @@ impl Authorizer {
                     resource: Some(resource.clone()),
                     namespace: Some(namespace.clone()),
                     name: name.clone(),
+                    subresource: subresource.clone(),
                     verb: Some(verb.clone()),
                     ..ResourceAttributes::default()
                 }),

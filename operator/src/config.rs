@@ -103,7 +103,12 @@ pub struct Config {
     /// callers whose bearer token may `get` that QueueConsumerGroup.
     #[arg(long, env = "COSMOSQ_KEDA_ENDPOINT", default_value_t = false, action = clap::ArgAction::Set, requires = "serving")]
     pub keda_endpoint: bool,
-    /// The audience a bearer token for the KEDA endpoint must be minted for
+    /// Serve `POST /v1/namespaces/<ns>/cosmosqueues/<name>/wake` on the TLS listener: a
+    /// producer whose bearer token may `create` `cosmosqueues/wake` of that queue says it wrote
+    /// to it, and the queue's groups at zero are looked at at once instead of at the next round.
+    #[arg(long, env = "COSMOSQ_WAKE_ENDPOINT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub wake_endpoint: bool,
+    /// The audience a bearer token for the KEDA and wake endpoints must be minted for
     /// (`kubectl create token <account> --audience cosmosq`): a token for the API server or any
     /// other audience is refused, so one handed out elsewhere cannot be replayed to it.
     #[arg(long, env = "COSMOSQ_TOKEN_AUDIENCE", default_value = crate::auth::DEFAULT_TOKEN_AUDIENCE, value_parser = clap::builder::NonEmptyStringValueParser::new())]

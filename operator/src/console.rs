@@ -133,6 +133,7 @@ fn read_in(namespace: &str) -> Attributes {
         resource: "cosmosqueues".into(),
         namespace: namespace.into(),
         name: None,
+        subresource: None,
         verb: "get".into(),
     }
 }
@@ -145,6 +146,7 @@ fn act_in(namespace: &str) -> Attributes {
         resource: "queueconsumergroups".into(),
         namespace: namespace.into(),
         name: None,
+        subresource: None,
         verb: "update".into(),
     }
 }

@@ -2,7 +2,8 @@
 //! only, and only for authenticated, authorized callers (see [`crate::auth`]): `/metrics` (its
 //! series name every tenant's queues and backlogs), the `external.metrics.k8s.io/v1beta1` API an
 //! HPA reads through an APIService, and the same figures as plain JSON for KEDA's metrics-api
-//! scaler (when enabled). `/metrics` is served without authentication only on a listener asked
+//! scaler (when enabled), and the wake a producer sends after writing to a queue
+//! ([`crate::wake`]). `/metrics` is served without authentication only on a listener asked
 //! for by name (`--insecure-metrics-listen`: loopback, behind kube-rbac-proxy or on a laptop).
 //!
 //! A group whose estimate failed answers with an error, never with a zero: the HPA and KEDA
@@ -16,11 +17,13 @@ use std::sync::Arc;
 use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use kube::runtime::reflector::ObjectRef;
 use rustls::pki_types::CertificateDer;
 use serde::Deserialize;
 use serde_json::json;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -30,6 +33,7 @@ use crate::auth::{Attributes, Audience, AuthError, Authorizer, RequestHeader};
 use crate::context::{Figures, GroupFigures};
 use crate::metrics::OperatorMetrics;
 use crate::tls::ServingTls;
+use crate::wake::{WakeSender, WAKE_BACKLOG};
 
 const EXTERNAL_METRICS_GROUP: &str = "external.metrics.k8s.io";
 const EXTERNAL_METRICS: &str = "/apis/external.metrics.k8s.io/v1beta1";
@@ -61,6 +65,8 @@ pub struct Shared {
     pub leader: Arc<AtomicBool>,
     /// The caches are filled and the controllers run.
     pub synced: Arc<AtomicBool>,
+    /// Where wakes go to the scaling loop (`crate::wake`); `None`: the endpoint is off.
+    pub wakes: Option<WakeSender>,
 }
 
 impl Shared {
@@ -71,6 +77,7 @@ impl Shared {
             figures,
             leader: Arc::default(),
             synced: Arc::default(),
+            wakes: None,
         }
     }
 
@@ -99,8 +106,8 @@ pub struct Peer {
 struct Secure {
     shared: Shared,
     authorizer: Arc<Authorizer>,
-    /// Whom KEDA's tokens must be minted for.
-    keda_audience: Audience,
+    /// Whom KEDA's and producers' tokens must be minted for: the operator's own audience.
+    audience: Audience,
 }
 
 /// Health and readiness: nothing a caller must be trusted with.
@@ -119,15 +126,17 @@ pub fn insecure_metrics_router(shared: Shared) -> Router {
 }
 
 /// `/metrics` and the figures, per group and namespace, for authorized callers; connections
-/// come from [`serve_tls`], which attaches each one's [`Peer`]. With `keda_audience`, the KEDA
-/// endpoint too, for tokens minted for that audience.
+/// come from [`serve_tls`], which attaches each one's [`Peer`]. With `keda`, the KEDA endpoint
+/// too, and with `shared.wakes` the wake endpoint, both for tokens minted for `audience` (the
+/// operator's own).
 pub fn secure_router(
     shared: Shared,
     authorizer: Arc<Authorizer>,
-    keda_audience: Option<String>,
+    audience: String,
+    keda: bool,
 ) -> Router {
-    let keda = keda_audience.is_some();
-    let router = Router::new()
+    let wake = shared.wakes.is_some();
+    let mut router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route(METRICS_PATH, get(secure_metrics))
         .route(EXTERNAL_METRICS, get(discovery))
@@ -135,18 +144,22 @@ pub fn secure_router(
             &format!("{EXTERNAL_METRICS}/namespaces/{{namespace}}/{{metric}}"),
             get(external_metric),
         );
-    let router = if keda {
-        router.route(
+    if keda {
+        router = router.route(
             "/keda/namespaces/{namespace}/queueconsumergroups/{name}",
             get(keda_figures),
-        )
-    } else {
-        router
-    };
+        );
+    }
+    if wake {
+        router = router.route(
+            "/v1/namespaces/{namespace}/cosmosqueues/{name}/wake",
+            post(wake_queue),
+        );
+    }
     router.with_state(Secure {
         shared,
         authorizer,
-        keda_audience: keda_audience.map_or(Audience::ApiServer, Audience::Named),
+        audience: Audience::Named(audience),
     })
 }
 
@@ -357,6 +370,7 @@ async fn external_metric(
         resource: metric.clone(),
         namespace: namespace.clone(),
         name: None,
+        subresource: None,
         verb: "get".into(),
     };
     if let Err(refused) = secure.front_proxy_caller(peer, &headers, attributes).await {
@@ -426,16 +440,10 @@ async fn keda_figures(
     headers: HeaderMap,
     UrlPath((namespace, name)): UrlPath<(String, String)>,
 ) -> Response {
-    let attributes = Attributes::Resource {
-        group: cosmosq_crds::GROUP.into(),
-        version: cosmosq_crds::VERSION.into(),
-        resource: "queueconsumergroups".into(),
-        namespace: namespace.clone(),
-        name: Some(name.clone()),
-        verb: "get".into(),
-    };
+    let attributes =
+        Attributes::cosmosq_object("queueconsumergroups", None, &namespace, &name, "get");
     if let Err(refused) = secure
-        .bearer_caller(&headers, &secure.keda_audience, attributes)
+        .bearer_caller(&headers, &secure.audience, attributes)
         .await
     {
         return refused;
@@ -454,6 +462,98 @@ async fn keda_figures(
         Some(f) if f.backlog.is_none() => (StatusCode::SERVICE_UNAVAILABLE, Json(json!(f))).into_response(),
         Some(f) => Json(json!(f)).into_response(),
     }
+}
+
+/// A producer's word that it wrote to a CosmosQueue: the queue's groups at zero are looked
+/// at now, not at the next round ([`crate::wake`]). The caller needs `create` on
+/// `cosmosqueues/wake` of that queue (a subresource no API server serves, granted by RBAC like
+/// any other) and a token minted for the operator's audience. Answered 202 once handed to the
+/// scaling loop, whether or not the queue has groups at zero: the estimate decides, not the
+/// caller.
+async fn wake_queue(
+    State(secure): State<Secure>,
+    headers: HeaderMap,
+    UrlPath((namespace, name)): UrlPath<(String, String)>,
+) -> Response {
+    // Names checked before anything is asked of the API server.
+    if !is_object_name(&namespace) || !is_object_name(&name) {
+        return status_error(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            format!("{namespace:?}/{name:?} is not a namespace and a CosmosQueue's name"),
+        );
+    }
+    let attributes =
+        Attributes::cosmosq_object("cosmosqueues", Some("wake"), &namespace, &name, "create");
+    if let Err(refused) = secure
+        .bearer_caller(&headers, &secure.audience, attributes)
+        .await
+    {
+        return refused;
+    }
+    let shared = &secure.shared;
+    if !shared.leader.load(Ordering::Relaxed) {
+        return status_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "this replica is a standby; the leader takes wakes".into(),
+        );
+    }
+    // The route exists only with a sender (`secure_router`).
+    let Some(wakes) = &shared.wakes else {
+        return status_error(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            "wakes are off (--wake-endpoint=false)".into(),
+        );
+    };
+    match wakes.try_send(ObjectRef::new(&name).within(&namespace)) {
+        Ok(()) => {
+            debug!(%namespace, queue = %name, "wake accepted");
+            let code = StatusCode::ACCEPTED;
+            let message =
+                format!("CosmosQueue {namespace}/{name}: its groups at zero are looked at now");
+            (
+                code,
+                Json(
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Success",
+                            "code": code.as_u16(), "message": message}),
+                ),
+            )
+                .into_response()
+        }
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            let mut response = status_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "TooManyRequests",
+                format!(
+                    "{WAKE_BACKLOG} wakes are waiting; the next round looks at every group anyway"
+                ),
+            );
+            response
+                .headers_mut()
+                .insert(http::header::RETRY_AFTER, 1.into());
+            response
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => status_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "the scaling loop has stopped".into(),
+        ),
+    }
+}
+
+/// Whether `name` can name a namespace or a CosmosQueue (pure): a DNS-1123 subdomain.
+fn is_object_name(name: &str) -> bool {
+    (1..=253).contains(&name.len())
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        })
 }
 
 /// Binds a listener; done before anything else starts, so a taken port stops the operator
@@ -580,6 +680,11 @@ mod tests {
     }
 
     async fn serve(f: GroupFigures, keda: bool) -> Served {
+        serve_with(f, keda, None).await
+    }
+
+    /// [`serve`], handing wakes to `wakes`.
+    async fn serve_with(f: GroupFigures, keda: bool, wakes: Option<WakeSender>) -> Served {
         crate::run::install_crypto_provider();
         let server = FakeApiServer::new();
         let proxy_ca = TestCa::new("front-proxy-ca");
@@ -655,7 +760,8 @@ mod tests {
             .await
             .unwrap(),
         );
-        let shared = Shared::new(Arc::new(OperatorMetrics::new()), Figures::default());
+        let mut shared = Shared::new(Arc::new(OperatorMetrics::new()), Figures::default());
+        shared.wakes = wakes;
         shared.leader.store(true, Ordering::Relaxed);
         shared
             .figures
@@ -671,7 +777,8 @@ mod tests {
         let router = secure_router(
             shared.clone(),
             Arc::new(Authorizer::new(server.client())),
-            keda.then(|| crate::auth::DEFAULT_TOKEN_AUDIENCE.to_owned()),
+            crate::auth::DEFAULT_TOKEN_AUDIENCE.to_owned(),
+            keda,
         );
         tokio::spawn(serve_tls(listener, router, tls.clone(), shutdown.clone()));
         Served {
@@ -734,6 +841,21 @@ mod tests {
                 Some(token) => request.bearer_auth(token),
                 None => request,
             }
+        }
+
+        /// A producer's wake of `path`, with `token`.
+        async fn wake(&self, token: Option<&str>, path: &str) -> (StatusCode, Value, HeaderMap) {
+            let request = client(&self.serving_ca, None).post(format!("{}{path}", self.url));
+            let request = match token {
+                Some(token) => request.bearer_auth(token),
+                None => request,
+            };
+            let response = request.send().await.unwrap();
+            let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
+            let headers = response.headers().clone();
+            let bytes = response.bytes().await.unwrap_or_default();
+            let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            (status, body, headers)
         }
 
         /// TokenReviews the operator asked so far.
@@ -1099,5 +1221,107 @@ mod tests {
         assert!(parse_selector("").unwrap().is_empty());
         assert!(parse_selector("group!=billing").is_err());
         assert!(parse_selector("group in (a,b)").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_token_that_may_create_the_wake_subresource_wakes_that_queue_and_no_other() {
+        const PRODUCER: &str = "system:serviceaccount:shop:producer";
+        const EDITOR: &str = "system:serviceaccount:shop:editor";
+        let (wakes, mut woken) = mpsc::channel(1);
+        let served = serve_with(figures(Some(0)), false, Some(wakes)).await;
+        let audience = crate::auth::DEFAULT_TOKEN_AUDIENCE;
+        served
+            .server
+            .issue_token_for("producer", PRODUCER, &[audience]);
+        served.server.issue_token("producer-for-api", PRODUCER);
+        served.server.issue_token_for("editor", EDITOR, &[audience]);
+        served.server.grant(
+            PRODUCER,
+            "create",
+            cosmosq_crds::GROUP,
+            "cosmosqueues/wake",
+            "shop",
+        );
+        // Every verb on the queues themselves, yet not the wake: RBAC grants it by name.
+        for verb in ["get", "create", "update", "patch"] {
+            served
+                .server
+                .grant(EDITOR, verb, cosmosq_crds::GROUP, "cosmosqueues", "shop");
+        }
+        let path = "/v1/namespaces/shop/cosmosqueues/orders/wake";
+
+        let refused = [
+            (None, path, StatusCode::UNAUTHORIZED),
+            // Minted for the API server: a credential handed out for another purpose.
+            (Some("producer-for-api"), path, StatusCode::UNAUTHORIZED),
+            (Some("editor"), path, StatusCode::FORBIDDEN),
+            // Another namespace's queue.
+            (
+                Some("producer"),
+                "/v1/namespaces/other/cosmosqueues/orders/wake",
+                StatusCode::FORBIDDEN,
+            ),
+        ];
+        for (token, path, expected) in refused {
+            let (status, body, _) = served.wake(token, path).await;
+            assert_eq!(status, expected, "{token:?} {path}: {body}");
+        }
+        assert!(
+            woken.try_recv().is_err(),
+            "nothing refused reached the loop"
+        );
+
+        let (status, body, _) = served.wake(Some("producer"), path).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+        assert_eq!(body["status"], "Success");
+        let orders = ObjectRef::<cosmosq_crds::CosmosQueue>::new("orders").within("shop");
+        assert_eq!(woken.try_recv().unwrap(), orders);
+        // The producers' client (`cosmosq wake`, the bench) speaks the same contract, and
+        // says why when refused.
+        let token = served.dir.join("producer-token");
+        std::fs::write(&token, "producer\n").unwrap();
+        let url = served.url.clone();
+        let waker = cosmosq_program::wake::Waker::new(
+            &url,
+            Some(served.serving_ca.pem.as_bytes()),
+            token.clone(),
+        )
+        .unwrap();
+        waker.wake("shop/orders").await.unwrap();
+        assert_eq!(woken.try_recv().unwrap(), orders);
+        let err = waker.wake("other/orders").await.unwrap_err().to_string();
+        assert!(
+            err.contains("403") && err.contains("create cosmosqueues.cosmosq.io/wake"),
+            "{err}"
+        );
+        // The loop is behind (a backlog of one here): the producer is told to come back.
+        served.wake(Some("producer"), path).await;
+        let (status, _, headers) = served.wake(Some("producer"), path).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(headers[http::header::RETRY_AFTER], "1");
+        // A path that cannot name a queue is refused before anything is asked of the API
+        // server.
+        let reviews = served.token_reviews();
+        let (status, _, _) = served
+            .wake(
+                Some("producer"),
+                "/v1/namespaces/shop/cosmosqueues/Not_A_Name/wake",
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(served.token_reviews(), reviews);
+        // A standby has no scaling loop to hand it to.
+        served.shared.leader.store(false, Ordering::Relaxed);
+        let (status, _, _) = served.wake(Some("producer"), path).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    #[tokio::test]
+    async fn no_wake_is_served_when_it_is_turned_off() {
+        let served = serve(figures(Some(0)), false).await;
+        let (status, _, _) = served
+            .wake(None, "/v1/namespaces/shop/cosmosqueues/orders/wake")
+            .await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
     }
 }

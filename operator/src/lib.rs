@@ -43,3 +43,4 @@ pub mod status;
 #[cfg(test)]
 mod testing;
 pub mod tls;
+pub mod wake;

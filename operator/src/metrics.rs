@@ -8,8 +8,8 @@ use cosmosq_queue::metric_names;
 use prometheus::core::{Collector, Desc, Describer};
 use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 
 const GROUP_LABELS: &[&str] = &["namespace", "queue", "group"];
@@ -37,6 +37,9 @@ pub struct OperatorMetrics {
     pub scaling_round: Histogram,
     /// 1 while this replica leads.
     pub leader: IntGauge,
+    /// Wakes run: a producer's word that a queue has new messages, its groups at zero looked
+    /// at before the next round (folded: at most one a second per queue).
+    pub wakes: IntCounter,
 }
 
 impl OperatorMetrics {
@@ -101,6 +104,11 @@ impl OperatorMetrics {
             "1 while this replica holds the leader lease",
         )
         .expect("valid metric");
+        let wakes = IntCounter::new(
+            "cosmosq_operator_wakes_total",
+            "Wakes run: a queue's groups at zero looked at before the next round because a producer said it wrote to the queue",
+        )
+        .expect("valid metric");
         let mut metrics = Self {
             collectors: Vec::new(),
             names: Vec::new(),
@@ -112,6 +120,7 @@ impl OperatorMetrics {
             scale_events,
             scaling_round,
             leader,
+            wakes,
         };
         for collector in metrics.every() {
             metrics
@@ -136,6 +145,7 @@ impl OperatorMetrics {
             Box::new(self.scale_events.clone()),
             Box::new(self.scaling_round.clone()),
             Box::new(self.leader.clone()),
+            Box::new(self.wakes.clone()),
         ];
         every.extend(self.groups.families());
         #[cfg(target_os = "linux")]

@@ -155,7 +155,11 @@ pub async fn run_with_management(
     let ctx = Arc::new(ctx);
 
     // The HTTP surface comes first: the kubelet probes a standby too.
-    let shared = Shared::new(ctx.metrics.clone(), ctx.figures.clone());
+    let mut shared = Shared::new(ctx.metrics.clone(), ctx.figures.clone());
+    let (wakes_tx, wakes_rx) = mpsc::channel(crate::wake::WAKE_BACKLOG);
+    if config.wake_endpoint {
+        shared.wakes = Some(wakes_tx);
+    }
     let listener = http::bind(config.listen).await?;
     let source = match (
         &config.tls_cert_file,
@@ -231,7 +235,8 @@ pub async fn run_with_management(
             let router = http::secure_router(
                 shared.clone(),
                 authorizer,
-                config.keda_endpoint.then(|| config.token_audience.clone()),
+                config.token_audience.clone(),
+                config.keda_endpoint,
             );
             let reload = tls.clone().run(shutdown.clone());
             servers.spawn(async move {
@@ -307,7 +312,11 @@ pub async fn run_with_management(
                 &config,
                 ctx.clone(),
                 shared.clone(),
-                (changed_rx, reconcile_rx),
+                Inbox {
+                    changed: changed_rx,
+                    reconcile: reconcile_rx,
+                    wakes: wakes_rx,
+                },
                 work.clone(),
             ),
             keeping
@@ -534,16 +543,27 @@ where
     (store, changes)
 }
 
-/// The two controllers and the scaling loop, until `work` is cancelled.
+/// What the controllers and the scaling loop are told from elsewhere.
+struct Inbox {
+    /// Groups whose spec changed: a round at once.
+    changed: mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
+    /// Groups to reconcile again (a Secret they read changed).
+    reconcile: mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
+    /// Queues a producer wrote to ([`crate::wake`]).
+    wakes: mpsc::Receiver<ObjectRef<CosmosQueue>>,
+}
+
+/// The two controllers, the scaling loop and its wakes, until `work` is cancelled.
 async fn run_controllers(
     client: &Client,
     config: &Config,
     ctx: Arc<Context>,
     shared: Shared,
-    (changed, reconcile): (
-        mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
-        mpsc::UnboundedReceiver<ObjectRef<QueueConsumerGroup>>,
-    ),
+    Inbox {
+        changed,
+        reconcile,
+        wakes,
+    }: Inbox,
     work: CancellationToken,
 ) {
     let ns = config.watch_namespace.as_deref();
@@ -640,7 +660,10 @@ async fn run_controllers(
             "caches synced; scaling every {}",
             humantime::format_duration(interval)
         );
-        scaler.run(interval, changed, work.clone()).await;
+        tokio::join!(
+            scaler.clone().run(interval, changed, work.clone()),
+            crate::wake::run(scaler.clone(), wakes, work.clone()),
+        );
     };
     tokio::join!(
         async {

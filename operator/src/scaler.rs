@@ -35,7 +35,7 @@ use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, ResourceExt};
 use serde_json::json;
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::{mpsc, Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
@@ -91,6 +91,34 @@ struct GroupState {
     idle: Option<Idle>,
     /// Whether the last estimate found work (then the next one is made without a probe).
     busy: bool,
+    /// The latest `now` (ms) a round of this group ran with.
+    latest: i64,
+    /// The replicas its last round decided (or found, when someone else decides).
+    desired: Option<u32>,
+}
+
+/// Who runs a group's round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Turn {
+    /// The scaling loop: every interval, or a spec change.
+    Round,
+    /// A producer's wake: only for a group at zero.
+    Wake,
+}
+
+/// How far back a round's clock may read behind one that ran before it and still be taken as
+/// the two interleaving (a wake beside a round); past it, the wall clock was stepped back
+/// and is believed.
+const INTERLEAVE: i64 = 60_000;
+
+/// A group's clock for a round at `now` after one at `latest` (pure): not back for a round
+/// and a wake interleaving, back for a wall clock stepped back.
+fn monotone(latest: i64, now: i64) -> i64 {
+    if now < latest && latest - now <= INTERLEAVE {
+        latest
+    } else {
+        now
+    }
 }
 
 /// An estimate that found no work, the feed head probed before it (`None`: not probed), and
@@ -465,8 +493,9 @@ pub struct Scaler {
     state: Mutex<HashMap<ObjectRef<QueueConsumerGroup>, Arc<Mutex<GroupState>>>>,
     queue_written:
         Mutex<HashMap<ObjectRef<CosmosQueue>, (CosmosQueueStatus, tokio::time::Instant)>>,
-    /// Each queue's feed head as this round probed it (the round's start, ms).
-    heads: std::sync::Mutex<(i64, HashMap<ObjectRef<CosmosQueue>, HeadCell>)>,
+    /// Each queue's feed head as the newest round that asked probed it (that round's `now`,
+    /// ms): a round, or a wake ([`Self::wake`]) running beside it.
+    heads: std::sync::Mutex<HashMap<ObjectRef<CosmosQueue>, (i64, HeadCell)>>,
     /// The Secrets the workers read, as last read, for rotations ([`crate::rotation`]).
     secrets: Mutex<crate::rotation::SecretWatch>,
     /// A group's round as the last round measured it (mean, in microseconds): the next
@@ -520,6 +549,50 @@ impl Scaler {
     /// One round over every group at the default interval (tests).
     pub async fn round(&self) {
         self.round_within(Duration::from_secs(15)).await;
+    }
+
+    /// A producer said `queue` has new messages ([`crate::wake`]): its groups at zero go
+    /// through a round now, beside the scheduled ones: a fresh probe of the feed head, an
+    /// estimate if it moved, a scale from zero if there is work. Groups running are left to
+    /// the rounds (their workers read the feed). At most `width`'s permits of groups are looked
+    /// at at once, across all wakes. Returns how many groups it looked at.
+    #[instrument(skip(self, width), fields(queue = %queue))]
+    pub async fn wake(&self, queue: &ObjectRef<CosmosQueue>, width: &Semaphore) -> usize {
+        if self.queues.get(queue).is_none() {
+            return 0;
+        }
+        let namespace = queue.namespace.as_deref().unwrap_or_default();
+        let groups: Vec<_> = self
+            .groups
+            .state()
+            .into_iter()
+            .filter(|g| {
+                g.namespace().as_deref() == Some(namespace) && g.spec.queue_ref.name == queue.name
+            })
+            .collect();
+        if groups.is_empty() {
+            return 0;
+        }
+        // The producer wrote after any probe made so far: the groups probe again.
+        self.heads.lock().expect("heads").remove(queue);
+        let now = now_ms();
+        let looked = &std::sync::atomic::AtomicUsize::new(0);
+        futures::stream::iter(groups)
+            .for_each_concurrent(None, |qcg| async move {
+                let Ok(_permit) = width.acquire().await else {
+                    return;
+                };
+                match self.scale_group_as(&qcg, now, Turn::Wake).await {
+                    Ok(Round::Skipped(_)) => {}
+                    Ok(_) => {
+                        looked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Err(e) => warn!(group = %qcg.name_any(), namespace = ?qcg.namespace(), error = %e, "woken round failed"),
+                }
+            })
+            .await;
+        self.ctx.metrics.wakes.inc();
+        looked.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// One round over every group, as wide as fitting it in `interval` takes, then the
@@ -606,16 +679,23 @@ impl Scaler {
         }
     }
 
-    /// The queue's feed head as this round (`round`: its start, ms) probed it: once per queue
-    /// per round, whichever of its groups asks first (Cosmos). `None` when it cannot be read:
-    /// the groups are then estimated.
+    /// The queue's feed head as this round (`round`: its clock, ms) or a later one probed it:
+    /// once per queue per round, whichever of its groups asks first (Cosmos). A later probe
+    /// serves an earlier round still under way (a wake beside it): it is at least as fresh.
+    /// One more than [`INTERLEAVE`] later is a wall clock stepped back, not a later round.
+    /// `None` when it cannot be read: the groups are then estimated.
     async fn head(&self, cq: &CosmosQueue, round: i64) -> Option<FeedHead> {
         let cell = {
             let mut heads = self.heads.lock().expect("heads");
-            if heads.0 != round {
-                *heads = (round, HashMap::new());
+            let (probed, cell) = heads
+                .entry(ObjectRef::from_obj(cq))
+                .or_insert_with(|| (round, HeadCell::default()));
+            // Not a newer round's probe (one interleaving with this round): this round's own.
+            if !(round..=round + INTERLEAVE).contains(probed) {
+                *probed = round;
+                *cell = HeadCell::default();
             }
-            heads.1.entry(ObjectRef::from_obj(cq)).or_default().clone()
+            cell.clone()
         };
         cell.get_or_init(|| async {
             match self.ctx.cosmos.queue(cq).await {
@@ -659,11 +739,21 @@ impl Scaler {
     /// One group's round: read → validate → estimate → decide → build → apply. It composes
     /// the steps; each step talks to one system at most. `now` (ms) also names the round:
     /// groups scaled with the same `now` share one probe of their queue's feed head.
-    #[instrument(skip_all, fields(namespace = ?qcg.namespace(), group = %qcg.name_any()))]
     pub async fn scale_group(
         &self,
         qcg: &QueueConsumerGroup,
         now: i64,
+    ) -> Result<Round, ScalerError> {
+        self.scale_group_as(qcg, now, Turn::Round).await
+    }
+
+    /// [`Self::scale_group`], as a round or a wake (which skips a group that runs).
+    #[instrument(skip_all, fields(namespace = ?qcg.namespace(), group = %qcg.name_any(), ?turn))]
+    async fn scale_group_as(
+        &self,
+        qcg: &QueueConsumerGroup,
+        now: i64,
+        turn: Turn,
     ) -> Result<Round, ScalerError> {
         let namespace = qcg.namespace().unwrap_or_default();
         let queue_ref = ObjectRef::new(&qcg.spec.queue_ref.name).within(&namespace);
@@ -673,12 +763,21 @@ impl Scaler {
         let key = ObjectRef::from_obj(qcg);
         let state = self.state.lock().await.entry(key).or_default().clone();
         let mut state = state.lock().await;
+        // A wake and a round may take turns on a group in either order: its clock does not go
+        // back for that (the autoscaler's windows and idle time read it).
+        let now = monotone(state.latest, now);
+        state.latest = now;
         let Some(settings) = state.settings(qcg) else {
             return Ok(Round::Skipped("invalid spec"));
         };
         let Some(workers) = self.workers(qcg) else {
             return Ok(Round::Skipped("no Deployment of its own yet"));
         };
+        // Read under the group's lock: a round that just decided zero counts, though the
+        // Deployment's cache may not say so yet.
+        if turn == Turn::Wake && workers.current > 0 && state.desired != Some(0) {
+            return Ok(Round::Skipped("running: left to the rounds"));
+        }
 
         // An idle group is estimated again only when its queue's feed moved (one probe per
         // queue per round, shared by its groups); a busy one at once.
@@ -739,6 +838,7 @@ impl Scaler {
         }
         // Left to the HPA or held: what the Deployment runs is the desired count.
         let desired = target.as_ref().map_or(workers.current, |(r, _)| *r);
+        state.desired = Some(desired);
         self.report_control(qcg, &control, pause_error.as_ref(), &mut state)
             .await;
 
@@ -965,6 +1065,11 @@ impl Scaler {
             .collect();
         let mut state = self.state.lock().await;
         state.retain(|key, _| live.contains(key));
+        drop(state);
+        self.heads
+            .lock()
+            .expect("heads")
+            .retain(|queue, _| self.queues.get(queue).is_some());
         let mut figures = self.ctx.figures.write().await;
         figures.retain(|(namespace, name), f| {
             let keep = live.contains(&ObjectRef::new(name).within(namespace));
@@ -1631,6 +1736,21 @@ mod tests {
         );
     }
 
+    /// What a group at zero writes when a later round (or a wake) finds a message: the status
+    /// of its first round, then the scale to 1, its Event and the new status (returned).
+    fn woken_from_zero(
+        mut server: ApiServerVerifier,
+        group: Value,
+    ) -> tokio::task::JoinHandle<(ApiServerVerifier, Value)> {
+        tokio::spawn(async move {
+            server.scaler_status(GROUP_STATUS, group.clone()).await;
+            assert_eq!(server.scale().await, json!({"spec": {"replicas": 1}}));
+            server.event().await;
+            let status = server.scaler_status(GROUP_STATUS, group).await;
+            (server, status)
+        })
+    }
+
     /// One round of the (only) group a scaler has.
     async fn one_round(scaler: &Scaler) -> Round {
         scaler
@@ -1811,16 +1931,10 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_group_is_estimated_again_only_when_its_queue_moved() {
-        let (scaler, mut server, group, cached) = setup(json!({}), 0, "orders").await;
+        let (scaler, server, group, cached) = setup(json!({}), 0, "orders").await;
         cached.at(0);
-        let verifier = tokio::spawn(async move {
-            server.scaler_status(GROUP_STATUS, group.clone()).await;
-            // Round 2 changes nothing and writes nothing; round 3 finds the message.
-            assert_eq!(server.scale().await, json!({"spec": {"replicas": 1}}));
-            server.event().await;
-            let status = server.scaler_status(GROUP_STATUS, group).await;
-            (server, status)
-        });
+        // Round 2 changes nothing and writes nothing; round 3 finds the message.
+        let verifier = woken_from_zero(server, group);
         let cq = scaler.queues.state()[0].clone();
         let queue = scaler.ctx.cosmos.queue(&cq).await.unwrap();
         let calls = |since: &cosmosq_queue::ChargeSnapshot, operation: &str| {
@@ -1952,5 +2066,107 @@ mod tests {
             4,
             "one lease per partition"
         );
+    }
+
+    #[tokio::test]
+    async fn a_wake_looks_at_the_queues_groups_at_zero_at_once() {
+        let (scaler, server, group, cached) = setup(json!({}), 0, "orders").await;
+        cached.at(0);
+        // The wake, in the same millisecond as the round or not, finds the message.
+        let verifier = woken_from_zero(server, group);
+        // A round whose clock reads no earlier than the wake's (the same millisecond, or a
+        // later one here): its probe of the head is older than the message all the same.
+        let now = now_ms() + 5_000;
+        let round = scaler.scale_group(&scaler.groups.state()[0], now).await;
+        assert!(
+            matches!(round, Ok(Round::Decided { scaled: false, .. })),
+            "nothing to do yet: {round:?}"
+        );
+        let cq = scaler.queues.state()[0].clone();
+        let queue = scaler.ctx.cosmos.queue(&cq).await.unwrap();
+        queue
+            .enqueue(NewMessage::json(json!({"woken": true})))
+            .await
+            .unwrap();
+
+        // Another queue's wake, or one in another namespace, looks at none of these groups.
+        let width = Semaphore::new(crate::wake::WAKE_WIDTH);
+        let other = ObjectRef::<CosmosQueue>::new("other").within("shop");
+        assert_eq!(scaler.wake(&other, &width).await, 0);
+        let elsewhere = ObjectRef::<CosmosQueue>::new("orders").within("elsewhere");
+        assert_eq!(scaler.wake(&elsewhere, &width).await, 0);
+        // Its own: the feed moved since the round's probe, so the group is estimated and
+        // scaled from zero now, not at the next round.
+        let orders = ObjectRef::<CosmosQueue>::new("orders").within("shop");
+        assert_eq!(scaler.wake(&orders, &width).await, 1);
+        let (server, status) = timeout(verifier).await;
+        assert_eq!(status["backlog"], 1);
+        // Running, the group is the rounds' again: a wake looks at nothing.
+        cached.at(1);
+        assert_eq!(scaler.wake(&orders, &width).await, 0);
+        assert_eq!(
+            scaler.ctx.metrics.wakes.get(),
+            2,
+            "wakes of queues that exist"
+        );
+        drop(scaler);
+        server.done().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wakes_handed_to_the_loop_scale_the_group_from_zero_once() {
+        let (scaler, server, group, cached) = setup(json!({}), 0, "orders").await;
+        cached.at(0);
+        let verifier = woken_from_zero(server, group);
+        one_round(&scaler).await;
+        let cq = scaler.queues.state()[0].clone();
+        let queue = scaler.ctx.cosmos.queue(&cq).await.unwrap();
+        queue
+            .enqueue(NewMessage::json(json!({"woken": true})))
+            .await
+            .unwrap();
+        let scaler = Arc::new(scaler);
+        let (wakes, inbox) = mpsc::channel(crate::wake::WAKE_BACKLOG);
+        let stop = CancellationToken::new();
+        let running = tokio::spawn(crate::wake::run(scaler.clone(), inbox, stop.clone()));
+        // Told three times at once: one wake, and one more folded behind it.
+        for _ in 0..3 {
+            wakes
+                .send(ObjectRef::new("orders").within("shop"))
+                .await
+                .unwrap();
+        }
+        let (server, _) = timeout(verifier).await;
+        // The folded one comes a spacing later, finds the group running and leaves it.
+        cached.at(1);
+        tokio::time::sleep(crate::wake::WAKE_SPACING * 3).await;
+        stop.cancel();
+        running.await.unwrap();
+        assert_eq!(scaler.ctx.metrics.wakes.get(), 2);
+        drop(scaler);
+        server.done().await;
+    }
+
+    #[test]
+    fn a_groups_clock_holds_for_an_interleaved_round_and_follows_a_clock_stepped_back() {
+        assert_eq!(monotone(10_000, 12_000), 12_000, "forward");
+        assert_eq!(
+            monotone(10_000, 9_000),
+            10_000,
+            "a wake's clock before a round's"
+        );
+        assert_eq!(
+            monotone(100_000, 10_000),
+            10_000,
+            "the wall clock stepped back"
+        );
+    }
+
+    /// A verifier's end, or a failure if what it waits for never comes.
+    async fn timeout<T>(verifier: tokio::task::JoinHandle<T>) -> T {
+        tokio::time::timeout(Duration::from_secs(60), verifier)
+            .await
+            .expect("the API calls the test waits for")
+            .unwrap()
     }
 }

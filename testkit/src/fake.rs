@@ -295,7 +295,8 @@ impl FakeApiServer {
         state.paths.insert((user.into(), verb.into(), path.into()));
     }
 
-    /// Lets SubjectAccessReviews allow `user` to `verb` `resource` of `group` in `namespace`.
+    /// Lets SubjectAccessReviews allow `user` to `verb` `resource` of `group` in `namespace`
+    /// (`resource/subresource` for a subresource).
     pub fn grant(&self, user: &str, verb: &str, group: &str, resource: &str, namespace: &str) {
         let mut state = self.state.lock().expect("state");
         state.grants.insert((
@@ -352,11 +353,17 @@ impl FakeApiServer {
                     review["status"] = json!({"allowed": state.paths.contains(&key)});
                     return Some(full(StatusCode::CREATED, &review));
                 }
+                // As RBAC: a subresource is granted as `resource/subresource`, never by the
+                // resource alone.
+                let resource = match field(&attrs["subresource"]) {
+                    sub if sub.is_empty() => field(&attrs["resource"]),
+                    sub => format!("{}/{sub}", field(&attrs["resource"])),
+                };
                 let key = (
                     field(&spec["user"]),
                     field(&attrs["verb"]),
                     field(&attrs["group"]),
-                    field(&attrs["resource"]),
+                    resource,
                     field(&attrs["namespace"]),
                 );
                 json!({"allowed": state.grants.contains(&key)})
