@@ -159,7 +159,15 @@ async fn on_a_real_cluster(aggregator: Option<String>) {
     );
     let cluster_roles: Api<ClusterRole> = Api::all(client.clone());
     let bindings: Api<ClusterRoleBinding> = Api::all(client.clone());
-    for role in ["worker", "queues", "metrics-reader", "ca-bundle"] {
+    for role in [
+        "worker",
+        "queues",
+        "metrics-reader",
+        "ca-bundle",
+        "edit",
+        "view",
+        "queue-waker",
+    ] {
         cluster_roles
             .delete(&format!("{release}-{role}"), &DeleteParams::default())
             .await
@@ -214,6 +222,9 @@ async fn apply_chart_rbac(client: &Client, release: &str, namespace: &str) -> St
             "templates/rbac.yaml",
             "--show-only",
             "templates/workers.yaml",
+            // The roles for the cluster's users, with the producers' queue-waker.
+            "--show-only",
+            "templates/user-roles.yaml",
         ],
     );
     let apply = PatchParams::apply(MANAGER).force();
@@ -436,9 +447,15 @@ impl SecureListener {
             .iter()
             .filter_map(|a| a.as_str())
             .filter(|a| {
-                ["--serving-cert-", "--api-service=", "--keda-endpoint="]
-                    .iter()
-                    .any(|p| a.starts_with(p))
+                [
+                    "--serving-cert-",
+                    "--api-service=",
+                    "--keda-endpoint=",
+                    "--wake-endpoint=",
+                    "--token-audience=",
+                ]
+                .iter()
+                .any(|p| a.starts_with(p))
             })
             .map(str::to_owned)
             .collect();
@@ -717,6 +734,24 @@ async fn own_worker_role(client: &Client, namespace: &str) -> String {
         .name
 }
 
+/// Asks until the operator answers `wanted` (the body), refused (403) meanwhile: a decision is
+/// cached for 10 s, and a new binding may reach the authorizer after a first ask.
+async fn once_allowed(request: impl Fn() -> reqwest::RequestBuilder, wanted: u16) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = get(request()).await;
+        if status == wanted {
+            return body;
+        }
+        assert_eq!(status, 403, "{body}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still refused: {body}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 async fn get(request: reqwest::RequestBuilder) -> (u16, Value) {
     let response = request.send().await.expect("the operator answers");
     let status = response.status().as_u16();
@@ -802,22 +837,9 @@ async fn the_figures_are_served_only_to_authorized_callers(
     let keda = listener.url(&format!(
         "/keda/namespaces/{namespace}/queueconsumergroups/billing"
     ));
-    // A decision is cached for 10 s; the binding may reach the authorizer after a first ask.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let (status, body) = get(https.get(&keda).bearer_auth(&reader)).await;
-        if status == 200 {
-            assert_eq!(body["backlog"], 100, "{body}");
-            assert_eq!(body["desiredReplicas"], 3, "{body}");
-            break;
-        }
-        assert_eq!(status, 403, "{body}");
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "still refused: {body}"
-        );
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+    let body = once_allowed(|| https.get(&keda).bearer_auth(&reader), 200).await;
+    assert_eq!(body["backlog"], 100, "{body}");
+    assert_eq!(body["desiredReplicas"], 3, "{body}");
     let (status, body) = get(https.get(&keda).bearer_auth(&stranger)).await;
     assert_eq!(status, 403, "{body}");
     assert!(
@@ -841,6 +863,37 @@ async fn the_figures_are_served_only_to_authorized_callers(
             .is_some_and(|m| m.contains(AUDIENCE)),
         "{body}"
     );
+
+    // A producer's wake: the chart's queue-waker ClusterRole, bound in the namespace, grants
+    // the operator's own subresource `cosmosqueues/wake`; the API server's RBAC judges it by
+    // that name, so a reader of the groups is refused, and so is a wake of another namespace.
+    let binding = serde_json::from_value(json!({
+        "metadata": {"name": "producer-wakes"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": format!("{}-queue-waker", listener.release)},
+        "subjects": [{"kind": "ServiceAccount", "name": "producer", "namespace": namespace}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("bind the queue-waker ClusterRole");
+    let producer = token_of(client, namespace, "producer", &[AUDIENCE]).await;
+    let wake = listener.url(&format!(
+        "/v1/namespaces/{namespace}/cosmosqueues/orders/wake"
+    ));
+    once_allowed(|| https.post(&wake).bearer_auth(&producer), 202).await;
+    let (status, body) = get(https.post(&wake).bearer_auth(&reader)).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("create cosmosqueues.cosmosq.io/wake")),
+        "{body}"
+    );
+    let elsewhere = listener.url("/v1/namespaces/default/cosmosqueues/orders/wake");
+    let (status, body) = get(https.post(&elsewhere).bearer_auth(&producer)).await;
+    assert_eq!(status, 403, "{body}");
 
     // /metrics: Prometheus' own token (the API server's audience), bound to the chart's
     // metrics-reader ClusterRole; nobody else.
