@@ -25,6 +25,9 @@ pub enum Command {
     Provision(QueueArgs),
     /// Enqueue messages: JSON lines from a file or stdin, or one --body.
     Enqueue(crate::enqueue::EnqueueArgs),
+    /// Tell the operator a queue was written to: its groups at zero start now, not at the next
+    /// scaling round.
+    Wake(crate::enqueue::WakeArgs),
     /// Inspect and act on a group's dead letters.
     Dlq(crate::dlq::DlqArgs),
     /// Per group: backlog, lag, oldest message, dead letters; per range: owner, lag, backlog.
@@ -117,6 +120,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Enqueue(args) => crate::enqueue::run(args).await,
+        Command::Wake(args) => crate::enqueue::wake(args).await,
         Command::Dlq(args) => crate::dlq::run(args).await,
         Command::Stats(args) => crate::inspect::run_stats(args).await,
         Command::Leases(args) => crate::inspect::run_leases(args).await,

@@ -1,9 +1,10 @@
-//! `cosmosq enqueue`: bulk input with a progress bar.
+//! `cosmosq enqueue`: bulk input with a progress bar; `cosmosq wake`: the operator told.
 
 use std::io::BufRead;
 use std::path::PathBuf;
 
 use clap::Args;
+use cosmosq_program::wake::{OperatorArgs, Waker};
 use cosmosq_queue::message::MessageInput;
 use cosmosq_queue::{MessageKey, NewMessage, TraceContext};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -34,6 +35,33 @@ pub struct EnqueueArgs {
     /// W3C `tracestate` beside --traceparent.
     #[arg(long, env = "TRACESTATE", requires = "traceparent")]
     pub tracestate: Option<String>,
+    /// Once enqueued, tell the operator this CosmosQueue (`<namespace>/<name>`) was written
+    /// to, so its groups at zero start now (needs --operator-url).
+    #[arg(long, value_name = "NAMESPACE/NAME", requires = "operator_url")]
+    pub wake: Option<String>,
+    #[command(flatten)]
+    pub operator: OperatorArgs,
+}
+
+/// `cosmosq wake`.
+#[derive(Args, Debug)]
+pub struct WakeArgs {
+    /// The CosmosQueue written to, as `<namespace>/<name>`.
+    #[arg(value_name = "NAMESPACE/NAME")]
+    pub queue: String,
+    #[command(flatten)]
+    pub operator: OperatorArgs,
+}
+
+/// Tells the operator; an operator that cannot be told is an error here (it is all this
+/// command does).
+pub async fn wake(args: WakeArgs) -> anyhow::Result<()> {
+    cosmosq_program::wake::split_queue(&args.queue)?;
+    let waker = Waker::from_args(&args.operator)?
+        .ok_or_else(|| anyhow::anyhow!("--operator-url (COSMOSQ_OPERATOR_URL) is required"))?;
+    waker.wake(&args.queue).await?;
+    println!("told the operator: {} was written to", args.queue);
+    Ok(())
 }
 
 impl EnqueueArgs {
@@ -70,6 +98,10 @@ pub fn parse_line(
 
 pub async fn run(args: EnqueueArgs) -> anyhow::Result<()> {
     let trace = args.trace()?;
+    if let Some(queue) = &args.wake {
+        cosmosq_program::wake::split_queue(queue)?;
+    }
+    let waker = Waker::from_args(&args.operator)?;
     let queue = args.queue.open().await?;
     let messages: Vec<NewMessage> = match &args.body {
         Some(body) => {
@@ -124,6 +156,13 @@ pub async fn run(args: EnqueueArgs) -> anyhow::Result<()> {
     bar.finish_and_clear();
     let ru = queue.charges().snapshot().total_request_units();
     println!("enqueued {enqueued}, duplicates {duplicates}, failed {failed} ({ru:.1} RU)");
+    // The messages are stored either way: a wake that fails only waits for the next round.
+    if let (Some(name), Some(waker)) = (&args.wake, &waker) {
+        match waker.wake(name).await {
+            Ok(()) => println!("told the operator: {name} was written to"),
+            Err(e) => eprintln!("warning: {e} (the next scaling round finds the messages)"),
+        }
+    }
     if failed > 0 {
         anyhow::bail!("{failed} messages were not enqueued");
     }
