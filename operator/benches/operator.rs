@@ -3,7 +3,8 @@
 //! Cosmos DB emulator on localhost (reached with the account key from a Secret) — the same code
 //! paths a cluster uses. Prints convergence time, the latency from a group's spec change to its
 //! Deployment's change, one scaling round's duration, the Kubernetes API requests a minute at
-//! rest, the time from a message to a Deployment scaled from zero, and resident memory.
+//! rest, the time from a message to a Deployment scaled from zero (left to the rounds, and with
+//! the operator told by a producer's wake), and resident memory.
 //!
 //! `cargo bench -p cosmosq-operator --bench operator`; at scale:
 //! `COSMOSQ_BENCH_QUEUES=1000 COSMOSQ_BENCH_GROUPS_PER_QUEUE=5 COSMOSQ_BENCH_SCALE_INTERVAL=15s`.
@@ -123,15 +124,41 @@ async fn main() {
     // Another build of the binary (the image's profile, say) when named.
     let binary = std::env::var("COSMOSQ_BENCH_OPERATOR")
         .unwrap_or_else(|_| env!("CARGO_BIN_EXE_cosmosq-operator").to_owned());
-    let metrics = {
+    let free_port = || {
         let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         free.local_addr().unwrap().to_string()
     };
+    let metrics = free_port();
+    // The TLS listener, for producers' wakes: a certificate for localhost, and a producer
+    // whose token (the operator's audience) may create `cosmosqueues/wake` in the namespace.
+    let secure = free_port();
+    let ca = cosmosq_testkit::pki::TestCa::new("bench-ca");
+    let (cert, key) = ca.server();
+    std::fs::write(dir.join("tls.crt"), cert).unwrap();
+    std::fs::write(dir.join("tls.key"), key).unwrap();
+    std::fs::write(dir.join("producer-token"), "producer-token").unwrap();
+    fake.issue_token_for("producer-token", "producer", &["cosmosq"]);
+    fake.grant(
+        "producer",
+        "create",
+        "cosmosq.io",
+        "cosmosqueues/wake",
+        "bench",
+    );
+    let waker = cosmosq_program::wake::Waker::new(
+        &format!("https://{secure}"),
+        Some(ca.pem.as_bytes()),
+        dir.join("producer-token"),
+    )
+    .expect("a wake client");
     let mut operator = Command::new(&binary)
         .env("KUBECONFIG", &kubeconfig)
         .env("RUST_LOG", "warn")
         .args(["--listen", "127.0.0.1:0"]) // nothing here reads it
         .args(["--insecure-metrics-listen", &metrics])
+        .args(["--secure-listen", &secure])
+        .arg(format!("--tls-cert-file={}", dir.join("tls.crt").display()))
+        .arg(format!("--tls-key-file={}", dir.join("tls.key").display()))
         .args(["--allowed-endpoint", &cosmos.endpoint])
         .args(["--lease-namespace", "bench", "--identity", "operator-0"])
         .args(["--scale-interval", &interval])
@@ -258,7 +285,8 @@ async fn main() {
     // From zero: a message on a queue whose groups are all at zero.
     let mut wakes = Vec::new();
     let client_cosmos = cosmos.emulator.client().await.unwrap();
-    for q in [1 % queues_total, queues_total / 2, queues_total - 1] {
+    let untold = [1 % queues_total, queues_total / 2, queues_total - 1];
+    for q in untold {
         let queue = Queue::open(&client_cosmos, QueueConfig::new("bench", format!("q{q}")))
             .await
             .unwrap();
@@ -276,6 +304,34 @@ async fn main() {
         )
         .await;
         wakes.push(sent.elapsed().as_secs_f64());
+    }
+
+    // From zero, told: the producer enqueues, then tells the operator (`cosmosq enqueue
+    // --wake`, or the HTTP call any producer can make), and the group starts before the round.
+    let mut told = Vec::new();
+    let mut asked = vec![2 % queues_total, queues_total / 2 + 1, queues_total - 2];
+    // Queues still at zero only (a small run has few).
+    asked.retain(|q| !untold.contains(q));
+    asked.dedup();
+    for q in asked {
+        let queue = Queue::open(&client_cosmos, QueueConfig::new("bench", format!("q{q}")))
+            .await
+            .unwrap();
+        let sent = Instant::now();
+        queue
+            .enqueue(NewMessage::json(json!({"told": q})))
+            .await
+            .unwrap();
+        waker.wake(&format!("bench/q{q}")).await.expect("the wake");
+        let name = format!("q{q}-g0-workers");
+        until(
+            "a group told to scale from zero",
+            Duration::from_secs(120),
+            &mut operator,
+            || replicas(&name).is_some_and(|r| r > 0),
+        )
+        .await;
+        told.push(sent.elapsed().as_secs_f64());
     }
 
     // A backlog on one queue: each of its groups scales up.
@@ -368,6 +424,13 @@ async fn main() {
         "from zero        {}   (one message → its group's Deployment at 1 replica)",
         wakes
             .iter()
+            .map(|s| format!("{s:.2} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "from zero, told  {}   (one message, then a wake → its group's Deployment at 1 replica)",
+        told.iter()
             .map(|s| format!("{s:.2} s"))
             .collect::<Vec<_>>()
             .join(", ")
