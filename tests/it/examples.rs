@@ -2,7 +2,9 @@
 //! against KEDA's published CRD schema (its npm models, checked by TypeScript for unknown or
 //! mistyped fields and by their validators for formats), and the wiring against what this
 //! repository serves (the group's scale subresource, the KEDA endpoint's path, field and
-//! authorization, the chart's Service and CA Secret).
+//! authorization, the chart's Service and CA Secret). `examples/producer-wake.yaml` likewise:
+//! the chart's role for producers, the token's audience, the Service and CA, the variables the
+//! producers' client reads.
 
 use std::path::Path;
 use std::process::Command;
@@ -16,9 +18,17 @@ const EXAMPLE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../examples/keda-scaledobject.yaml"
 );
+const PRODUCER_EXAMPLE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../examples/producer-wake.yaml"
+);
 
 fn documents() -> Vec<Value> {
-    let text = std::fs::read_to_string(EXAMPLE).expect("the example");
+    documents_of(EXAMPLE)
+}
+
+fn documents_of(path: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).expect("the example");
     serde_yaml::Deserializer::from_str(&text)
         .map(|d| serde::Deserialize::deserialize(d).expect("YAML"))
         .collect()
@@ -101,7 +111,7 @@ fn the_keda_example_scales_the_group_through_what_the_operator_serves() {
     let meta = &trigger["metadata"];
     assert_eq!(meta["authMode"], "bearer");
     let url = meta["url"].as_str().unwrap();
-    let (host, path) = url
+    let (_, path) = url
         .strip_prefix("https://")
         .and_then(|rest| rest.split_once('/'))
         .expect("an https URL");
@@ -170,11 +180,49 @@ fn the_keda_example_scales_the_group_through_what_the_operator_serves() {
     // The host and the CA Secret the comments name are the chart's (release "cosmosq" in
     // namespace "cosmosq", kedaEndpoint on).
     let chart = rendered_chart();
+    chart_service(&chart, url);
+    let text = std::fs::read_to_string(EXAMPLE).unwrap();
+    let named = ca_secret_read(&chart);
+    assert!(text.contains(&named), "the example says {named:?}");
+}
+
+/// The operator's argument `flag` in the chart's Deployment.
+fn operator_arg<'a>(chart: &'a [Value], flag: &str) -> &'a str {
+    let deployment = chart
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("the operator's Deployment");
+    deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|a| a.as_str()?.strip_prefix(flag))
+        .unwrap_or_else(|| panic!("the chart passes {flag}"))
+}
+
+/// How an example's comment reads the CA the operator issues: from the Secret its Deployment
+/// names, in its own namespace.
+fn ca_secret_read(chart: &[Value]) -> String {
+    let secret = operator_arg(chart, "--serving-cert-secret=");
+    let namespace = chart
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .and_then(|d| d["metadata"]["namespace"].as_str())
+        .expect("the operator's namespace");
+    format!("kubectl -n {namespace} get secret {secret}")
+}
+
+/// The Service an `https://<service>.<namespace>.svc` URL names, in the chart, on port 443.
+fn chart_service<'a>(chart: &'a [Value], url: &str) -> &'a Value {
+    let host = url
+        .strip_prefix("https://")
+        .map(|rest| rest.split('/').next().unwrap_or(rest))
+        .expect("an https URL");
     let (service, service_ns) = host
         .strip_suffix(".svc")
         .and_then(|h| h.split_once('.'))
-        .expect("<service>.<namespace>.svc");
-    let service = find(&chart, "Service", service);
+        .expect("<service>.<namespace>.svc, no port");
+    let service = find(chart, "Service", service);
     assert_eq!(service["metadata"]["namespace"], service_ns);
     assert!(
         service["spec"]["ports"]
@@ -184,23 +232,133 @@ fn the_keda_example_scales_the_group_through_what_the_operator_serves() {
             .any(|p| p["port"] == 443),
         "the URL has no port: 443 {service}"
     );
-    let text = std::fs::read_to_string(EXAMPLE).unwrap();
-    // The operator issues the CA into the Secret its Deployment names, in its own namespace.
-    let deployment = chart
+    service
+}
+
+#[test]
+fn the_producer_example_wakes_through_what_the_chart_and_operator_serve() {
+    let docs = documents_of(PRODUCER_EXAMPLE);
+    let chart = rendered_chart();
+    let deployment = find(&docs, "Deployment", "invoice-producer");
+    let namespace = deployment["metadata"]["namespace"].as_str().unwrap();
+    let pod = &deployment["spec"]["template"]["spec"];
+    let account = pod["serviceAccountName"].as_str().unwrap();
+    find(&docs, "ServiceAccount", account);
+
+    // Its account is bound to the chart's role for producers, which grants the wake.
+    let binding = docs
         .iter()
-        .find(|d| d["kind"] == "Deployment")
-        .expect("the operator's Deployment");
-    let secret = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find_map(|a| a.as_str()?.strip_prefix("--serving-cert-secret="))
-        .expect("the Secret the operator keeps its CA in");
-    let named = format!(
-        "kubectl -n {} get secret {secret}",
-        deployment["metadata"]["namespace"].as_str().unwrap(),
+        .find(|d| {
+            d["kind"] == "RoleBinding"
+                && d["subjects"].as_array().into_iter().flatten().any(|s| {
+                    s["kind"] == "ServiceAccount"
+                        && s["name"] == account
+                        && s["namespace"] == namespace
+                })
+        })
+        .expect("a RoleBinding of the producer's account");
+    assert_eq!(binding["metadata"]["namespace"], namespace);
+    assert_eq!(binding["roleRef"]["kind"], "ClusterRole");
+    let role = find(
+        &chart,
+        "ClusterRole",
+        binding["roleRef"]["name"].as_str().unwrap(),
     );
+    assert!(
+        allows(
+            role,
+            "cosmosq.io",
+            "cosmosqueues/wake",
+            "create",
+            "invoices"
+        ),
+        "{role}"
+    );
+    assert_eq!(
+        role["rules"].as_array().unwrap().len(),
+        1,
+        "the role grants the wake and nothing else: {role}"
+    );
+
+    // The variables are the ones the producers' client reads, and point at what is mounted.
+    let [container] = pod["containers"].as_array().unwrap().as_slice() else {
+        panic!("one container")
+    };
+    let env = |name: &str| {
+        container["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| e["name"] == name)
+            .and_then(|e| e["value"].as_str())
+            .unwrap_or_else(|| panic!("{name} is set"))
+            .to_owned()
+    };
+    let read: Vec<String> = <cosmosq_program::wake::OperatorArgs as clap::Args>::augment_args(
+        clap::Command::new("producer"),
+    )
+    .get_arguments()
+    .filter_map(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()))
+    .collect();
+    for variable in container["env"].as_array().unwrap() {
+        let name = variable["name"].as_str().unwrap();
+        assert!(read.iter().any(|r| r == name), "{name} is one of {read:?}");
+    }
+    let mounted = |file: &str| -> (String, &Value) {
+        let mount = container["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| file.starts_with(&format!("{}/", m["mountPath"].as_str().unwrap())))
+            .unwrap_or_else(|| panic!("{file} is in a mounted volume"));
+        let volume = pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == mount["name"])
+            .expect("the mount's volume");
+        let inside = file[mount["mountPath"].as_str().unwrap().len() + 1..].to_owned();
+        (inside, volume)
+    };
+    let (path, volume) = mounted(&env("COSMOSQ_OPERATOR_TOKEN_FILE"));
+    assert_eq!(
+        env("COSMOSQ_OPERATOR_TOKEN_FILE"),
+        cosmosq_program::wake::DEFAULT_TOKEN_FILE,
+        "the default, so `cosmosq enqueue --wake` finds it unset too"
+    );
+    let token = volume["projected"]["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|s| s.get("serviceAccountToken"))
+        .expect("a projected ServiceAccount token");
+    assert_eq!(token["path"], path);
+    assert_eq!(
+        token["audience"],
+        operator_arg(&chart, "--token-audience="),
+        "minted for the audience the operator asks for"
+    );
+    let (key, volume) = mounted(&env("COSMOSQ_OPERATOR_CA_FILE"));
+    assert_eq!(key, "ca.crt");
+    let config_map = volume["configMap"]["name"].as_str().unwrap();
+    let text = std::fs::read_to_string(PRODUCER_EXAMPLE).unwrap();
+    let made = format!("kubectl -n {namespace} create configmap {config_map} --from-file=ca.crt");
+    assert!(text.contains(&made), "the example says {made:?}");
+    let named = ca_secret_read(&chart);
     assert!(text.contains(&named), "the example says {named:?}");
+
+    // The URL is the chart's Service, and the client takes it.
+    let url = env("COSMOSQ_OPERATOR_URL");
+    chart_service(&chart, &url);
+    assert_eq!(
+        operator_arg(&chart, "--wake-endpoint="),
+        "true",
+        "on by default"
+    );
+    cosmosq_program::wake::Waker::new(&url, None, path.into()).expect("a URL the client takes");
+    let wake =
+        format!("POST $COSMOSQ_OPERATOR_URL/v1/namespaces/{namespace}/cosmosqueues/invoices/wake");
+    assert!(text.contains(&wake), "the example says {wake:?}");
 }
 
 /// The chart rendered as the example assumes.
