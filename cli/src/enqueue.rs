@@ -98,10 +98,14 @@ pub fn parse_line(
 
 pub async fn run(args: EnqueueArgs) -> anyhow::Result<()> {
     let trace = args.trace()?;
-    if let Some(queue) = &args.wake {
-        cosmosq_program::wake::split_queue(queue)?;
-    }
-    let waker = Waker::from_args(&args.operator)?;
+    // Only when asked: the operator's settings in the environment do not stop a plain enqueue.
+    let waker = match &args.wake {
+        Some(queue) => {
+            cosmosq_program::wake::split_queue(queue)?;
+            Waker::from_args(&args.operator)?
+        }
+        None => None,
+    };
     let queue = args.queue.open().await?;
     let messages: Vec<NewMessage> = match &args.body {
         Some(body) => {

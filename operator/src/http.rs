@@ -34,6 +34,7 @@ use crate::context::{Figures, GroupFigures};
 use crate::metrics::OperatorMetrics;
 use crate::tls::ServingTls;
 use crate::wake::{WakeSender, WAKE_BACKLOG};
+use cosmosq_program::wake::is_object_name;
 
 const EXTERNAL_METRICS_GROUP: &str = "external.metrics.k8s.io";
 const EXTERNAL_METRICS: &str = "/apis/external.metrics.k8s.io/v1beta1";
@@ -541,19 +542,6 @@ async fn wake_queue(
             "the scaling loop has stopped".into(),
         ),
     }
-}
-
-/// Whether `name` can name a namespace or a CosmosQueue (pure): a DNS-1123 subdomain.
-fn is_object_name(name: &str) -> bool {
-    (1..=253).contains(&name.len())
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-                && label
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-        })
 }
 
 /// Binds a listener; done before anything else starts, so a taken port stops the operator
@@ -1301,7 +1289,15 @@ mod tests {
         assert_eq!(headers[http::header::RETRY_AFTER], "1");
         // A path that cannot name a queue is refused before anything is asked of the API
         // server.
-        let reviews = served.token_reviews();
+        let access_reviews = || {
+            served
+                .server
+                .requests()
+                .get("POST apis/authorization.k8s.io/v1/subjectaccessreviews")
+                .copied()
+                .unwrap_or(0)
+        };
+        let reviews = access_reviews();
         let (status, _, _) = served
             .wake(
                 Some("producer"),
@@ -1309,7 +1305,7 @@ mod tests {
             )
             .await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
-        assert_eq!(served.token_reviews(), reviews);
+        assert_eq!(access_reviews(), reviews, "nothing asked of the API server");
         // A standby has no scaling loop to hand it to.
         served.shared.leader.store(false, Ordering::Relaxed);
         let (status, _, _) = served.wake(Some("producer"), path).await;

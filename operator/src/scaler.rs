@@ -95,6 +95,27 @@ struct GroupState {
     latest: i64,
     /// The replicas its last round decided (or found, when someone else decides).
     desired: Option<u32>,
+    /// The replicas this loop last set on the Deployment, and when.
+    applied: Option<(u32, tokio::time::Instant)>,
+}
+
+/// How long the Deployment's cache may lag the scale this loop set: a watch event, normally
+/// milliseconds.
+const CACHE_LAG: Duration = Duration::from_secs(10);
+
+/// The workers a round counts (pure): what the cache says, unless this loop set another count
+/// less than [`CACHE_LAG`] ago that the cache has not caught up with yet.
+fn believed(
+    cached: u32,
+    applied: Option<(u32, tokio::time::Instant)>,
+    now: tokio::time::Instant,
+) -> u32 {
+    match applied {
+        Some((replicas, at)) if replicas != cached && now.duration_since(at) < CACHE_LAG => {
+            replicas
+        }
+        _ => cached,
+    }
 }
 
 /// Who runs a group's round.
@@ -770,9 +791,12 @@ impl Scaler {
         let Some(settings) = state.settings(qcg) else {
             return Ok(Round::Skipped("invalid spec"));
         };
-        let Some(workers) = self.workers(qcg) else {
+        let Some(mut workers) = self.workers(qcg) else {
             return Ok(Round::Skipped("no Deployment of its own yet"));
         };
+        // What this loop last applied, until the Deployment's cache says so: a wake right
+        // after a round (or a round after a wake) decides from it, not from the count before.
+        workers.current = believed(workers.current, state.applied, tokio::time::Instant::now());
         // Read under the group's lock: a round that just decided zero counts, though the
         // Deployment's cache may not say so yet.
         if turn == Turn::Wake && workers.current > 0 && state.desired != Some(0) {
@@ -835,6 +859,7 @@ impl Scaler {
             self.scale(qcg, workers.current, *replicas, description)
                 .await?;
             state.last_scale = Some((status::now(), description.clone()));
+            state.applied = Some((*replicas, tokio::time::Instant::now()));
         }
         // Left to the HPA or held: what the Deployment runs is the desired count.
         let desired = target.as_ref().map_or(workers.current, |(r, _)| *r);
@@ -2145,6 +2170,20 @@ mod tests {
         assert_eq!(scaler.ctx.metrics.wakes.get(), 2);
         drop(scaler);
         server.done().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_scale_just_applied_counts_until_the_cache_says_so() {
+        let at = tokio::time::Instant::now();
+        assert_eq!(believed(0, None, at), 0);
+        assert_eq!(
+            believed(0, Some((1, at)), at),
+            1,
+            "the cache is behind the scale"
+        );
+        assert_eq!(believed(1, Some((1, at)), at), 1);
+        // Long after, the cache is the truth (someone else scaled, or the scale was undone).
+        assert_eq!(believed(2, Some((1, at)), at + CACHE_LAG), 2);
     }
 
     #[test]

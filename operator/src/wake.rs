@@ -26,7 +26,7 @@ use tracing::{debug, warn};
 
 use crate::scaler::Scaler;
 
-/// Wakes waiting for the loop, at most: beyond it a caller is answered 429 and retries.
+/// Wakes waiting for the loop, at most: beyond it a caller is answered 429 (`Retry-After`).
 pub const WAKE_BACKLOG: usize = 1024;
 /// The shortest time between two wakes' starts on one queue: a producer telling at every
 /// message costs one probe of the feed head a second, not one per message.

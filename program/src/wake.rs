@@ -173,17 +173,26 @@ impl Waker {
 
 /// `namespace/name`, each a Kubernetes name (pure).
 pub fn split_queue(queue: &str) -> Result<(&str, &str), WakeError> {
-    let valid = |part: &str| {
-        !part.is_empty()
-            && part.len() <= 253
-            && part
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
-    };
     match queue.split_once('/') {
-        Some((namespace, name)) if valid(namespace) && valid(name) => Ok((namespace, name)),
+        Some((namespace, name)) if is_object_name(namespace) && is_object_name(name) => {
+            Ok((namespace, name))
+        }
         _ => Err(WakeError::Queue(queue.to_owned())),
     }
+}
+
+/// Whether `name` can name a namespace or a CosmosQueue (pure): a DNS-1123 subdomain, as the
+/// API server checks it (the operator checks a wake's path the same way).
+pub fn is_object_name(name: &str) -> bool {
+    (1..=253).contains(&name.len())
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        })
 }
 
 #[cfg(test)]
@@ -200,6 +209,8 @@ mod tests {
             "shop/orders/wake",
             "Shop/orders",
             "a/b?c",
+            "shop/..",
+            "shop/-orders",
         ] {
             let err = split_queue(bad).unwrap_err();
             assert!(
