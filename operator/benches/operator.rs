@@ -282,19 +282,29 @@ async fn main() {
         / rounds;
     let (rest_rss, _) = memory_kib(pid);
 
-    // From zero: a message on a queue whose groups are all at zero.
-    let mut wakes = Vec::new();
+    // From zero: a message on a queue whose groups are all at zero, left to the rounds; then
+    // on other queues, told: the producer enqueues, then tells the operator (`cosmosq enqueue
+    // --wake`, or the HTTP call any producer can make), and the group starts before the round.
+    let (mut wakes, mut told) = (Vec::new(), Vec::new());
     let client_cosmos = cosmos.emulator.client().await.unwrap();
     let untold = [1 % queues_total, queues_total / 2, queues_total - 1];
-    for q in untold {
+    let mut asked = vec![2 % queues_total, queues_total / 2 + 1, queues_total - 2];
+    // Queues still at zero only (a small run has few).
+    asked.retain(|q| !untold.contains(q));
+    asked.dedup();
+    let samples = untold.iter().map(|q| (*q, false));
+    for (q, tell) in samples.chain(asked.iter().map(|q| (*q, true))) {
         let queue = Queue::open(&client_cosmos, QueueConfig::new("bench", format!("q{q}")))
             .await
             .unwrap();
         let sent = Instant::now();
         queue
-            .enqueue(NewMessage::json(json!({"wake": q})))
+            .enqueue(NewMessage::json(json!({"queue": q, "told": tell})))
             .await
             .unwrap();
+        if tell {
+            waker.wake(&format!("bench/q{q}")).await.expect("the wake");
+        }
         let name = format!("q{q}-g0-workers");
         until(
             "a group to scale from zero",
@@ -303,35 +313,8 @@ async fn main() {
             || replicas(&name).is_some_and(|r| r > 0),
         )
         .await;
-        wakes.push(sent.elapsed().as_secs_f64());
-    }
-
-    // From zero, told: the producer enqueues, then tells the operator (`cosmosq enqueue
-    // --wake`, or the HTTP call any producer can make), and the group starts before the round.
-    let mut told = Vec::new();
-    let mut asked = vec![2 % queues_total, queues_total / 2 + 1, queues_total - 2];
-    // Queues still at zero only (a small run has few).
-    asked.retain(|q| !untold.contains(q));
-    asked.dedup();
-    for q in asked {
-        let queue = Queue::open(&client_cosmos, QueueConfig::new("bench", format!("q{q}")))
-            .await
-            .unwrap();
-        let sent = Instant::now();
-        queue
-            .enqueue(NewMessage::json(json!({"told": q})))
-            .await
-            .unwrap();
-        waker.wake(&format!("bench/q{q}")).await.expect("the wake");
-        let name = format!("q{q}-g0-workers");
-        until(
-            "a group told to scale from zero",
-            Duration::from_secs(120),
-            &mut operator,
-            || replicas(&name).is_some_and(|r| r > 0),
-        )
-        .await;
-        told.push(sent.elapsed().as_secs_f64());
+        let samples = if tell { &mut told } else { &mut wakes };
+        samples.push(sent.elapsed().as_secs_f64());
     }
 
     // A backlog on one queue: each of its groups scales up.

@@ -2107,12 +2107,7 @@ mod tests {
             matches!(round, Ok(Round::Decided { scaled: false, .. })),
             "nothing to do yet: {round:?}"
         );
-        let cq = scaler.queues.state()[0].clone();
-        let queue = scaler.ctx.cosmos.queue(&cq).await.unwrap();
-        queue
-            .enqueue(NewMessage::json(json!({"woken": true})))
-            .await
-            .unwrap();
+        enqueue_one(&scaler).await;
 
         // Another queue's wake, or one in another namespace, looks at none of these groups.
         let width = Semaphore::new(crate::wake::WAKE_WIDTH);
@@ -2144,12 +2139,7 @@ mod tests {
         cached.at(0);
         let verifier = woken_from_zero(server, group);
         one_round(&scaler).await;
-        let cq = scaler.queues.state()[0].clone();
-        let queue = scaler.ctx.cosmos.queue(&cq).await.unwrap();
-        queue
-            .enqueue(NewMessage::json(json!({"woken": true})))
-            .await
-            .unwrap();
+        enqueue_one(&scaler).await;
         let scaler = Arc::new(scaler);
         let (wakes, inbox) = mpsc::channel(crate::wake::WAKE_BACKLOG);
         let stop = CancellationToken::new();
@@ -2199,6 +2189,16 @@ mod tests {
             10_000,
             "the wall clock stepped back"
         );
+    }
+
+    /// One message on the scaler's (only) queue.
+    async fn enqueue_one(scaler: &Scaler) {
+        let cq = scaler.queues.state()[0].clone();
+        let queue = scaler.ctx.cosmos.queue(&cq).await.unwrap();
+        queue
+            .enqueue(NewMessage::json(json!({"woken": true})))
+            .await
+            .unwrap();
     }
 
     /// A verifier's end, or a failure if what it waits for never comes.
