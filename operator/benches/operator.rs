@@ -9,7 +9,9 @@
 //! `cargo bench -p cosmosq-operator --bench operator`; at scale:
 //! `COSMOSQ_BENCH_QUEUES=1000 COSMOSQ_BENCH_GROUPS_PER_QUEUE=5 COSMOSQ_BENCH_SCALE_INTERVAL=15s`.
 //! `COSMOSQ_BENCH_OPERATOR` names another build of the binary (before/after);
-//! `COSMOSQ_BENCH_REST_SECONDS` (60) the window at rest.
+//! `COSMOSQ_BENCH_REST_SECONDS` (60) the window at rest; `COSMOSQ_BENCH_FROM_ZERO` (3) the
+//! from-zero samples left to the rounds; `COSMOSQ_BENCH_LOG` the operator's `RUST_LOG` (its
+//! log is then kept, and each from-zero sample's enqueue time printed).
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -153,7 +155,10 @@ async fn main() {
     .expect("a wake client");
     let mut operator = Command::new(&binary)
         .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "warn")
+        .env(
+            "RUST_LOG",
+            std::env::var("COSMOSQ_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .args(["--listen", "127.0.0.1:0"]) // nothing here reads it
         .args(["--insecure-metrics-listen", &metrics])
         .args(["--secure-listen", &secure])
@@ -162,7 +167,11 @@ async fn main() {
         .args(["--allowed-endpoint", &cosmos.endpoint])
         .args(["--lease-namespace", "bench", "--identity", "operator-0"])
         .args(["--scale-interval", &interval])
-        .stdout(Stdio::null())
+        // The operator logs to stdout; the log file takes it when asked for.
+        .stdout(match std::env::var_os("COSMOSQ_BENCH_LOG") {
+            Some(_) => Stdio::from(log.try_clone().unwrap()),
+            None => Stdio::null(),
+        })
         .stderr(log)
         .spawn()
         .expect("the operator binary");
@@ -287,8 +296,18 @@ async fn main() {
     // --wake`, or the HTTP call any producer can make), and the group starts before the round.
     let (mut wakes, mut told) = (Vec::new(), Vec::new());
     let client_cosmos = cosmos.emulator.client().await.unwrap();
-    let untold = [1 % queues_total, queues_total / 2, queues_total - 1];
+    // More samples when asked (`COSMOSQ_BENCH_FROM_ZERO`), spread over the queues.
+    let from_zero: usize = setting("COSMOSQ_BENCH_FROM_ZERO", 3);
+    let untold: Vec<usize> = (0..from_zero)
+        .map(|i| match i {
+            0 => 1 % queues_total,
+            1 => queues_total / 2,
+            2 => queues_total - 1,
+            i => (queues_total / 4 + 7 * i) % queues_total,
+        })
+        .collect();
     let mut asked = vec![2 % queues_total, queues_total / 2 + 1, queues_total - 2];
+    asked.sort_unstable();
     // Queues still at zero only (a small run has few).
     asked.retain(|q| !untold.contains(q));
     asked.dedup();
@@ -298,6 +317,7 @@ async fn main() {
             .await
             .unwrap();
         let sent = Instant::now();
+        let at_ms = cosmosq_queue::clock::system_now_ms();
         queue
             .enqueue(NewMessage::json(json!({"queue": q, "told": tell})))
             .await
@@ -315,6 +335,12 @@ async fn main() {
         .await;
         let samples = if tell { &mut told } else { &mut wakes };
         samples.push(sent.elapsed().as_secs_f64());
+        if std::env::var_os("COSMOSQ_BENCH_LOG").is_some() {
+            eprintln!(
+                "from zero: q{q} told={tell} enqueued at {at_ms} ms, {:.2} s",
+                sent.elapsed().as_secs_f64()
+            );
+        }
     }
 
     // A backlog on one queue: each of its groups scales up.
@@ -443,7 +469,12 @@ async fn main() {
         println!("    {n:>6}  {what}");
     }
     println!("exit on SIGTERM  {exit}");
-    let _ = std::fs::remove_dir_all(&dir);
+    // The operator's log stays when it was asked for (`COSMOSQ_BENCH_LOG`).
+    if std::env::var_os("COSMOSQ_BENCH_LOG").is_some() {
+        println!("operator log    {}", dir.join("operator.log").display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 fn base64_key(key: &str) -> String {
