@@ -356,7 +356,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
 
     let latency = latency_run(&client, &open, fresh(), args.latency_seconds).await?;
-    let idle = idle_run(&client, &open, fresh(), args.idle_seconds).await?;
+    // Idle leases both ways, side by side: renewed one by one (the change feed processor's
+    // way, and cosmosq's before the host heartbeat), and kept by one heartbeat per host; with
+    // one lease per partition, and with four (a host holding more leases).
+    let mut idles = Vec::new();
+    for per_partition in [1, 4] {
+        for host_heartbeat in [false, true] {
+            let how = IdleHow {
+                host_heartbeat,
+                per_partition,
+            };
+            idles.push(idle_run(&client, &open, fresh(), args.idle_seconds, how).await?);
+        }
+    }
     let estimate = estimate_run(&open, fresh(), args.messages).await?;
     let window = lease_write_run(&open, fresh()).await?;
 
@@ -408,16 +420,22 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "\nenqueue -> delivery at 100 msg/s for {} s after a 1 s warm-up, exclusive (lease writes), production timings: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} messages, {:.3} RU/msg)",
         args.latency_seconds, latency.p50, latency.p99, latency.max, latency.messages, latency.request_units_per_message
     );
-    println!(
-        "idle, production timings, exclusive (lease writes), {} leases over {} s: {:.3} RU/s per lease; first delivery after the idle spell {:.0} ms",
-        idle.leases, args.idle_seconds, idle.request_units_per_second_per_lease, idle.first_delivery_ms
-    );
-    for (operation, charge) in &idle.spent.by_operation {
+    for idle in &idles {
         println!(
-            "  {operation}: {:.3} RU/s per lease ({} calls)",
-            charge.request_units / args.idle_seconds as f64 / idle.leases.max(1) as f64,
-            charge.calls
+            "idle, production timings, exclusive (lease writes), {}, {} leases on one host over {} s: {:.3} RU/s per lease; first delivery after the idle spell {:.0} ms",
+            match idle.how.host_heartbeat {
+                true => "one heartbeat per host",
+                false => "each lease renewed",
+            },
+            idle.leases, args.idle_seconds, idle.request_units_per_second_per_lease, idle.first_delivery_ms
         );
+        for (operation, charge) in &idle.spent.by_operation {
+            println!(
+                "  {operation}: {:.3} RU/s per lease ({} calls)",
+                charge.request_units / args.idle_seconds as f64 / idle.leases.max(1) as f64,
+                charge.calls
+            );
+        }
     }
     println!(
         "estimate of one group ({} ranges), as the operator makes it each round: {:.1} RU with nothing unread, {:.1} RU with {} messages unread",
@@ -644,7 +662,15 @@ where
     })
 }
 
+/// How the idle group keeps its leases.
+#[derive(Clone, Copy)]
+struct IdleHow {
+    host_heartbeat: bool,
+    per_partition: u32,
+}
+
 struct Idle {
+    how: IdleHow,
     leases: usize,
     spent: cosmosq_queue::ChargeSnapshot,
     request_units_per_second_per_lease: f64,
@@ -658,6 +684,7 @@ async fn idle_run<F, Fut>(
     open: &F,
     config: QueueConfig,
     seconds: u64,
+    how: IdleHow,
 ) -> anyhow::Result<Idle>
 where
     F: Fn(QueueConfig) -> Fut,
@@ -677,7 +704,12 @@ where
             }
         }
     };
-    let host = Host::new(group, handler, HostOptions::new("idle-host"));
+    let options = HostOptions {
+        host_heartbeat: how.host_heartbeat,
+        leases_per_partition: how.per_partition,
+        ..HostOptions::new("idle-host")
+    };
+    let host = Host::new(group, handler, options);
     let stats = host.stats();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(host.run(shutdown.clone()));
@@ -696,6 +728,7 @@ where
     shutdown.cancel();
     task.await??;
     Ok(Idle {
+        how,
         leases,
         request_units_per_second_per_lease: spent.total_request_units()
             / seconds as f64

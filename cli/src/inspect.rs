@@ -159,11 +159,14 @@ pub async fn leases(
 ) -> anyhow::Result<Vec<LeaseRow>> {
     let mut out = Vec::new();
     for group in groups(queue, only).await? {
-        for lease in LeaseStore::new(queue.clone(), &group).list().await? {
+        let (leases, beats) = LeaseStore::new(queue.clone(), &group)
+            .list_with_beats()
+            .await?;
+        for lease in leases {
             out.push(LeaseRow {
                 group: group.clone(),
-                expired: lease.owner.is_some() && lease.is_expired(now_ms, LEASE_EXPIRY_MS),
-                heartbeat: format_ms(lease.timestamp),
+                expired: lease.owner.is_some() && lease.is_expired(&beats, now_ms, LEASE_EXPIRY_MS),
+                heartbeat: format_ms(lease.heartbeat(&beats)),
                 checkpointed: lease.continuation.is_some(),
                 owner: lease.owner,
                 min_epk: lease.min_epk,

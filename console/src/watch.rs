@@ -360,7 +360,9 @@ async fn group_view(listed_as: &str, queue: Queue, name: String) -> GroupView {
 
 async fn read_group(queue: &Queue, view: &mut GroupView) -> Result<(), ConsoleError> {
     let group = queue.group(GroupConfig::new(view.name.clone()))?;
-    let leases = LeaseStore::new(queue.clone(), &view.name).list().await?;
+    let (leases, beats) = LeaseStore::new(queue.clone(), &view.name)
+        .list_with_beats()
+        .await?;
     let (estimate, dead_letters, unsettled) = tokio::try_join!(
         group.estimate_of(leases.clone()),
         group.count_dead_letters(DEAD_LETTER_COUNT_LIMIT),
@@ -384,11 +386,12 @@ async fn read_group(queue: &Queue, view: &mut GroupView) -> Result<(), ConsoleEr
                 .iter()
                 .find(|l| l.min_epk == r.min_epk && l.max_epk == r.max_epk);
             RangeView {
-                heartbeat_at: lease.map(|l| l.timestamp),
+                heartbeat_at: lease.map(|l| l.heartbeat(&beats)),
                 checkpointed_at: lease.and_then(|l| l.checkpointed_at),
                 started: lease.map_or(0, |l| l.window.started.len()),
-                expired: lease
-                    .is_some_and(|l| l.owner.is_some() && l.is_expired(now, LEASE_EXPIRY_MS)),
+                expired: lease.is_some_and(|l| {
+                    l.owner.is_some() && l.is_expired(&beats, now, LEASE_EXPIRY_MS)
+                }),
                 min_epk: r.min_epk,
                 max_epk: r.max_epk,
                 owner: r.owner,

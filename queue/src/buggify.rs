@@ -49,12 +49,17 @@ pub enum Bug {
     /// written: a holder killed before that write lands leaves a listed start the app never
     /// saw, delivered at count 2 by the next owner.
     ScheduledStartListed,
+    /// Heartbeats: a range whose window may be in the app lets the host's heartbeat keep its
+    /// lease (reads it instead of renewing it, and counts it as held until the heartbeat's
+    /// deadline), while other hosts judge such a lease by itself and its lock: a live owner's
+    /// deliveries are taken over while the app still has them.
+    HeartbeatKeepsWindow,
 }
 
 impl Bug {
     /// Every defect, in the order of the numbered scenarios (`tests/it/sim/scenarios.rs`), then
     /// the checks' own.
-    pub const ALL: [Bug; 12] = [
+    pub const ALL: [Bug; 13] = [
         Bug::IdentityById,
         Bug::OrderedMoveForgetsPredecessor,
         Bug::RestartRetakesLease,
@@ -67,6 +72,7 @@ impl Bug {
         Bug::EstimateTrustsTheToken,
         Bug::LateCompletionRace,
         Bug::ScheduledStartListed,
+        Bug::HeartbeatKeepsWindow,
     ];
 
     /// Whether the random search must find it by itself (the mutation test): the others

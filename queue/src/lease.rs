@@ -23,6 +23,69 @@ use crate::range::{epk_cmp, missing_leases, narrow_continuation, range_bounds, s
 /// The `type` of lease documents in the lease container.
 pub const LEASE_DOC_TYPE: &str = "lease";
 
+/// The `type` of host heartbeat documents in the lease container (see [`Beat`]).
+pub const BEAT_DOC_TYPE: &str = "host";
+
+/// A host's heartbeat: one document per live lease holder of a group, next to the group's
+/// leases (same partition, so the listing that reads them reads it). Renewed every
+/// `leaseRenew`, it keeps alive each lease it lists (those its holder runs) whose window
+/// holds nothing the app may have ([`Window::may_be_in_app`]): a host with twenty idle
+/// leases renews one document, not twenty. A lease that may have deliveries in the app is
+/// still renewed by itself, since what it advertises (the lock of those deliveries) is judged
+/// by it alone; a lease its holder no longer runs (its range stopped) is left out of the next
+/// heartbeat, and expires as it always did.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Beat {
+    /// `host|<group>|<holder>`.
+    pub id: String,
+    /// The group's lease partition ([`lease_pk`]).
+    pub pk: String,
+    /// Always [`BEAT_DOC_TYPE`].
+    #[serde(rename = "type")]
+    pub doc_type: String,
+    /// The group.
+    pub group: String,
+    /// The lease holder it speaks for, as leases name it (`<owner>#<incarnation>`).
+    pub holder: String,
+    /// When it was last written, epoch ms (the holder's clock; for people and tools: hosts
+    /// judge by how long they have seen a version unchanged).
+    pub timestamp: i64,
+    /// The ids of the leases its holder runs, as it wrote them.
+    #[serde(default)]
+    pub leases: Vec<String>,
+    /// Cosmos per-item TTL (s): a dead holder's document goes by itself.
+    pub ttl: i64,
+    /// The document's ETag as last read.
+    #[serde(rename = "_etag", default, skip_serializing)]
+    pub etag: Option<String>,
+}
+
+impl Beat {
+    /// The heartbeat of `holder` in `group`, running `leases`, written at `now`.
+    pub fn new(group: &str, holder: &str, leases: Vec<String>, now: i64, expire_ms: i64) -> Self {
+        Self {
+            id: beat_id(group, holder),
+            pk: lease_pk(group),
+            doc_type: BEAT_DOC_TYPE.into(),
+            group: group.into(),
+            holder: holder.into(),
+            timestamp: now,
+            leases,
+            ttl: (expire_ms / 1000 * 10).max(BEAT_TTL_FLOOR_SECS),
+            etag: None,
+        }
+    }
+}
+
+/// A heartbeat outlives its last write by at least this (s), and ten lease expiries.
+const BEAT_TTL_FLOOR_SECS: i64 = 3600;
+
+/// The id of `holder`'s heartbeat in `group`.
+pub fn beat_id(group: &str, holder: &str) -> String {
+    format!("host|{group}|{holder}")
+}
+
 /// A change-feed lease: one feed range of one group.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -254,9 +317,31 @@ impl Lease {
 
     /// Whether its owner missed renewing it for `expire_ms`, by the owner's wall clock (what
     /// tools outside a host judge by; hosts judge by their own observation, see
-    /// [`Self::unchanged_expiry_ms`]).
-    pub fn is_expired(&self, now: i64, expire_ms: i64) -> bool {
-        self.owner.is_none() || self.timestamp + expire_ms < now
+    /// [`Self::unchanged_expiry_ms`]). `beats`: the group's heartbeats, which keep a lease
+    /// alive while nothing of its window may be in the app (see [`Beat`]).
+    pub fn is_expired(&self, beats: &[Beat], now: i64, expire_ms: i64) -> bool {
+        self.owner.is_none() || self.heartbeat(beats) + expire_ms < now
+    }
+
+    /// When its owner last showed it was alive, epoch ms: the lease's own timestamp, or its
+    /// holder's heartbeat where that keeps the lease (see [`Beat`]).
+    pub fn heartbeat(&self, beats: &[Beat]) -> i64 {
+        match self.riding(beats) {
+            Some(beat) => beat.timestamp.max(self.timestamp),
+            None => self.timestamp,
+        }
+    }
+
+    /// The heartbeat that keeps this lease alive, if one does: its owner's, when it lists the
+    /// lease and nothing of the window may be in the app.
+    pub fn riding<'a>(&self, beats: &'a [Beat]) -> Option<&'a Beat> {
+        let owner = self.owner.as_deref()?;
+        if self.window.may_be_in_app() {
+            return None;
+        }
+        beats
+            .iter()
+            .find(|b| b.holder == owner && b.leases.contains(&self.id))
     }
 
     /// How long this version of the lease must stay unchanged before another host may take it:
@@ -298,6 +383,8 @@ pub struct Reconciled {
     pub leases: Vec<Lease>,
     /// Leases whose range split; a host splits them once it owns them.
     pub split_pending: Vec<String>,
+    /// The group's hosts' heartbeats, as listed with the leases.
+    pub beats: Vec<Beat>,
 }
 
 /// Reads and writes a group's leases.
@@ -367,11 +454,19 @@ impl LeaseStore {
 
     /// All of the group's leases, in range order.
     pub async fn list(&self) -> Result<Vec<Lease>> {
+        Ok(self.list_with_beats().await?.0)
+    }
+
+    /// The group's leases, in range order, and its hosts' heartbeats: one query.
+    pub async fn list_with_beats(&self) -> Result<(Vec<Lease>, Vec<Beat>)> {
         let query = sql::query(
-            "SELECT * FROM c WHERE c.type = @type",
-            &[("@type", json!(LEASE_DOC_TYPE))],
+            "SELECT * FROM c WHERE c.type = @lease OR c.type = @beat",
+            &[
+                ("@lease", json!(LEASE_DOC_TYPE)),
+                ("@beat", json!(BEAT_DOC_TYPE)),
+            ],
         )?;
-        let mut leases: Vec<Lease> = sql::collect(
+        let docs: Vec<serde_json::Value> = sql::collect(
             self.queue.leases(),
             query,
             FeedScope::partition(PartitionKey::from(lease_pk(&self.group))),
@@ -380,8 +475,67 @@ impl LeaseStore {
             "list leases",
         )
         .await?;
+        let mut leases: Vec<Lease> = Vec::new();
+        let mut beats: Vec<Beat> = Vec::new();
+        for doc in docs {
+            let beat = doc.get("type").and_then(|t| t.as_str()) == Some(BEAT_DOC_TYPE);
+            let parsed = match beat {
+                true => serde_json::from_value(doc).map(|b| beats.push(b)),
+                false => serde_json::from_value(doc).map(|l| leases.push(l)),
+            };
+            parsed.map_err(|e| {
+                QueueError::Config(format!(
+                    "group {}: a lease document that does not parse: {e}",
+                    self.group
+                ))
+            })?;
+        }
         leases.sort_by(|a, b| epk_cmp(&a.min_epk, &b.min_epk));
-        Ok(leases)
+        Ok((leases, beats))
+    }
+
+    /// Writes `holder`'s heartbeat for the `leases` it runs (creating it if it is gone): the
+    /// one write a round that keeps every idle lease of the holder alive.
+    pub async fn beat(
+        &self,
+        holder: &str,
+        leases: Vec<String>,
+        now: i64,
+        expire_ms: i64,
+    ) -> Result<Beat> {
+        let beat = Beat::new(&self.group, holder, leases, now, expire_ms);
+        let r = self
+            .queue
+            .leases()
+            .upsert_item(beat.pk.clone(), &beat.id, &beat, None)
+            .await
+            .map_err(QueueError::cosmos("write heartbeat"))?;
+        self.queue
+            .charges()
+            .record_diagnostics("write heartbeat", &r.diagnostics());
+        Ok(Beat {
+            etag: r.headers().etag().map(|e| e.to_string()),
+            ..beat
+        })
+    }
+
+    /// Removes `holder`'s heartbeat (a graceful stop, once its leases are released).
+    pub async fn forget_beat(&self, holder: &str) -> Result<()> {
+        match self
+            .queue
+            .leases()
+            .delete_item(lease_pk(&self.group), &beat_id(&self.group, holder), None)
+            .await
+        {
+            Ok(r) => {
+                self.queue
+                    .charges()
+                    .record_diagnostics("delete heartbeat", &r.diagnostics());
+                Ok(())
+            }
+            Err(e) if status_of(&e) == NOT_FOUND => Ok(()),
+            Err(e) => Err(QueueError::cosmos("delete heartbeat")(e)),
+        }
     }
 
     /// One lease as stored now.
@@ -421,8 +575,10 @@ impl LeaseStore {
         expire_ms: i64,
         per_partition: u32,
     ) -> Result<Reconciled> {
-        self.reconcile_judged(now, per_partition, |l: &Lease| l.is_expired(now, expire_ms))
-            .await
+        self.reconcile_judged(now, per_partition, |l: &Lease, beats: &[Beat]| {
+            l.is_expired(beats, now, expire_ms)
+        })
+        .await
     }
 
     /// [`Self::reconcile_with`] where `expired` says which leases nobody holds (a host judges
@@ -431,12 +587,12 @@ impl LeaseStore {
         &self,
         now: i64,
         per_partition: u32,
-        expired: impl Fn(&Lease) -> bool,
+        expired: impl Fn(&Lease, &[Beat]) -> bool,
     ) -> Result<Reconciled> {
         // Refreshed each round: the SDK's cached topology would hide a split.
         let ranges = self.queue.feed_ranges().await?;
         let physical: Vec<(String, String)> = ranges.iter().map(range_bounds).collect();
-        let mut leases = self.list().await?;
+        let (mut leases, mut beats) = self.list_with_beats().await?;
         // A new group's leases, or those an interrupted creation (an error after some were
         // written) left out: a range without a lease would never be read.
         let bounds: Vec<(String, String)> = leases
@@ -455,11 +611,12 @@ impl LeaseStore {
                 self.create(&lease).await?;
             }
             info!(group = %self.group, leases = missing.len(), existing = leases.len(), "created leases for the ranges without one");
-            leases = self.list().await?;
+            (leases, beats) = self.list_with_beats().await?;
             if bounds.is_empty() {
                 return Ok(Reconciled {
                     leases,
                     split_pending: Vec::new(),
+                    beats,
                 });
             }
         }
@@ -470,17 +627,20 @@ impl LeaseStore {
             if children.is_empty() {
                 continue;
             }
-            if expired(lease) {
+            if expired(lease, &beats) {
                 self.split(lease, &children, now).await?;
                 changed = true;
             } else {
                 split_pending.push(lease.id.clone());
             }
         }
-        let leases = if changed { self.list().await? } else { leases };
+        if changed {
+            (leases, beats) = self.list_with_beats().await?;
+        }
         Ok(Reconciled {
             leases,
             split_pending,
+            beats,
         })
     }
 
@@ -713,10 +873,34 @@ mod tests {
     fn expiry_and_ids() {
         let mut lease = Lease::new("g", "", "FF", None, 1_000);
         assert_eq!(lease.id, "lease|g||FF");
-        assert!(lease.is_expired(1_000, 60_000), "free leases are available");
+        assert!(
+            lease.is_expired(&[], 1_000, 60_000),
+            "free leases are available"
+        );
         lease.owner = Some("a".into());
-        assert!(!lease.is_expired(61_000, 60_000));
-        assert!(lease.is_expired(61_001, 60_000));
+        assert!(!lease.is_expired(&[], 61_000, 60_000));
+        assert!(lease.is_expired(&[], 61_001, 60_000));
+        // Its holder's heartbeat keeps an idle lease, not one whose window may be in the app.
+        let beats = [Beat::new("g", "a", vec![lease.id.clone()], 50_000, 60_000)];
+        assert!(!lease.is_expired(&beats, 110_000, 60_000));
+        assert!(lease.is_expired(&beats, 110_001, 60_000));
+        assert_eq!(lease.heartbeat(&beats), 50_000);
+        let others = [Beat::new("g", "b", vec![lease.id.clone()], 50_000, 60_000)];
+        assert!(
+            lease.is_expired(&others, 61_001, 60_000),
+            "another holder's beat"
+        );
+        let stopped = [Beat::new("g", "a", Vec::new(), 50_000, 60_000)];
+        assert!(
+            lease.is_expired(&stopped, 61_001, 60_000),
+            "a beat that does not list it"
+        );
+        lease.window.started.push("x".into());
+        assert!(
+            lease.is_expired(&beats, 61_001, 60_000),
+            "in the app: the lease alone"
+        );
+        assert_eq!(beats[0].ttl, 3600);
         assert_eq!(lease.range_label(), "00..FF");
     }
 }

@@ -280,6 +280,93 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
     );
 }
 
+/// One heartbeat per host keeps its idle leases: a host running four idle leases writes its
+/// heartbeat once a renewal interval and renews none of them (it reads each instead); another
+/// host gets two of them by hand-over (balance), never by expiry, however long they stay idle;
+/// and once the first host dies, the other takes the rest, only after the lease expiry.
+#[tokio::test(start_paused = true)]
+async fn idle_leases_live_on_one_heartbeat_per_host_and_expire_with_it() {
+    let fixture = Fixture::paused(4).await;
+    let ledger = Ledger::new();
+    let config = GroupConfig::new("g");
+    let options = fast("a");
+    let (renew, expire) = (options.lease_renew, options.lease_expire);
+    let a = start(&fixture, &config, options, ledger.completing());
+    eventually("a runs all four leases", Duration::from_secs(5), || async {
+        a.stats.leases_owned.load(Ordering::Relaxed) == 4
+    })
+    .await;
+    let calls = |op: &str| {
+        fixture
+            .queue
+            .charges()
+            .snapshot()
+            .by_operation
+            .get(op)
+            .map_or(0, |c| c.calls)
+    };
+    // Past the acquisitions' own deadlines: from here on the heartbeat keeps them.
+    tokio::time::sleep(expire).await;
+    let before = [
+        calls("renew lease"),
+        calls("write heartbeat"),
+        calls("read lease"),
+    ];
+    tokio::time::sleep(renew * 20).await;
+    let after = [
+        calls("renew lease"),
+        calls("write heartbeat"),
+        calls("read lease"),
+    ];
+    let [renewals, beats, reads] = [0, 1, 2].map(|i| after[i] - before[i]);
+    assert_eq!(renewals, 0, "idle leases are not renewed one by one");
+    assert!(
+        (19..=21).contains(&beats),
+        "one heartbeat a renewal interval: {beats}"
+    );
+    assert!(
+        (76..=84).contains(&reads),
+        "each lease read once an interval: {reads}"
+    );
+
+    let b = start(&fixture, &config, fast("b"), ledger.completing());
+    tokio::time::sleep(expire * 4).await;
+    let mut held = owners(&fixture, "g").await;
+    held.sort();
+    let two_each: Vec<Option<String>> = ["a", "a", "b", "b"].map(|h| Some(h.into())).to_vec();
+    assert_eq!(
+        held, two_each,
+        "balanced by hand-over, nothing taken as expired"
+    );
+    assert_eq!(a.stats.leases_lost.load(Ordering::Relaxed), 0);
+
+    // a dies: no release, no last heartbeat.
+    a.task.abort();
+    let died = tokio::time::Instant::now();
+    let mut a_held = 2;
+    while a_held > 0 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        a_held = owners(&fixture, "g")
+            .await
+            .iter()
+            .filter(|o| o.as_deref() == Some("a"))
+            .count();
+        if a_held > 0 {
+            assert!(died.elapsed() < expire * 3, "a's leases were never taken");
+        }
+    }
+    // Its last heartbeat may have been written up to a renewal interval before it died.
+    assert!(
+        died.elapsed() >= expire - renew,
+        "taken {:?} after a died, before the expiry",
+        died.elapsed()
+    );
+    enqueue(&fixture, 0..50).await;
+    ledger.wait_until(|l| l.delivered("g") == 50).await;
+    b.stop.cancel();
+    b.task.await.unwrap().unwrap();
+}
+
 /// The claims write path: the slow message's claim is its lock, renewed while the app works;
 /// once it runs past `promoteAfter` it holds its range no more, so the checkpoint passes it
 /// (its claim brings it back if its holder dies) and a drain or hand-over does not wait for

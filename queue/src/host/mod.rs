@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -37,7 +37,7 @@ use crate::error::{QueueError, Result};
 use crate::group::Group;
 use crate::handler::{ConsumerStats, Handler};
 use crate::host::deliver::{Deliverer, Permit};
-use crate::lease::{Lease, LeaseError, LeaseStore};
+use crate::lease::{Beat, Lease, LeaseError, LeaseStore};
 
 pub(crate) mod deliver;
 mod order;
@@ -86,6 +86,10 @@ pub struct HostOptions {
     /// (its page may pass it); on the lease write path it first gets a lock of its own (a
     /// state document), so that it does not depend on the range's lease either.
     pub promote_after: Duration,
+    /// Keep idle leases alive with one heartbeat document per host rather than a renewal of
+    /// each (see [`crate::lease::Beat`]); off, every lease is renewed by itself, as the change
+    /// feed processor and earlier cosmosq versions do.
+    pub host_heartbeat: bool,
 }
 
 impl HostOptions {
@@ -106,6 +110,7 @@ impl HostOptions {
             checkpoint_interval: Duration::from_secs(1),
             leases_per_partition: 1,
             promote_after: Duration::from_secs(5),
+            host_heartbeat: true,
         }
     }
 
@@ -204,44 +209,60 @@ struct Running {
     range: (String, String),
 }
 
-/// When this host first saw each lease's last write by its owner (its owner and the time
-/// the owner wrote). A lease held by another host is expired once this host has seen that
-/// write as the last for its expiry, on this host's monotonic clock: another host's wall
-/// clock says nothing here (one 45 s ahead would see every live lease as expired), as in
-/// Kubernetes' leader election. Writes by others (a hand-over request) are no sign of the
-/// owner's life and do not restart the count.
+/// When this host first saw each lease's last write by its owner, and each heartbeat's last
+/// write. A lease held by another host is expired once this host has seen that write as the
+/// last for its expiry, on this host's monotonic clock: another host's wall clock says
+/// nothing here (one 45 s ahead would see every live lease as expired), as in Kubernetes'
+/// leader election. Writes by others (a hand-over request) are no sign of the owner's life
+/// and do not restart the count.
 #[derive(Debug, Default)]
-struct Observed(BTreeMap<String, (OwnerWrite, Instant)>);
+struct Observed(BTreeMap<String, (String, Instant)>);
 
-/// A lease's last write by its owner.
-type OwnerWrite = (Option<String>, i64);
+/// A lease's last write by its owner: its owner and the time the owner wrote.
+fn lease_version(lease: &Lease) -> String {
+    format!("{:?}@{}", lease.owner, lease.timestamp)
+}
 
-fn owner_write(lease: &Lease) -> OwnerWrite {
-    (lease.owner.clone(), lease.timestamp)
+/// A heartbeat's last write (only its holder writes it).
+fn beat_version(beat: &Beat) -> String {
+    beat.etag
+        .clone()
+        .unwrap_or_else(|| beat.timestamp.to_string())
 }
 
 impl Observed {
-    /// Notes the leases as read now; forgets those that are gone.
-    fn see(&mut self, leases: &[Lease], now: Instant) {
-        self.0.retain(|id, _| leases.iter().any(|l| &l.id == id));
-        for lease in leases {
-            let write = owner_write(lease);
-            match self.0.get(&lease.id) {
-                Some((seen, _)) if *seen == write => {}
+    /// Notes the leases and heartbeats as read now; forgets those that are gone.
+    fn see(&mut self, leases: &[Lease], beats: &[Beat], now: Instant) {
+        let versions: BTreeMap<&str, String> = leases
+            .iter()
+            .map(|l| (l.id.as_str(), lease_version(l)))
+            .chain(beats.iter().map(|b| (b.id.as_str(), beat_version(b))))
+            .collect();
+        self.0.retain(|id, _| versions.contains_key(id.as_str()));
+        for (id, version) in versions {
+            match self.0.get(id) {
+                Some((seen, _)) if *seen == version => {}
                 _ => {
-                    self.0.insert(lease.id.clone(), (write, now));
+                    self.0.insert(id.to_owned(), (version, now));
                 }
             }
         }
     }
 
-    /// How long this host has seen `lease`'s owner's last write as the last.
-    fn unchanged_for(&self, lease: &Lease, now: Instant) -> Duration {
-        match self.0.get(&lease.id) {
-            Some((seen, since)) if *seen == owner_write(lease) => now - *since,
+    /// How long this host has seen `version` as the last of document `id`.
+    fn unchanged_for(&self, id: &str, version: &str, now: Instant) -> Duration {
+        match self.0.get(id) {
+            Some((seen, since)) if seen == version => now - *since,
             _ => Duration::ZERO,
         }
     }
+}
+
+/// A heartbeat that landed: when it was sent, and the leases it listed.
+#[derive(Clone, Debug)]
+pub(crate) struct Beaten {
+    pub(crate) sent: Instant,
+    pub(crate) leases: Vec<String>,
 }
 
 /// Deliveries that outlive their range (long work under a lock of its own, settles that keep
@@ -271,6 +292,9 @@ pub struct Host<H> {
     options: HostOptions,
     stats: Arc<ConsumerStats>,
     leftovers: Leftovers,
+    /// This host's last heartbeat that landed: its ranges whose leases ride on it are surely
+    /// theirs until it was sent plus the expiry (see [`crate::lease::Beat`]).
+    beat: watch::Sender<Option<Beaten>>,
 }
 
 impl<H: Handler> Host<H> {
@@ -295,6 +319,7 @@ impl<H: Handler> Host<H> {
             options,
             stats: Arc::default(),
             leftovers: Leftovers::default(),
+            beat: watch::Sender::new(None),
         }
     }
 
@@ -329,11 +354,16 @@ impl<H: Handler> Host<H> {
         let mut acquire_at = Instant::now();
         let mut sweep = tokio::time::interval(self.options.sweep_interval);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut beat_at = Instant::now();
         loop {
             while sweeps.try_join_next().is_some() {}
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
+                // A host without leases has nothing to keep alive.
+                _ = tokio::time::sleep_until(beat_at), if self.options.host_heartbeat && !owned.is_empty() => {
+                    beat_at = self.heartbeat(owned.keys().cloned().collect()).await;
+                }
                 _ = tokio::time::sleep_until(acquire_at) => {
                     let round = self
                         .balance_round(&mut owned, &mut observed, &permits, &deliverer, &tracker)
@@ -362,6 +392,11 @@ impl<H: Handler> Host<H> {
             let _ = running.task.await;
         }
         while sweeps.join_next().await.is_some() {}
+        if self.options.host_heartbeat {
+            if let Err(e) = self.store.forget_beat(&self.options.holder()).await {
+                debug!(group = self.group.name(), error = %e, "heartbeat not removed; it expires by itself");
+            }
+        }
         tracker.close();
         if !tracker.is_empty() {
             info!(group = self.group.name(), host = %self.options.holder(), deliveries = tracker.len(), "waiting for deliveries of lost ranges to settle");
@@ -373,13 +408,36 @@ impl<H: Handler> Host<H> {
         Ok(())
     }
 
+    /// Writes this host's heartbeat for the leases it runs; returns when the next one is due
+    /// (sooner after a failure).
+    async fn heartbeat(&self, leases: Vec<String>) -> Instant {
+        let sent = Instant::now();
+        let expire = duration_ms(self.options.lease_expire);
+        let holder = self.options.holder();
+        match self
+            .store
+            .beat(&holder, leases.clone(), self.now(), expire)
+            .await
+        {
+            Ok(_) => {
+                self.beat.send_replace(Some(Beaten { sent, leases }));
+                sent + self.options.lease_renew
+            }
+            Err(e) => {
+                ConsumerStats::bump(&self.stats.errors);
+                warn!(group = self.group.name(), host = %self.options.holder(), error = %e, "heartbeat failed; its leases are renewed one by one meanwhile");
+                Instant::now() + Duration::from_millis(200).min(self.options.lease_renew)
+            }
+        }
+    }
+
     /// How long `lease` must be seen unchanged before it is expired, as this host judges it.
     fn expiry_of(&self, lease: &Lease) -> Duration {
         expiry_of(&self.options, lease)
     }
 
-    fn takeable(&self, lease: &Lease, observed: &Observed, now: Instant) -> bool {
-        takeable(&self.options, lease, observed, now)
+    fn takeable(&self, lease: &Lease, beats: &[Beat], observed: &Observed, now: Instant) -> bool {
+        takeable(&self.options, lease, beats, observed, now)
     }
 
     /// One acquire round: reap ended ranges, create/split leases, take what balance needs.
@@ -424,11 +482,12 @@ impl<H: Handler> Host<H> {
         // lease that changed since is not expired).
         let reconciled = self
             .store
-            .reconcile_judged(now, self.options.leases_per_partition, |l| {
-                !owned.contains_key(&l.id) && self.takeable(l, observed, seen_at)
+            .reconcile_judged(now, self.options.leases_per_partition, |l, beats| {
+                !owned.contains_key(&l.id) && self.takeable(l, beats, observed, seen_at)
             })
             .await?;
-        observed.see(&reconciled.leases, seen_at);
+        observed.see(&reconciled.leases, &reconciled.beats, seen_at);
+        let beats = &reconciled.beats;
         for id in &reconciled.split_pending {
             if let Some(running) = owned.get(id) {
                 info!(group = self.group.name(), lease = %id, "range split: handing the lease back so it can be split");
@@ -442,7 +501,7 @@ impl<H: Handler> Host<H> {
             .map(|l| LeaseView {
                 id: l.id.clone(),
                 owner: l.owner.clone(),
-                expired: !owned.contains_key(&l.id) && self.takeable(l, observed, seen_at),
+                expired: !owned.contains_key(&l.id) && self.takeable(l, beats, observed, seen_at),
             })
             .collect();
         for take in balance::plan(&views, &me) {
@@ -457,7 +516,7 @@ impl<H: Handler> Host<H> {
             // Being handed over to the host that asked for it — unless its owner is gone
             // (expired by what this host has seen): whoever saw that first recovers it.
             if lease.reserved_for_other(&me, now, expire)
-                && (lease.owner.is_none() || !self.takeable(lease, observed, seen_at))
+                && (lease.owner.is_none() || !self.takeable(lease, beats, observed, seen_at))
             {
                 continue;
             }
@@ -503,6 +562,7 @@ impl<H: Handler> Host<H> {
                         stats: Arc::clone(&self.stats),
                         deliveries: tracker.clone(),
                         leftovers: self.leftovers.clone(),
+                        beat: self.beat.subscribe(),
                     };
                     let id = lease.id.clone();
                     let range = (lease.min_epk.clone(), lease.max_epk.clone());
@@ -585,9 +645,16 @@ fn expiry_of(options: &HostOptions, lease: &Lease) -> Duration {
 }
 
 /// Whether a host with `options` may take `lease` now without its owner handing it over
-/// (pure): it is free, or this host has seen it unchanged for its expiry, or it is a previous
-/// life of this very host whose window holds nothing that may still be in the app.
-fn takeable(options: &HostOptions, lease: &Lease, observed: &Observed, now: Instant) -> bool {
+/// (pure): it is free, or this host has seen it unchanged for its expiry (and, where its
+/// holder's heartbeat keeps it, that heartbeat unchanged for the lease expiry), or it is a
+/// previous life of this very host whose window holds nothing that may still be in the app.
+fn takeable(
+    options: &HostOptions,
+    lease: &Lease,
+    beats: &[Beat],
+    observed: &Observed,
+    now: Instant,
+) -> bool {
     let Some(owner) = &lease.owner else {
         return true;
     };
@@ -606,7 +673,10 @@ fn takeable(options: &HostOptions, lease: &Lease, observed: &Observed, now: Inst
             return true;
         }
     }
-    observed.unchanged_for(lease, now) >= expiry_of(options, lease)
+    observed.unchanged_for(&lease.id, &lease_version(lease), now) >= expiry_of(options, lease)
+        && lease.riding(beats).is_none_or(|beat| {
+            observed.unchanged_for(&beat.id, &beat_version(beat), now) >= options.lease_expire
+        })
 }
 
 /// Who held `id` before (for the log).
@@ -657,6 +727,10 @@ mod tests {
         Renewed,
         /// Another host asks for it halfway (a hand-over request, no sign of the owner's life).
         Asked,
+        /// Its owner has a heartbeat, written again halfway.
+        Beaten,
+        /// Its owner has a heartbeat, not written since.
+        BeatSilent,
     }
 
     /// Take-over on this host's monotonic clock, on paused time: a lease of another host
@@ -690,6 +764,9 @@ mod tests {
             Case("a previous life's with work out, under the lock", Some(previous_life), true, Meanwhile::Nothing, secs(9), false),
             Case("a previous life's with work out, at the lock", Some(previous_life), true, Meanwhile::Nothing, secs(10), true),
             Case("this life's own, silent", Some(&holder), false, Meanwhile::Nothing, secs(59), false),
+            Case("another's, silent, its heartbeat written meanwhile", Some(other), false, Meanwhile::Beaten, secs(60), false),
+            Case("another's, silent, its heartbeat silent too", Some(other), false, Meanwhile::BeatSilent, secs(60), true),
+            Case("another's with work out, its heartbeat written meanwhile", Some(other), true, Meanwhile::Beaten, secs(10), true),
         ];
         for Case(what, owner, started, meanwhile, after, expected) in cases {
             let mut lease = Lease::new("g", "", "FF", None, 1_000);
@@ -698,22 +775,32 @@ mod tests {
             if started {
                 lease.window.started = vec!["m|\"k\"".into()];
             }
+            let mut beats = match meanwhile {
+                Meanwhile::Beaten | Meanwhile::BeatSilent => {
+                    vec![Beat {
+                        etag: Some("1".into()),
+                        ..Beat::new("g", other, vec![lease.id.clone()], 1_000, 60_000)
+                    }]
+                }
+                _ => Vec::new(),
+            };
             let mut observed = Observed::default();
             let start = Instant::now();
-            observed.see(std::slice::from_ref(&lease), start);
+            observed.see(std::slice::from_ref(&lease), &beats, start);
             tokio::time::advance(after / 2).await;
             match meanwhile {
-                Meanwhile::Nothing => {}
+                Meanwhile::Nothing | Meanwhile::BeatSilent => {}
+                Meanwhile::Beaten => beats[0].etag = Some("2".into()),
                 Meanwhile::Renewed => lease.timestamp += 30_000,
                 Meanwhile::Asked => {
                     lease.handover_to = Some("pod-c#2".into());
                     lease.handover_at = Some(31_000);
                 }
             }
-            observed.see(std::slice::from_ref(&lease), Instant::now());
+            observed.see(std::slice::from_ref(&lease), &beats, Instant::now());
             tokio::time::advance(after - after / 2).await;
             assert_eq!(
-                takeable(&options, &lease, &observed, Instant::now()),
+                takeable(&options, &lease, &beats, &observed, Instant::now()),
                 expected,
                 "{what}"
             );

@@ -34,7 +34,8 @@ use super::poll::AdaptivePoll;
 use super::reading::{continuation_ranges, Reading, Rewind, Seek, SubFeed};
 use super::replay_guard::Seen;
 use super::{
-    HostOptions, Leftovers, RangeExit, LEASE_READ_TRIES, LOST_AGAIN, MAX_IDLE_CHAINS, RELEASE_TRIES,
+    Beaten, HostOptions, Leftovers, RangeExit, LEASE_READ_TRIES, LOST_AGAIN, MAX_IDLE_CHAINS,
+    RELEASE_TRIES,
 };
 
 /// Reads one leased range and keeps its lease: renewals, checkpoints, release.
@@ -50,6 +51,8 @@ pub(super) struct RangeProcessor<H> {
     pub(super) deliveries: TaskTracker,
     /// Where those go when the range ends.
     pub(super) leftovers: Leftovers,
+    /// This host's last heartbeat that landed (see [`crate::lease::Beat`]).
+    pub(super) beat: watch::Receiver<Option<Beaten>>,
 }
 
 /// What a step of a range's loop leaves it with: go on, or stop with this exit (the lease is
@@ -237,35 +240,84 @@ impl<H: Handler> RangeProcessor<H> {
     /// Renews the lease. Fencing: when another host owns the range now, nothing more is read
     /// from it; when renewals keep failing, the range stops once the lease is no longer
     /// surely its own (see [`Reading::held`]).
+    ///
+    /// A lease whose window holds nothing the app may have rides on the host's heartbeat
+    /// instead (other hosts judge it by that, see [`crate::lease::Beat`]): it is read, not
+    /// written (1 RU, not a replace), to notice a hand-over request or a new owner as a renewal
+    /// would, and is surely this range's until the heartbeat's own deadline.
     pub(super) async fn renew(&self, r: &mut Reading) -> Step {
         let sent = Instant::now();
+        if let Some(until) = self.rides(r, sent) {
+            return match self.store.read(&r.lease.id).await {
+                Ok(Some(stored)) if same_version(&stored, &r.lease) => {
+                    r.held.send_if_modified(|held| {
+                        let later = until > *held;
+                        if later {
+                            *held = until;
+                        }
+                        later
+                    });
+                    r.renew_at = sent + self.options.lease_renew;
+                    None
+                }
+                Ok(_) => self.changed(r).await,
+                Err(e) => {
+                    warn!(error = %e, "lease check failed; retrying");
+                    r.renew_at = sent + Duration::from_millis(200).min(self.options.lease_renew);
+                    None
+                }
+            };
+        }
         match self.store.renew(&r.lease, self.now()).await {
             Ok(renewed) => {
                 r.lease = renewed;
                 r.written(sent, &self.options);
             }
-            // Changed but still ours: another host asked for it, or an earlier write whose
-            // answer was lost landed (the SDK's retry of it then finds a new ETag). Renewed
-            // again on what is there now, soon but not at once: a write that keeps landing
-            // unanswered must not spin.
-            Err(LeaseError::Lost) => match self.current(&r.lease).await {
-                Ok(Some(current)) if current.handover_to.is_some() => {
-                    r.hand_over(current);
-                    r.renew_at = Instant::now() + LOST_AGAIN;
-                }
-                Ok(Some(current)) => {
-                    r.lease = current;
-                    r.renew_at = Instant::now() + LOST_AGAIN;
-                }
-                _ => {
-                    warn!(owner = %self.options.holder(), in_flight = r.in_flight, "lease lost; stopped reading the range");
-                    return Some(RangeExit::Lost);
-                }
-            },
+            Err(LeaseError::Lost) => return self.changed(r).await,
             Err(LeaseError::Other(e)) => {
                 warn!(error = %e, "lease renewal failed; retrying");
                 r.renew_at =
                     Instant::now() + Duration::from_millis(200).min(self.options.lease_renew);
+            }
+        }
+        None
+    }
+
+    /// Until when the host's heartbeat keeps this range's lease, if it does and will until the
+    /// next check: nothing of the window may be in the app (what it advertises is judged by the
+    /// lease alone), and a heartbeat that lists the lease landed recently enough.
+    fn rides(&self, r: &Reading, now: Instant) -> Option<Instant> {
+        if r.lease.window.may_be_in_app() && !buggify::on(Bug::HeartbeatKeepsWindow) {
+            return None;
+        }
+        let expire = self.options.lease_expire;
+        let sent = self
+            .beat
+            .borrow()
+            .as_ref()
+            .filter(|b| b.leases.contains(&r.lease.id))?
+            .sent;
+        let until = sent + expire - expire / 10;
+        (until > now + self.options.lease_renew).then_some(until)
+    }
+
+    /// The lease changed under this range. Still ours: another host asked for it, or an
+    /// earlier write whose answer was lost landed (the SDK's retry of it then finds a new
+    /// ETag); renewed again on what is there now, soon but not at once (a write that keeps
+    /// landing unanswered must not spin). Otherwise the range stops.
+    async fn changed(&self, r: &mut Reading) -> Step {
+        match self.current(&r.lease).await {
+            Ok(Some(current)) if current.handover_to.is_some() => {
+                r.hand_over(current);
+                r.renew_at = Instant::now() + LOST_AGAIN;
+            }
+            Ok(Some(current)) => {
+                r.lease = current;
+                r.renew_at = Instant::now() + LOST_AGAIN;
+            }
+            _ => {
+                warn!(owner = %self.options.holder(), in_flight = r.in_flight, "lease lost; stopped reading the range");
+                return Some(RangeExit::Lost);
             }
         }
         None
@@ -962,6 +1014,13 @@ pub(super) enum StartAnswer {
     Granted,
     /// The lease is not surely this host's: nothing starts.
     Refused,
+}
+
+/// Whether `stored` is the version of the lease `held` was written or read as (ETags compare
+/// without their quotes: a write's header and a read's body may quote them differently).
+fn same_version(stored: &Lease, held: &Lease) -> bool {
+    let bare = |l: &Lease| l.etag.as_deref().map(|e| e.trim_matches('"').to_owned());
+    bare(stored).is_some() && bare(stored) == bare(held)
 }
 
 /// The answer to start requests `(unsure, follows)` (pure). A start is written first where a

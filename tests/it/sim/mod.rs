@@ -7,8 +7,8 @@
 //! - `COSMOSQ_SIM_CASES` histories (200 by default) from `COSMOSQ_SIM_SEED` (0);
 //! - `COSMOSQ_SIM_PLAN='<json>'` replays a plan a failure printed;
 //! - `COSMOSQ_SIM_LOG=debug` keeps the engine's logs of a failing history at that level;
-//! - `COSMOSQ_SIM_BUG=<Bug>` puts a defect back in a replay (and picks one for the mutation
-//!   test).
+//! - `COSMOSQ_SIM_BUG=<Bug>` puts a defect back in a replay or a search (and picks one for the
+//!   mutation test).
 //!
 //! The simulation is trusted because it is tested: each defect of `cosmosq_queue::buggify`
 //! put back must be found within a few cases (`the_simulation_finds_each_reintroduced_defect`).
@@ -199,7 +199,8 @@ fn simulated_histories_keep_every_promise() {
     let first = env_u64("COSMOSQ_SIM_SEED", 0);
     let cases = env_u64("COSMOSQ_SIM_CASES", 200);
     let started = Instant::now();
-    let (result, totals) = search(first, cases, &[]);
+    let bugs = bugs_from_env();
+    let (result, totals) = search(first, cases, &bugs);
     let wall = started.elapsed().as_secs_f64();
     println!(
         "simulation | {} histories from seed {first} | {:.0} s simulated in {wall:.1} s ({:.0} simulated s per wall s)",
@@ -214,8 +215,8 @@ fn simulated_histories_keep_every_promise() {
             error,
             log,
         } = *found;
-        let (small, small_error) = shrink(plan, error.clone(), &[], 40);
-        let saved = save(seed, &small, &world::run(&small, &[]).log);
+        let (small, small_error) = shrink(plan, error.clone(), &bugs, 40);
+        let saved = save(seed, &small, &world::run(&small, &bugs).log);
         panic!(
             "history {seed} broke a promise: {error}\n\
              replay it: COSMOSQ_SIM_SEED={seed} COSMOSQ_SIM_CASES=1 cargo test -p cosmosq-tests --test it sim:: -- --nocapture\n\
