@@ -72,6 +72,9 @@ pub(super) struct Report {
     /// Whether the app may have had it: what nothing could be recorded for is a redelivery
     /// for the range's next reader then, a first delivery otherwise.
     pub(super) reached: bool,
+    /// The range's previous holder listed it started: the app may have had it from that one,
+    /// whatever this range did with it.
+    pub(super) recovered: bool,
 }
 
 /// A delivery asks its range to start (the lease write path). Its start is listed on the

@@ -689,6 +689,7 @@ impl<H: Handler> RangeProcessor<H> {
         ) in handed.into_iter().zip(turns)
         {
             r.in_flight += 1;
+            let recovered = path == Route::Recovered;
             let reached = Arc::new(AtomicBool::new(false));
             let (promoted_tx, mut promoted) = oneshot::channel();
             let promotion = promoting.then(|| Promotion {
@@ -734,6 +735,7 @@ impl<H: Handler> RangeProcessor<H> {
                     expires_at,
                     fate,
                     reached: reached.load(Ordering::SeqCst),
+                    recovered,
                 };
                 let run = delivery.run(message, turn);
                 tokio::pin!(run);

@@ -9,6 +9,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{debug, info};
 
+use crate::buggify::{self, Bug};
 use crate::checkpoint::{Checkpoint, Completion, Fate};
 use crate::clock::duration_ms;
 use crate::cosmos::feed::FeedReader;
@@ -194,8 +195,13 @@ impl Reading {
             enqueued_at: report.enqueued_at,
             expires_at: report.expires_at,
         });
-        // Nothing recorded and the app never had it: the next reader delivers it as new.
-        let fate = match (report.fate, report.reached) {
+        // Nothing recorded and the app never had it: the next reader delivers it as new. One
+        // the previous holder listed started stays listed so, though this range never started
+        // it (it waited for a permit when the range was handed over): the app may have it from
+        // that holder, and its next reader delivers it again with the next count.
+        let recovered = report.recovered && !buggify::on(Bug::InheritedStartHandedOver);
+        let fate = match (report.fate, report.reached || recovered) {
+            (Fate::Unrecorded | Fate::Unstarted, true) if recovered => Fate::Unrecorded,
             (Fate::Unrecorded, false) => Fate::Unstarted,
             (fate, _) => fate,
         };

@@ -516,3 +516,50 @@ fn a_host_far_ahead_takes_no_live_lease() {
         panic!("the history breaks a promise: {error}");
     }
 }
+
+/// Scenario 11: a holder dies with more messages in the app than its restarted life has
+/// permits for; the range's lease lists them started. The new life redelivers what it has
+/// permits for and hands the range over (balance) before the last one's turn came: that one
+/// stays listed started, and the range's third holder delivers it with the next count, not
+/// at 1 again. (History 1054 of the random search, shrunk.)
+#[test]
+fn a_listed_start_handed_over_before_its_turn_keeps_its_count() {
+    let twice = |id: &str, key: Value, at_ms: u64, first: u64, second: u64| MessagePlan {
+        answers: [first, second]
+            .map(|work_ms| Answer {
+                kind: AnswerKind::Complete,
+                work_ms,
+            })
+            .to_vec(),
+        ..message(id, key, at_ms, 0)
+    };
+    let plan = plan(
+        9014,
+        GroupPlan {
+            lock_ms: 5_150,
+            promote_after_ms: 1_937,
+            ..group()
+        },
+        3,
+        vec![
+            twice("m3", json!(7), 509, 1325, 11082),
+            twice("m4", json!("tenant-a"), 84, 2244, 14067),
+            twice("m5", json!("k".repeat(1200)), 267, 1297, 10111),
+            twice("m6", json!(7), 485, 2152, 12934),
+            twice("m7", json!("tenant-a"), 516, 2953, 13828),
+            twice("m8", json!("k".repeat(1200)), 427, 1292, 13444),
+            twice("m9", json!("tenant-a"), 147, 1956, 9981),
+            twice("m10", json!("tenant-b"), 216, 2255, 8647),
+            twice("m12", json!(true), 424, 2822, 10780),
+        ],
+        vec![pod(0), pod(5_216)],
+        vec![at(
+            1_316,
+            Event::Kill {
+                pod: 0,
+                restart_after_ms: 0,
+            },
+        )],
+    );
+    pins(&plan, Bug::InheritedStartHandedOver, "counts not exact");
+}
