@@ -37,7 +37,7 @@ pub const BEAT_DOC_TYPE: &str = "host";
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Beat {
-    /// `host|<group>|<holder>`.
+    /// `host|<group>|<pod>|<incarnation>` (see [`beat_id`]).
     pub id: String,
     /// The group's lease partition ([`lease_pk`]).
     pub pk: String,
@@ -81,9 +81,10 @@ impl Beat {
 /// A heartbeat outlives its last write by at least this (s), and ten lease expiries.
 const BEAT_TTL_FLOOR_SECS: i64 = 3600;
 
-/// The id of `holder`'s heartbeat in `group`.
+/// The id of `holder`'s heartbeat in `group`: `host|<group>|<pod>|<incarnation>` (Cosmos DB
+/// ids may not hold `#`, which holders do).
 pub fn beat_id(group: &str, holder: &str) -> String {
-    format!("host|{group}|{holder}")
+    format!("host|{group}|{}", holder.replace('#', "|"))
 }
 
 /// A change-feed lease: one feed range of one group.
@@ -901,6 +902,11 @@ mod tests {
             "in the app: the lease alone"
         );
         assert_eq!(beats[0].ttl, 3600);
+        assert_eq!(
+            beat_id("g", "pod-1#5c1e9a0b"),
+            "host|g|pod-1|5c1e9a0b",
+            "Cosmos DB ids may not hold '#'"
+        );
         assert_eq!(lease.range_label(), "00..FF");
     }
 }

@@ -281,7 +281,8 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
 }
 
 /// One heartbeat per host keeps its idle leases: a host running four idle leases writes its
-/// heartbeat once a renewal interval and renews none of them (it reads each instead); another
+/// heartbeat once a renewal interval and renews none of them (its listing shows each unchanged,
+/// so it reads none either); another
 /// host gets two of them by hand-over (balance), never by expiry, however long they stay idle;
 /// and once the first host dies, the other takes the rest, only after the lease expiry.
 #[tokio::test(start_paused = true)]
@@ -324,10 +325,9 @@ async fn idle_leases_live_on_one_heartbeat_per_host_and_expire_with_it() {
         (19..=21).contains(&beats),
         "one heartbeat a renewal interval: {beats}"
     );
-    assert!(
-        (76..=84).contains(&reads),
-        "each lease read once an interval: {reads}"
-    );
+    // The host lists its leases every acquire interval, shorter than the renewal's: each
+    // check finds its lease unchanged there, and reads nothing.
+    assert_eq!(reads, 0, "no lease is read while the listing shows it");
 
     let b = start(&fixture, &config, fast("b"), ledger.completing());
     tokio::time::sleep(expire * 4).await;

@@ -207,6 +207,9 @@ struct Running {
     task: AbortOnDropHandle<RangeExit>,
     /// The lease's EPK range: this host sweeps the state of the messages in it.
     range: (String, String),
+    /// Until when the range surely holds its lease (see `Reading::held`): a range past it
+    /// (stopped, or stuck) is left out of the host's heartbeat.
+    held: watch::Receiver<Instant>,
 }
 
 /// When this host first saw each lease's last write by its owner, and each heartbeat's last
@@ -265,6 +268,13 @@ pub(crate) struct Beaten {
     pub(crate) leases: Vec<String>,
 }
 
+/// A listing of the group's leases: when it was asked for, and each lease's ETag.
+#[derive(Clone, Debug)]
+pub(crate) struct Listed {
+    pub(crate) at: Instant,
+    pub(crate) versions: BTreeMap<String, String>,
+}
+
 /// Deliveries that outlive their range (long work under a lock of its own, settles that keep
 /// trying until their lock expires), owned by the host: they go on after the range ends, and
 /// end with the host — a host dropped (its process killed) leaves nothing running.
@@ -295,6 +305,9 @@ pub struct Host<H> {
     /// This host's last heartbeat that landed: its ranges whose leases ride on it are surely
     /// theirs until it was sent plus the expiry (see [`crate::lease::Beat`]).
     beat: watch::Sender<Option<Beaten>>,
+    /// The leases' versions as this host's last listing found them: a riding range whose
+    /// lease is listed unchanged since its last check need not read it.
+    listed: watch::Sender<Option<Listed>>,
 }
 
 impl<H: Handler> Host<H> {
@@ -320,6 +333,7 @@ impl<H: Handler> Host<H> {
             stats: Arc::default(),
             leftovers: Leftovers::default(),
             beat: watch::Sender::new(None),
+            listed: watch::Sender::new(None),
         }
     }
 
@@ -355,6 +369,7 @@ impl<H: Handler> Host<H> {
         let mut sweep = tokio::time::interval(self.options.sweep_interval);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut beat_at = Instant::now();
+        let mut beat_failures = 0;
         loop {
             while sweeps.try_join_next().is_some() {}
             tokio::select! {
@@ -362,7 +377,15 @@ impl<H: Handler> Host<H> {
                 _ = shutdown.cancelled() => break,
                 // A host without leases has nothing to keep alive.
                 _ = tokio::time::sleep_until(beat_at), if self.options.host_heartbeat && !owned.is_empty() => {
-                    beat_at = self.heartbeat(owned.keys().cloned().collect()).await;
+                    // The ranges that run and hold their leases: a range that ended, or is past
+                    // its deadline, leaves its lease to expire as it always did.
+                    let now = Instant::now();
+                    let live = owned
+                        .iter()
+                        .filter(|(_, r)| !r.task.is_finished() && *r.held.borrow() > now)
+                        .map(|(id, _)| id.clone())
+                        .collect();
+                    (beat_at, beat_failures) = self.heartbeat(live, beat_failures).await;
                 }
                 _ = tokio::time::sleep_until(acquire_at) => {
                     let round = self
@@ -409,8 +432,8 @@ impl<H: Handler> Host<H> {
     }
 
     /// Writes this host's heartbeat for the leases it runs; returns when the next one is due
-    /// (sooner after a failure).
-    async fn heartbeat(&self, leases: Vec<String>) -> Instant {
+    /// (sooner after a failure, backing off to the renewal interval) and the failures in a row.
+    async fn heartbeat(&self, leases: Vec<String>, failures: u32) -> (Instant, u32) {
         let sent = Instant::now();
         let expire = duration_ms(self.options.lease_expire);
         let holder = self.options.holder();
@@ -421,12 +444,16 @@ impl<H: Handler> Host<H> {
         {
             Ok(_) => {
                 self.beat.send_replace(Some(Beaten { sent, leases }));
-                sent + self.options.lease_renew
+                (sent + self.options.lease_renew, 0)
             }
             Err(e) => {
                 ConsumerStats::bump(&self.stats.errors);
-                warn!(group = self.group.name(), host = %self.options.holder(), error = %e, "heartbeat failed; its leases are renewed one by one meanwhile");
-                Instant::now() + Duration::from_millis(200).min(self.options.lease_renew)
+                warn!(group = self.group.name(), host = %self.options.holder(), error = %e, failures = failures + 1, "heartbeat failed; trying again (ranges renew their own leases before the last heartbeat's deadline)");
+                let wait = Duration::from_millis(200).saturating_mul(1 << failures.min(8));
+                (
+                    Instant::now() + wait.min(self.options.lease_renew),
+                    failures + 1,
+                )
             }
         }
     }
@@ -487,6 +514,14 @@ impl<H: Handler> Host<H> {
             })
             .await?;
         observed.see(&reconciled.leases, &reconciled.beats, seen_at);
+        self.listed.send_replace(Some(Listed {
+            at: seen_at,
+            versions: reconciled
+                .leases
+                .iter()
+                .filter_map(|l| Some((l.id.clone(), l.etag.clone()?)))
+                .collect(),
+        }));
         let beats = &reconciled.beats;
         for id in &reconciled.split_pending {
             if let Some(running) = owned.get(id) {
@@ -542,6 +577,8 @@ impl<H: Handler> Host<H> {
                 }
                 warn!(group = self.group.name(), lease = %lease.range_label(), owner = %victim, "the owner did not hand the lease over in time; taking it");
             }
+            // The lease is surely this host's from when the acquiring write was sent.
+            let sent = Instant::now();
             match self.store.acquire(lease, &me, now).await {
                 Ok(lease) => {
                     match &take.steal_from {
@@ -563,16 +600,30 @@ impl<H: Handler> Host<H> {
                         deliveries: tracker.clone(),
                         leftovers: self.leftovers.clone(),
                         beat: self.beat.subscribe(),
+                        listed: self.listed.subscribe(),
+                        // What the range's first write makes it (the range sets it as it
+                        // starts): so the host's next heartbeat lists the lease.
+                        held: Arc::new(watch::Sender::new(
+                            sent + self.options.lease_expire - self.options.lease_expire / 10,
+                        )),
                     };
                     let id = lease.id.clone();
                     let range = (lease.min_epk.clone(), lease.max_epk.clone());
-                    let sent = Instant::now();
+                    let held = processor.held.subscribe();
                     let task = AbortOnDropHandle::new(tokio::spawn(processor.run(
                         lease,
                         sent,
                         stop.clone(),
                     )));
-                    owned.insert(id, Running { stop, task, range });
+                    owned.insert(
+                        id,
+                        Running {
+                            stop,
+                            task,
+                            range,
+                            held,
+                        },
+                    );
                     ConsumerStats::bump(&self.stats.leases_acquired);
                 }
                 Err(LeaseError::Lost) => {

@@ -34,8 +34,8 @@ use super::poll::AdaptivePoll;
 use super::reading::{continuation_ranges, Reading, Rewind, Seek, SubFeed};
 use super::replay_guard::Seen;
 use super::{
-    Beaten, HostOptions, Leftovers, RangeExit, LEASE_READ_TRIES, LOST_AGAIN, MAX_IDLE_CHAINS,
-    RELEASE_TRIES,
+    Beaten, HostOptions, Leftovers, Listed, RangeExit, LEASE_READ_TRIES, LOST_AGAIN,
+    MAX_IDLE_CHAINS, RELEASE_TRIES,
 };
 
 /// Reads one leased range and keeps its lease: renewals, checkpoints, release.
@@ -53,6 +53,10 @@ pub(super) struct RangeProcessor<H> {
     pub(super) leftovers: Leftovers,
     /// This host's last heartbeat that landed (see [`crate::lease::Beat`]).
     pub(super) beat: watch::Receiver<Option<Beaten>>,
+    /// The host's last listing of the leases.
+    pub(super) listed: watch::Receiver<Option<Listed>>,
+    /// Its deadline, which the host watches (see [`Reading::held`]).
+    pub(super) held: Arc<watch::Sender<Instant>>,
 }
 
 /// What a step of a range's loop leaves it with: go on, or stop with this exit (the lease is
@@ -201,7 +205,6 @@ impl<H: Handler> RangeProcessor<H> {
         );
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let (start_tx, start_rx) = mpsc::unbounded_channel();
-        let (held, _) = watch::channel(acquired);
         let mut r = Reading {
             checkpoint,
             lease,
@@ -228,8 +231,9 @@ impl<H: Handler> RangeProcessor<H> {
             windowed,
             unwritten: false,
             written_at: acquired,
+            checked_at: acquired,
             renew_at: acquired,
-            held,
+            held: Arc::clone(&self.held),
             seen: config.lease_recorded().then(Seen::default),
             rewind,
         };
@@ -242,14 +246,23 @@ impl<H: Handler> RangeProcessor<H> {
     /// surely its own (see [`Reading::held`]).
     ///
     /// A lease whose window holds nothing the app may have rides on the host's heartbeat
-    /// instead (other hosts judge it by that, see [`crate::lease::Beat`]): it is read, not
-    /// written (1 RU, not a replace), to notice a hand-over request or a new owner as a renewal
-    /// would, and is surely this range's until the heartbeat's own deadline.
+    /// instead (other hosts judge it by that, see [`crate::lease::Beat`]): it is checked, not
+    /// written, to notice a hand-over request or a new owner as a renewal would — in the host's
+    /// listing when one was made since the last check, else by a read (1 RU, not a replace) —
+    /// and is surely this range's until the heartbeat's own deadline.
     pub(super) async fn renew(&self, r: &mut Reading) -> Step {
         let sent = Instant::now();
         if let Some(until) = self.rides(r, sent) {
-            return match self.store.read(&r.lease.id).await {
-                Ok(Some(stored)) if same_version(&stored, &r.lease) => {
+            let unchanged = match self.listed_since(r) {
+                Some(listed) => Ok(Some(listed)),
+                None => self.store.read(&r.lease.id).await.map(|stored| {
+                    stored
+                        .filter(|stored| same_version(stored, &r.lease))
+                        .map(|_| sent)
+                }),
+            };
+            return match unchanged {
+                Ok(Some(checked)) => {
                     r.held.send_if_modified(|held| {
                         let later = until > *held;
                         if later {
@@ -257,6 +270,7 @@ impl<H: Handler> RangeProcessor<H> {
                         }
                         later
                     });
+                    r.checked_at = checked;
                     r.renew_at = sent + self.options.lease_renew;
                     None
                 }
@@ -284,10 +298,12 @@ impl<H: Handler> RangeProcessor<H> {
     }
 
     /// Until when the host's heartbeat keeps this range's lease, if it does and will until the
-    /// next check: nothing of the window may be in the app (what it advertises is judged by the
-    /// lease alone), and a heartbeat that lists the lease landed recently enough.
+    /// next check: the range has nothing in flight and nothing of the window may be in the app
+    /// (what the lease advertises then is judged by the lease alone), and a heartbeat that lists
+    /// the lease landed recently enough.
     fn rides(&self, r: &Reading, now: Instant) -> Option<Instant> {
-        if r.lease.window.may_be_in_app() && !buggify::on(Bug::HeartbeatKeepsWindow) {
+        let busy = r.in_flight > 0 || r.lease.window.may_be_in_app();
+        if busy && !buggify::on(Bug::HeartbeatKeepsWindow) {
             return None;
         }
         let expire = self.options.lease_expire;
@@ -299,6 +315,15 @@ impl<H: Handler> RangeProcessor<H> {
             .sent;
         let until = sent + expire - expire / 10;
         (until > now + self.options.lease_renew).then_some(until)
+    }
+
+    /// When the host's listing, made since this range last knew its lease unchanged, found it
+    /// unchanged still.
+    fn listed_since(&self, r: &Reading) -> Option<Instant> {
+        let listed = self.listed.borrow();
+        let listed = listed.as_ref().filter(|l| l.at > r.checked_at)?;
+        let etag = listed.versions.get(&r.lease.id)?;
+        (Some(bare(etag)) == r.lease.etag.as_deref().map(bare)).then_some(listed.at)
     }
 
     /// The lease changed under this range. Still ours: another host asked for it, or an
@@ -1021,8 +1046,15 @@ pub(super) enum StartAnswer {
 /// Whether `stored` is the version of the lease `held` was written or read as (ETags compare
 /// without their quotes: a write's header and a read's body may quote them differently).
 fn same_version(stored: &Lease, held: &Lease) -> bool {
-    let bare = |l: &Lease| l.etag.as_deref().map(|e| e.trim_matches('"').to_owned());
-    bare(stored).is_some() && bare(stored) == bare(held)
+    fn etag(l: &Lease) -> Option<&str> {
+        l.etag.as_deref().map(bare)
+    }
+    etag(stored).is_some() && etag(stored) == etag(held)
+}
+
+/// An ETag without its quotes.
+fn bare(etag: &str) -> &str {
+    etag.trim_matches('"')
 }
 
 /// The answer to start requests `(unsure, follows)` (pure). A start is written first where a

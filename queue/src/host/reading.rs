@@ -56,11 +56,14 @@ pub(super) struct Reading {
     pub(super) unwritten: bool,
     /// When the last lease write that landed was sent, and the next renewal is due.
     pub(super) written_at: Instant,
+    /// When the lease was last known to be this range's version: a write of it that landed
+    /// was sent, or a check found it unchanged.
+    pub(super) checked_at: Instant,
     pub(super) renew_at: Instant,
     /// Until when the lease is surely this range's: its last write plus the expiry other
     /// hosts judge that version by, minus a margin. Past it nothing starts, and first
     /// deliveries whose lock is the lease are cut.
-    pub(super) held: watch::Sender<Instant>,
+    pub(super) held: std::sync::Arc<watch::Sender<Instant>>,
     /// The lease write path: where each sub-range of the feed was read up to (see [`SubFeed`]).
     pub(super) rewind: Option<Rewind>,
     /// The lease write path: identities this processor has read, newest last (bounded): a
@@ -239,6 +242,7 @@ impl Reading {
             .max(1) as u64;
         let expiry = Duration::from_millis(expiry);
         self.written_at = sent;
+        self.checked_at = sent;
         self.renew_at = sent + options.lease_renew.min(expiry / 3);
         self.held.send_replace(sent + expiry - expiry / 10);
         // A hand-over request may have come between this range's writes (one retried on the

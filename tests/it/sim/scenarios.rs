@@ -563,3 +563,23 @@ fn a_listed_start_handed_over_before_its_turn_keeps_its_count() {
     );
     pins(&plan, Bug::InheritedStartHandedOver, "counts not exact");
 }
+
+/// Scenario 13: a host whose range has a delivery in the app under the lease's lock renews
+/// that lease itself, whatever its heartbeat: other hosts judge such a lease by itself and its
+/// lock, so a lease left to the heartbeat would be taken over while the app still works.
+#[test]
+fn a_lease_with_work_in_the_app_is_renewed_by_itself() {
+    let plan = plan(
+        9016,
+        GroupPlan {
+            lock_ms: 2_000,
+            promote_after_ms: 20_000,
+            ..group()
+        },
+        1,
+        vec![message("m1", json!("a"), 100, 8_000)],
+        vec![pod(0), pod(500)],
+        vec![],
+    );
+    pins(&plan, Bug::HeartbeatKeepsWindow, "in the app twice at once");
+}

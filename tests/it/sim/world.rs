@@ -295,7 +295,7 @@ pub fn group_config(plan: &Plan, g: usize) -> GroupConfig {
 /// The fault switches: one rule per (fault, operation), shared by every pod's client, and a
 /// partition rule per pod. All start off.
 struct Faults {
-    shared: BTreeMap<(u8, u8), Arc<FaultInjectionRule>>,
+    shared: BTreeMap<(u8, u8), Vec<Arc<FaultInjectionRule>>>,
     partitions: Vec<Arc<FaultInjectionRule>>,
 }
 
@@ -338,26 +338,39 @@ impl Faults {
                             .build(),
                     ),
                 };
-                let operation = match op {
-                    Op::Create => FaultOperationType::CreateItem,
-                    Op::Replace => FaultOperationType::ReplaceItem,
-                    Op::Read => FaultOperationType::ReadItem,
-                    Op::Query => FaultOperationType::QueryItem,
-                    Op::Feed => FaultOperationType::ChangeFeedItem,
-                    Op::Batch => FaultOperationType::BatchItem,
+                // A write of a document that exists: a replace, and the upserts and deletes
+                // of the hosts' heartbeats (a seed draws the same `Op`s as before).
+                let operations: &[FaultOperationType] = match op {
+                    Op::Create => &[FaultOperationType::CreateItem],
+                    Op::Replace => &[
+                        FaultOperationType::ReplaceItem,
+                        FaultOperationType::UpsertItem,
+                        FaultOperationType::DeleteItem,
+                    ],
+                    Op::Read => &[FaultOperationType::ReadItem],
+                    Op::Query => &[FaultOperationType::QueryItem],
+                    Op::Feed => &[FaultOperationType::ChangeFeedItem],
+                    Op::Batch => &[FaultOperationType::BatchItem],
                 };
-                let rule = FaultInjectionRuleBuilder::new(
-                    format!("{fault:?}-{op:?}"),
-                    result.with_probability(1.0).build(),
-                )
-                .with_condition(
-                    FaultInjectionConditionBuilder::new()
-                        .with_operation_type(operation)
-                        .build(),
-                )
-                .build();
-                rule.disable();
-                shared.insert((fault_code(fault), op_code(op)), Arc::new(rule));
+                let result = result.with_probability(1.0).build();
+                let rules = operations
+                    .iter()
+                    .map(|operation| {
+                        let rule = FaultInjectionRuleBuilder::new(
+                            format!("{fault:?}-{operation:?}"),
+                            result.clone(),
+                        )
+                        .with_condition(
+                            FaultInjectionConditionBuilder::new()
+                                .with_operation_type(*operation)
+                                .build(),
+                        )
+                        .build();
+                        rule.disable();
+                        Arc::new(rule)
+                    })
+                    .collect();
+                shared.insert((fault_code(fault), op_code(op)), rules);
             }
         }
         let partitions = (0..pods)
@@ -379,12 +392,12 @@ impl Faults {
 
     fn rules_of(&self, pod: usize) -> Vec<Arc<FaultInjectionRule>> {
         std::iter::once(Arc::clone(&self.partitions[pod]))
-            .chain(self.shared.values().cloned())
+            .chain(self.shared.values().flatten().cloned())
             .collect()
     }
 
     fn all_off(&self) {
-        for rule in self.shared.values().chain(&self.partitions) {
+        for rule in self.shared.values().flatten().chain(&self.partitions) {
             rule.disable();
         }
     }
@@ -802,11 +815,15 @@ impl World {
                 }))
             }
             Event::Fault { fault, op, for_ms } => {
-                let rule = Arc::clone(&self.faults.shared[&(fault_code(fault), op_code(op))]);
-                rule.enable();
+                let rules = self.faults.shared[&(fault_code(fault), op_code(op))].clone();
+                for rule in &rules {
+                    rule.enable();
+                }
                 Some(tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_millis(for_ms)).await;
-                    rule.disable();
+                    for rule in &rules {
+                        rule.disable();
+                    }
                 }))
             }
             Event::ClockJump { pod, by_ms } => {
