@@ -58,12 +58,16 @@ pub enum Bug {
     /// next one but not started before it handed the range over (it waited for a permit), is
     /// listed unstarted: the range's third holder delivers it at count 1 again.
     InheritedStartHandedOver,
+    /// Counts: the time a delivery's refusals began is kept after the app was reached, so a
+    /// refusal after an in-place retry (an ordered group's, once the app crashed) counts as
+    /// a whole lock duration of them at once: an attempt the app never saw is counted.
+    RefusalsNeverForgotten,
 }
 
 impl Bug {
     /// Every defect, in the order of the numbered scenarios (`tests/it/sim/scenarios.rs`), then
     /// the checks' own.
-    pub const ALL: [Bug; 14] = [
+    pub const ALL: [Bug; 15] = [
         Bug::IdentityById,
         Bug::OrderedMoveForgetsPredecessor,
         Bug::RestartRetakesLease,
@@ -78,6 +82,7 @@ impl Bug {
         Bug::ScheduledStartListed,
         Bug::HeartbeatKeepsWindow,
         Bug::InheritedStartHandedOver,
+        Bug::RefusalsNeverForgotten,
     ];
 
     /// Whether the random search must find it by itself (the mutation test): the others
@@ -85,7 +90,10 @@ impl Bug {
     pub fn searched(self) -> bool {
         !matches!(
             self,
-            Bug::LateCompletionRace | Bug::ScheduledStartListed | Bug::InheritedStartHandedOver
+            Bug::LateCompletionRace
+                | Bug::ScheduledStartListed
+                | Bug::InheritedStartHandedOver
+                | Bug::RefusalsNeverForgotten
         )
     }
 

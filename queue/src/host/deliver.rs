@@ -644,6 +644,10 @@ impl<H: Handler> Deliverer<H> {
                 watch
                     .reached
                     .store(false, std::sync::atomic::Ordering::SeqCst);
+            } else if !buggify::on(Bug::RefusalsNeverForgotten) {
+                // The app had it: a later refusal (an in-place retry of an ordered group, once
+                // the app restarts) starts its own lock duration.
+                undelivered_since = None;
             }
             // Ordered groups retry in place, keeping the key, until the attempts run out.
             match outcome {

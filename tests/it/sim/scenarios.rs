@@ -564,6 +564,41 @@ fn a_listed_start_handed_over_before_its_turn_keeps_its_count() {
     pins(&plan, Bug::InheritedStartHandedOver, "counts not exact");
 }
 
+/// Scenario 12: an ordered group's app refuses the first connection, then takes the message
+/// and crashes; the in-place retry finds it restarting (refused again) and then completes it.
+/// The second refusal starts a lock duration of its own: the app sees counts 1 and 2, not 1
+/// and 3. (History 1428 of the random search, shrunk.)
+#[test]
+fn a_refusal_after_the_app_had_the_message_is_not_counted() {
+    let answers = [
+        (AnswerKind::Refused, 45),
+        (AnswerKind::Crash, 7_091),
+        (AnswerKind::Refused, 1_238),
+        (AnswerKind::Complete, 11_854),
+    ];
+    let plan = plan(
+        9015,
+        GroupPlan {
+            ordered: true,
+            max_attempts: 3,
+            lock_ms: 2_000,
+            promote_after_ms: 511,
+            concurrency: 64,
+            ..group()
+        },
+        2,
+        vec![MessagePlan {
+            answers: answers
+                .map(|(kind, work_ms)| Answer { kind, work_ms })
+                .to_vec(),
+            ..message("m32", json!(7), 0, 0)
+        }],
+        vec![pod(0)],
+        vec![],
+    );
+    pins(&plan, Bug::RefusalsNeverForgotten, "counts not exact");
+}
+
 /// Scenario 13: a host whose range has a delivery in the app under the lease's lock renews
 /// that lease itself, whatever its heartbeat: other hosts judge such a lease by itself and its
 /// lock, so a lease left to the heartbeat would be taken over while the app still works.
