@@ -62,12 +62,15 @@ pub enum Bug {
     /// refusal after an in-place retry (an ordered group's, once the app crashed) counts as
     /// a whole lock duration of them at once: an attempt the app never saw is counted.
     RefusalsNeverForgotten,
+    /// Recovery: a host without leases does not sweep, so a dead owner's claims whose lock ran
+    /// out wait for its lease to expire when the group runs more pods than leases.
+    LeaselessHostsDoNotSweep,
 }
 
 impl Bug {
     /// Every defect, in the order of the numbered scenarios (`tests/it/sim/scenarios.rs`), then
     /// the checks' own.
-    pub const ALL: [Bug; 15] = [
+    pub const ALL: [Bug; 16] = [
         Bug::IdentityById,
         Bug::OrderedMoveForgetsPredecessor,
         Bug::RestartRetakesLease,
@@ -83,6 +86,7 @@ impl Bug {
         Bug::HeartbeatKeepsWindow,
         Bug::InheritedStartHandedOver,
         Bug::RefusalsNeverForgotten,
+        Bug::LeaselessHostsDoNotSweep,
     ];
 
     /// Whether the random search must find it by itself (the mutation test): the others
@@ -94,6 +98,7 @@ impl Bug {
                 | Bug::ScheduledStartListed
                 | Bug::InheritedStartHandedOver
                 | Bug::RefusalsNeverForgotten
+                | Bug::LeaselessHostsDoNotSweep
         )
     }
 

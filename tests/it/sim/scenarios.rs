@@ -618,3 +618,33 @@ fn a_lease_with_work_in_the_app_is_renewed_by_itself() {
     );
     pins(&plan, Bug::HeartbeatKeepsWindow, "in the app twice at once");
 }
+
+/// Scenario 14: two pods share one lease (one partition); the one holding it dies with a
+/// message in the app on the claims path. The other, without a lease, sweeps the lock that ran
+/// out and delivers the message within the lock, not after the lease expiry. (History 1654 of
+/// the random search, shrunk.)
+#[test]
+fn a_host_without_leases_recovers_a_dead_owners_expired_lock() {
+    let plan = plan(
+        9017,
+        GroupPlan {
+            claims: true,
+            max_attempts: 3,
+            lock_ms: 2_000,
+            promote_after_ms: 1_600,
+            concurrency: 64,
+            ..group()
+        },
+        1,
+        vec![message("m0", Value::Null, 4_326, 983)],
+        vec![pod(0), pod(0)],
+        vec![at(
+            5_293,
+            Event::Kill {
+                pod: 0,
+                restart_after_ms: 20_000,
+            },
+        )],
+    );
+    pins(&plan, Bug::LeaselessHostsDoNotSweep, "recovered late");
+}
