@@ -59,7 +59,7 @@ pub struct LeaseRow {
     pub max_epk: String,
     pub owner: Option<String>,
     pub checkpointed: bool,
-    /// The owner's last renewal or checkpoint (RFC 3339).
+    /// The owner's last renewal, checkpoint or heartbeat that keeps the lease (RFC 3339).
     pub heartbeat: String,
     pub expired: bool,
 }
@@ -304,6 +304,36 @@ mod tests {
             .await
             .unwrap();
         queue
+    }
+
+    /// An idle lease lives on its holder's heartbeat: its own timestamp is old, and it is not
+    /// shown expired while a heartbeat that lists it is fresh.
+    #[tokio::test]
+    async fn an_idle_lease_is_shown_alive_by_its_holders_heartbeat() {
+        let queue = queue_with_work().await;
+        let store = LeaseStore::new(queue.clone(), "billing");
+        let lease = store.list().await.unwrap().remove(0);
+        let holder = "worker-1#5c1e9a0b";
+        let taken = store.acquire(&lease, holder, 1_000).await.unwrap();
+        let now = 1_000 + 2 * LEASE_EXPIRY_MS;
+        let shown = |rows: Vec<LeaseRow>| {
+            let row = rows
+                .into_iter()
+                .find(|r| r.owner.as_deref() == Some(holder));
+            row.map(|r| (r.expired, r.heartbeat)).unwrap()
+        };
+        let old = shown(leases(&queue, Some("billing"), now).await.unwrap());
+        assert_eq!(old, (true, format_ms(1_000)), "no heartbeat: expired");
+        store
+            .beat(holder, vec![taken.id.clone()], now - 1_000, LEASE_EXPIRY_MS)
+            .await
+            .unwrap();
+        let kept = shown(leases(&queue, Some("billing"), now).await.unwrap());
+        assert_eq!(
+            kept,
+            (false, format_ms(now - 1_000)),
+            "its heartbeat keeps it"
+        );
     }
 
     #[tokio::test]

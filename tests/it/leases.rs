@@ -280,16 +280,32 @@ async fn graceful_stop_releases_leases_for_another_host_at_once() {
     );
 }
 
-/// One heartbeat per host keeps its idle leases: a host running four idle leases writes its
-/// heartbeat once a renewal interval and renews none of them (its listing shows each unchanged,
-/// so it reads none either); another
-/// host gets two of them by hand-over (balance), never by expiry, however long they stay idle;
-/// and once the first host dies, the other takes the rest, only after the lease expiry.
+/// One heartbeat per host keeps its idle leases, in both modes and on both exclusive write
+/// paths: a host running four idle leases writes its heartbeat once a renewal interval and
+/// renews none of them (its listing shows each unchanged, so it reads none either); another
+/// host gets two of them for balance (by hand-over, or stolen on the claims path), never by
+/// expiry, however long they stay idle; and once the first host dies, the other takes the
+/// rest, only after the lease expiry.
 #[tokio::test(start_paused = true)]
 async fn idle_leases_live_on_one_heartbeat_per_host_and_expire_with_it() {
+    for (config, stolen) in [
+        (GroupConfig::new("g"), 0),
+        (
+            GroupConfig::new("g").with_exclusive_writes(ExclusiveWrites::Claims),
+            2,
+        ),
+        (GroupConfig::new("g").with_mode(DeliveryMode::Stream), 0),
+    ] {
+        idle_on_one_heartbeat(config, stolen).await;
+    }
+}
+
+/// The test above for one group: `stolen`, how many leases balance steals from the first host
+/// (the claims path does not hand leases over).
+async fn idle_on_one_heartbeat(config: GroupConfig, stolen: u64) {
+    let what = format!("{:?} {:?}", config.mode, config.exclusive_writes);
     let fixture = Fixture::paused(4).await;
     let ledger = Ledger::new();
-    let config = GroupConfig::new("g");
     let options = fast("a");
     let (renew, expire) = (options.lease_renew, options.lease_expire);
     let a = start(&fixture, &config, options, ledger.completing());
@@ -320,25 +336,32 @@ async fn idle_leases_live_on_one_heartbeat_per_host_and_expire_with_it() {
         calls("read lease"),
     ];
     let [renewals, beats, reads] = [0, 1, 2].map(|i| after[i] - before[i]);
-    assert_eq!(renewals, 0, "idle leases are not renewed one by one");
+    assert_eq!(
+        renewals, 0,
+        "{what}: idle leases are not renewed one by one"
+    );
     assert!(
         (19..=21).contains(&beats),
-        "one heartbeat a renewal interval: {beats}"
+        "{what}: one heartbeat a renewal interval: {beats}"
     );
     // The host lists its leases every acquire interval, shorter than the renewal's: each
     // check finds its lease unchanged there, and reads nothing.
-    assert_eq!(reads, 0, "no lease is read while the listing shows it");
+    assert_eq!(
+        reads, 0,
+        "{what}: no lease is read while the listing shows it"
+    );
 
     let b = start(&fixture, &config, fast("b"), ledger.completing());
     tokio::time::sleep(expire * 4).await;
     let mut held = owners(&fixture, "g").await;
     held.sort();
     let two_each: Vec<Option<String>> = ["a", "a", "b", "b"].map(|h| Some(h.into())).to_vec();
+    assert_eq!(held, two_each, "{what}: balanced");
     assert_eq!(
-        held, two_each,
-        "balanced by hand-over, nothing taken as expired"
+        a.stats.leases_lost.load(Ordering::Relaxed),
+        stolen,
+        "{what}: what balance did not move is not taken as expired"
     );
-    assert_eq!(a.stats.leases_lost.load(Ordering::Relaxed), 0);
 
     // a dies: no release, no last heartbeat.
     a.task.abort();
@@ -352,13 +375,16 @@ async fn idle_leases_live_on_one_heartbeat_per_host_and_expire_with_it() {
             .filter(|o| o.as_deref() == Some("a"))
             .count();
         if a_held > 0 {
-            assert!(died.elapsed() < expire * 3, "a's leases were never taken");
+            assert!(
+                died.elapsed() < expire * 3,
+                "{what}: a's leases were never taken"
+            );
         }
     }
     // Its last heartbeat may have been written up to a renewal interval before it died.
     assert!(
         died.elapsed() >= expire - renew,
-        "taken {:?} after a died, before the expiry",
+        "{what}: taken {:?} after a died, before the expiry",
         died.elapsed()
     );
     enqueue(&fixture, 0..50).await;

@@ -230,7 +230,6 @@ impl<H: Handler> RangeProcessor<H> {
             in_feed_order: None,
             windowed,
             unwritten: false,
-            written_at: acquired,
             checked_at: acquired,
             renew_at: acquired,
             held: Arc::clone(&self.held),

@@ -54,11 +54,10 @@ pub(super) struct Reading {
     pub(super) windowed: bool,
     /// The window changed since the lease was last written.
     pub(super) unwritten: bool,
-    /// When the last lease write that landed was sent, and the next renewal is due.
-    pub(super) written_at: Instant,
     /// When the lease was last known to be this range's version: a write of it that landed
     /// was sent, or a check found it unchanged.
     pub(super) checked_at: Instant,
+    /// When the lease is next renewed (or checked, when it rides on the heartbeat).
     pub(super) renew_at: Instant,
     /// Until when the lease is surely this range's: its last write plus the expiry other
     /// hosts judge that version by, minus a margin. Past it nothing starts, and first
@@ -241,7 +240,6 @@ impl Reading {
             .unchanged_expiry_ms(duration_ms(options.lease_expire))
             .max(1) as u64;
         let expiry = Duration::from_millis(expiry);
-        self.written_at = sent;
         self.checked_at = sent;
         self.renew_at = sent + options.lease_renew.min(expiry / 3);
         self.held.send_replace(sent + expiry - expiry / 10);
