@@ -393,6 +393,91 @@ async fn idle_on_one_heartbeat(config: GroupConfig, stolen: u64) {
     b.task.await.unwrap().unwrap();
 }
 
+/// Idle ranges of one physical partition on one host share one read of it: a host with four
+/// leases of a partition, all idle, reads the partition once a `maxPoll` (the probe) and each
+/// range by itself only every `idleRead`; a message written at any moment still reaches the
+/// app within about `maxPoll`, as when every range polls.
+#[tokio::test(start_paused = true)]
+async fn idle_ranges_of_one_partition_share_one_read_and_still_deliver_within_max_poll() {
+    for config in [
+        GroupConfig::new("g"),
+        GroupConfig::new("g").with_mode(DeliveryMode::Stream),
+    ] {
+        one_read_per_partition(config).await;
+    }
+}
+
+async fn one_read_per_partition(config: GroupConfig) {
+    let what = format!("{:?}", config.mode);
+    let fixture = Fixture::paused(1).await;
+    let ledger = Ledger::new();
+    let (max_poll, idle_read) = (Duration::from_secs(1), Duration::from_secs(30));
+    let options = HostOptions {
+        leases_per_partition: 4,
+        max_poll,
+        idle_read,
+        ..fast("a")
+    };
+    let a = start(&fixture, &config, options, ledger.completing());
+    eventually("a runs all four leases", Duration::from_secs(5), || async {
+        a.stats.leases_owned.load(Ordering::Relaxed) == 4
+    })
+    .await;
+    let calls = |op: &str| {
+        fixture
+            .queue
+            .charges()
+            .snapshot()
+            .by_operation
+            .get(op)
+            .map_or(0, |c| c.calls)
+    };
+    // Backed off and parked.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let before = [calls("read change feed"), calls("probe partition")];
+    tokio::time::sleep(idle_read * 2).await;
+    let [reads, probes] =
+        [0, 1].map(|i| [calls("read change feed"), calls("probe partition")][i] - before[i]);
+    // Each range reads by itself once an idleRead (2 each here), not once a maxPoll (60 each).
+    assert!(
+        reads <= 12,
+        "{what}: idle ranges read by themselves: {reads}"
+    );
+    assert!(
+        (58..=61).contains(&probes),
+        "{what}: one probe of the partition a maxPoll: {probes}"
+    );
+
+    // Messages written at moments that fall anywhere between probes, each to a key of any
+    // of the four ranges: each is delivered within maxPoll (and the reads it wakes).
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |below: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % below
+    };
+    for i in 0..24 {
+        tokio::time::sleep(Duration::from_millis(next(2_500))).await;
+        let written = tokio::time::Instant::now();
+        fixture
+            .enqueue_all(vec![NewMessage::json(json!({"i": i}))
+                .with_id(format!("m{i}"))
+                .with_partition_key(format!("k{}", next(1_000)))])
+            .await;
+        ledger.wait_until(|l| l.delivered("g") == i + 1).await;
+        let took = written.elapsed();
+        assert!(
+            took <= max_poll + Duration::from_millis(250),
+            "{what}: message {i} reached the app {took:?} after it was written"
+        );
+        // Parked again before the next one.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    a.stop.cancel();
+    a.task.await.unwrap().unwrap();
+}
+
 /// The claims write path: the slow message's claim is its lock, renewed while the app works;
 /// once it runs past `promoteAfter` it holds its range no more, so the checkpoint passes it
 /// (its claim brings it back if its holder dies) and a drain or hand-over does not wait for

@@ -65,6 +65,8 @@ pub(crate) struct FeedReader {
     position: Option<String>,
     pages: Option<Pages>,
     charges: Arc<RequestCharges>,
+    /// What its reads are counted as.
+    operation: &'static str,
 }
 
 impl FeedReader {
@@ -84,7 +86,14 @@ impl FeedReader {
             position,
             pages: None,
             charges,
+            operation: "read change feed",
         }
+    }
+
+    /// Its reads counted as `operation`, not as a range's.
+    pub(crate) fn counted_as(mut self, operation: &'static str) -> Self {
+        self.operation = operation;
+        self
     }
 
     /// The next page, of at most `max` items (a new page size reopens the feed at the
@@ -108,7 +117,7 @@ impl FeedReader {
                     self.start,
                     self.position.as_deref(),
                     self.page_size,
-                    "read change feed",
+                    self.operation,
                 )
                 .await?;
                 empty.insert(opened)
@@ -117,7 +126,7 @@ impl FeedReader {
         match pages.next().await {
             Some(Ok(page)) => {
                 self.charges
-                    .record_diagnostics("read change feed", &page.diagnostics());
+                    .record_diagnostics(self.operation, &page.diagnostics());
                 let token = pages
                     .to_continuation_token()
                     .ok()
@@ -139,7 +148,7 @@ impl FeedReader {
             }
             Some(Err(e)) => {
                 self.pages = None;
-                Err(QueueError::cosmos("read change feed")(e))
+                Err(QueueError::cosmos(self.operation)(e))
             }
             None => {
                 self.pages = None;

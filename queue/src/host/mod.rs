@@ -42,6 +42,7 @@ use crate::lease::{Beat, Lease, LeaseError, LeaseStore};
 pub(crate) mod deliver;
 mod order;
 mod poll;
+mod probe;
 mod range;
 mod reading;
 pub(crate) mod recovery;
@@ -90,6 +91,11 @@ pub struct HostOptions {
     /// each (see [`crate::lease::Beat`]); off, every lease is renewed by itself, as the change
     /// feed processor and earlier cosmosq versions do.
     pub host_heartbeat: bool,
+    /// A range whose polling has backed off to `max_poll` parks on its physical partition's
+    /// probe (one read of the partition every `max_poll` for all of this host's ranges on
+    /// it, see `probe`) and reads by itself only this often; at `max_poll` or less, each
+    /// range polls by itself, as earlier versions did.
+    pub idle_read: Duration,
 }
 
 impl HostOptions {
@@ -111,6 +117,7 @@ impl HostOptions {
             leases_per_partition: 1,
             promote_after: Duration::from_secs(5),
             host_heartbeat: true,
+            idle_read: Duration::from_secs(60),
         }
     }
 
@@ -131,6 +138,7 @@ impl HostOptions {
             ("leaseAcquire", self.lease_acquire),
             ("leaseExpire", self.lease_expire),
             ("checkpointInterval", self.checkpoint_interval),
+            ("idleRead", self.idle_read),
         ] {
             if period.is_zero() {
                 return Err(QueueError::Config(format!("{name} must be more than 0")));
@@ -308,6 +316,8 @@ pub struct Host<H> {
     /// The leases' versions as this host's last listing found them: a riding range whose
     /// lease is listed unchanged since its last check need not read it.
     listed: watch::Sender<Option<Listed>>,
+    /// Where idle ranges park (see `probe`); none when each polls by itself.
+    probes: Option<probe::Probes>,
 }
 
 impl<H: Handler> Host<H> {
@@ -325,7 +335,10 @@ impl<H: Handler> Host<H> {
             DeliveryMode::Exclusive => store.with_writes(group.config().exclusive_writes),
             DeliveryMode::Stream => store,
         };
+        let probes = (options.idle_read > options.max_poll)
+            .then(|| probe::Probes::new(group.queue().clone(), options.max_poll));
         Self {
+            probes,
             group,
             store,
             handler: Arc::new(handler),
@@ -601,6 +614,7 @@ impl<H: Handler> Host<H> {
                         leftovers: self.leftovers.clone(),
                         beat: self.beat.subscribe(),
                         listed: self.listed.subscribe(),
+                        probes: self.probes.clone(),
                         // What the range's first write makes it (the range sets it as it
                         // starts): so the host's next heartbeat lists the lease.
                         held: Arc::new(watch::Sender::new(

@@ -31,6 +31,7 @@ use super::order::{
     Turn,
 };
 use super::poll::AdaptivePoll;
+use super::probe::Probes;
 use super::reading::{continuation_ranges, Reading, Rewind, Seek, SubFeed};
 use super::replay_guard::Seen;
 use super::{
@@ -57,6 +58,8 @@ pub(super) struct RangeProcessor<H> {
     pub(super) listed: watch::Receiver<Option<Listed>>,
     /// Its deadline, which the host watches (see [`Reading::held`]).
     pub(super) held: Arc<watch::Sender<Instant>>,
+    /// Where the range parks once idle (see `probe`).
+    pub(super) probes: Option<Probes>,
 }
 
 /// What a step of a range's loop leaves it with: go on, or stop with this exit (the lease is
@@ -97,7 +100,16 @@ impl<H: Handler> RangeProcessor<H> {
         let mut flush = tokio::time::interval(self.options.checkpoint_interval);
         while !r.drained() {
             let delay = r.poll.delay();
-            let read_at = *r.read_at.get_or_insert_with(|| Instant::now() + delay);
+            let read_at = *r.read_at.get_or_insert_with(|| {
+                // Idle: the partition's probe wakes it, its own read only backs that up.
+                match &r.wake {
+                    Some(wake) if delay >= self.options.max_poll && wake.shared() => {
+                        r.parked = Some(wake.park());
+                        Instant::now() + self.options.idle_read
+                    }
+                    _ => Instant::now() + delay,
+                }
+            });
             let held = *r.held.borrow();
             let step = tokio::select! {
                 biased;
@@ -121,8 +133,17 @@ impl<H: Handler> RangeProcessor<H> {
                     r.in_feed_order = None;
                     None
                 }
+                _ = async { r.wake.as_mut().expect("parked").changed().await }, if r.parked.is_some() => {
+                    r.parked = None;
+                    r.read_at = Some(Instant::now());
+                    None
+                }
                 _ = tokio::time::sleep_until(read_at), if r.reading && self.room(&r) => {
                     r.read_at = None;
+                    r.parked = None;
+                    if let Some(wake) = &mut r.wake {
+                        wake.seen();
+                    }
                     self.read_page(&mut r).await
                 }
             };
@@ -203,9 +224,21 @@ impl<H: Handler> RangeProcessor<H> {
             self.options.page_size,
             Arc::clone(self.group.queue().charges()),
         );
+        let wake = match &self.probes {
+            Some(probes) => probes
+                .wake_for(&lease.min_epk, &lease.max_epk)
+                .await
+                .unwrap_or_else(|e| {
+                    debug!(error = %e, "no probe for the range; it polls by itself");
+                    None
+                }),
+            None => None,
+        };
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let (start_tx, start_rx) = mpsc::unbounded_channel();
         let mut r = Reading {
+            wake,
+            parked: None,
             checkpoint,
             lease,
             reader,
