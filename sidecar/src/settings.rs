@@ -284,6 +284,11 @@ pub struct SidecarSettings {
     /// Longest wait between reads of an idle feed range.
     #[arg(long, env = env::MAX_POLL, default_value = "5s", value_parser = duration)]
     pub max_poll: Duration,
+    /// Idle ranges of one physical partition share one read of its feed every --max-poll (a
+    /// probe) and read by themselves only this often; at --max-poll or less, each range polls
+    /// by itself.
+    #[arg(long, env = env::IDLE_READ, default_value = "60s", value_parser = duration)]
+    pub idle_read: Duration,
     /// How often expired locks and due retries are looked for.
     #[arg(long, env = env::SWEEP_INTERVAL, default_value = "5s", value_parser = duration)]
     pub sweep_interval: Duration,
@@ -518,6 +523,7 @@ impl SidecarSettings {
             lease_expire: self.lease_expire,
             leases_per_partition: self.leases_per_partition,
             max_poll: self.max_poll,
+            idle_read: self.idle_read,
             sweep_interval: self.sweep_interval,
             promote_after: self.promote_after,
             checkpoint_interval: self.checkpoint_interval,
@@ -621,6 +627,7 @@ impl SidecarSettings {
                 self.leases_per_partition.to_string(),
             ),
             (env::MAX_POLL, duration(self.max_poll)),
+            (env::IDLE_READ, duration(self.idle_read)),
             (env::SWEEP_INTERVAL, duration(self.sweep_interval)),
             (env::LISTEN, self.listen.to_string()),
             (env::GRPC_LISTEN, self.grpc_listen.clone()),
@@ -727,6 +734,7 @@ mod tests {
         changed.promote_after = Duration::from_secs(2);
         changed.checkpoint_interval = Duration::from_secs(5);
         changed.leases_per_partition = 4;
+        changed.idle_read = Duration::from_secs(30);
         changed.grace_period = Duration::from_secs(310);
         changed.pod_name = Some("billing-workers-abc".into());
         changed.pod_namespace = Some("shop".into());

@@ -432,7 +432,7 @@ async fn one_read_per_partition(config: GroupConfig) {
             .get(op)
             .map_or(0, |c| c.calls)
     };
-    // Backed off and parked.
+    // Backed off and resting.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let before = [calls("read change feed"), calls("probe partition")];
     tokio::time::sleep(idle_read * 2).await;
@@ -471,7 +471,7 @@ async fn one_read_per_partition(config: GroupConfig) {
             took <= max_poll + Duration::from_millis(250),
             "{what}: message {i} reached the app {took:?} after it was written"
         );
-        // Parked again before the next one.
+        // Resting again before the next one.
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
     a.stop.cancel();

@@ -91,7 +91,7 @@ pub struct HostOptions {
     /// each (see [`crate::lease::Beat`]); off, every lease is renewed by itself, as the change
     /// feed processor and earlier cosmosq versions do.
     pub host_heartbeat: bool,
-    /// A range whose polling has backed off to `max_poll` parks on its physical partition's
+    /// A range whose polling has backed off to `max_poll` rests on its physical partition's
     /// probe (one read of the partition every `max_poll` for all of this host's ranges on
     /// it, see `probe`) and reads by itself only this often; at `max_poll` or less, each
     /// range polls by itself, as earlier versions did.
@@ -316,7 +316,7 @@ pub struct Host<H> {
     /// The leases' versions as this host's last listing found them: a riding range whose
     /// lease is listed unchanged since its last check need not read it.
     listed: watch::Sender<Option<Listed>>,
-    /// Where idle ranges park (see `probe`); none when each polls by itself.
+    /// Where idle ranges rest (see `probe`); none when each polls by itself.
     probes: Option<probe::Probes>,
 }
 

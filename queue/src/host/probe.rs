@@ -2,15 +2,15 @@
 //!
 //! An idle range polls its feed every `maxPoll`, one request each time (1 RU empty), so a
 //! host holding many finer leases of one partition pays one read per lease per interval for
-//! nothing. Instead, once a range's polling has backed off to `maxPoll`, it parks: it reads
+//! nothing. Instead, once a range's polling has backed off to `maxPoll`, it rests: it reads
 //! again only when the partition's probe says something was written there, or after
 //! [`HostOptions::idle_read`] (a slow read of its own, in case the probe cannot read). The
-//! probe reads the whole partition's feed every `maxPoll` while any range on it is parked, so
-//! a message still reaches a parked range within about `maxPoll`: the latency is the same, the
+//! probe reads the whole partition's feed every `maxPoll` while any range on it is resting, so
+//! a message still reaches a resting range within about `maxPoll`: the latency is the same, the
 //! cost per partition rather than per lease.
 //!
 //! The probe is a position, not a copy of the data: it asks "anything since?" of the
-//! partition's feed from a position taken at *now*. Nothing between a parked range's last
+//! partition's feed from a position taken at *now*. Nothing between a resting range's last
 //! read and that position is missed because every new position is announced (the wake
 //! generation bumped) only after it is taken, and a range marks what it saw before each read:
 //! a range whose last read was before the position wakes and reads again; what comes after
@@ -53,14 +53,14 @@ struct Known {
 
 struct Running {
     wake: watch::Receiver<u64>,
-    parked: Arc<AtomicUsize>,
+    resting: Arc<AtomicUsize>,
     members: Arc<AtomicUsize>,
 }
 
 /// A range's end of its partition's probe.
 pub(crate) struct Wake {
     rx: watch::Receiver<u64>,
-    parked: Arc<AtomicUsize>,
+    resting: Arc<AtomicUsize>,
     /// Ranges of this host on the partition.
     members: Arc<AtomicUsize>,
 }
@@ -71,10 +71,10 @@ impl Drop for Wake {
     }
 }
 
-/// Held while a range is parked: the probe reads only while some range is.
-pub(crate) struct Parked(Arc<AtomicUsize>);
+/// Held while a range is resting: the probe reads only while some range is.
+pub(crate) struct Resting(Arc<AtomicUsize>);
 
-impl Drop for Parked {
+impl Drop for Resting {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
@@ -93,10 +93,10 @@ impl Wake {
         self.rx.borrow_and_update();
     }
 
-    /// Parks the range until it is dropped.
-    pub(crate) fn park(&self) -> Parked {
-        self.parked.fetch_add(1, Ordering::AcqRel);
-        Parked(Arc::clone(&self.parked))
+    /// Rests the range until it is dropped.
+    pub(crate) fn rest(&self) -> Resting {
+        self.resting.fetch_add(1, Ordering::AcqRel);
+        Resting(Arc::clone(&self.resting))
     }
 
     /// Resolves once the probe announces something the range has not seen (never, if the
@@ -147,7 +147,7 @@ impl Probes {
         let mut known = self.lock();
         let running = known.running.entry(bounds.clone()).or_insert_with(|| {
             let (tx, rx) = watch::channel(0);
-            let parked = Arc::new(AtomicUsize::new(0));
+            let resting = Arc::new(AtomicUsize::new(0));
             let members = Arc::new(AtomicUsize::new(0));
             tokio::spawn(probe(
                 Probe {
@@ -155,7 +155,7 @@ impl Probes {
                     partition,
                     interval: self.interval,
                     wake: tx,
-                    parked: Arc::clone(&parked),
+                    resting: Arc::clone(&resting),
                     charges: Arc::clone(self.queue.charges()),
                 },
                 Owner {
@@ -166,7 +166,7 @@ impl Probes {
             ));
             Running {
                 wake: rx,
-                parked,
+                resting,
                 members,
             }
         });
@@ -174,7 +174,7 @@ impl Probes {
         running.members.fetch_add(1, Ordering::AcqRel);
         Ok(Some(Wake {
             rx: running.wake.clone(),
-            parked: Arc::clone(&running.parked),
+            resting: Arc::clone(&running.resting),
             members: Arc::clone(&running.members),
         }))
     }
@@ -194,7 +194,7 @@ struct Probe {
     partition: FeedRange,
     interval: Duration,
     wake: watch::Sender<u64>,
-    parked: Arc<AtomicUsize>,
+    resting: Arc<AtomicUsize>,
     charges: Arc<RequestCharges>,
 }
 
@@ -218,7 +218,7 @@ impl Owner {
     }
 }
 
-/// Reads `partition`'s feed every `interval` while a range on it is parked, and announces
+/// Reads `partition`'s feed every `interval` while a range on it is resting, and announces
 /// what it finds; ends when no range holds its [`Wake`] any more.
 #[instrument(skip_all, fields(partition = %{ let (lo, hi) = range_bounds(&probe.partition); label(&lo, &hi) }))]
 async fn probe(probe: Probe, owner: Owner) {
@@ -227,7 +227,7 @@ async fn probe(probe: Probe, owner: Owner) {
         partition,
         interval,
         wake,
-        parked,
+        resting,
         charges,
     } = probe;
     let scope = FeedScope::range(partition);
@@ -252,7 +252,7 @@ async fn probe(probe: Probe, owner: Owner) {
         if owner.leave_if_unused() {
             return;
         }
-        if parked.load(Ordering::Acquire) == 0 {
+        if resting.load(Ordering::Acquire) == 0 {
             // Nobody waits on it: no reads, and the position is taken again when one does.
             position = None;
             continue;

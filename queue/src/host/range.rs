@@ -58,7 +58,7 @@ pub(super) struct RangeProcessor<H> {
     pub(super) listed: watch::Receiver<Option<Listed>>,
     /// Its deadline, which the host watches (see [`Reading::held`]).
     pub(super) held: Arc<watch::Sender<Instant>>,
-    /// Where the range parks once idle (see `probe`).
+    /// Where the range rests once idle (see `probe`).
     pub(super) probes: Option<Probes>,
 }
 
@@ -104,7 +104,7 @@ impl<H: Handler> RangeProcessor<H> {
                 // Idle: the partition's probe wakes it, its own read only backs that up.
                 match &r.wake {
                     Some(wake) if delay >= self.options.max_poll && wake.shared() => {
-                        r.parked = Some(wake.park());
+                        r.resting = Some(wake.rest());
                         Instant::now() + self.options.idle_read
                     }
                     _ => Instant::now() + delay,
@@ -133,14 +133,14 @@ impl<H: Handler> RangeProcessor<H> {
                     r.in_feed_order = None;
                     None
                 }
-                _ = async { r.wake.as_mut().expect("parked").changed().await }, if r.parked.is_some() => {
-                    r.parked = None;
+                _ = async { r.wake.as_mut().expect("resting").changed().await }, if r.resting.is_some() => {
+                    r.resting = None;
                     r.read_at = Some(Instant::now());
                     None
                 }
                 _ = tokio::time::sleep_until(read_at), if r.reading && self.room(&r) => {
                     r.read_at = None;
-                    r.parked = None;
+                    r.resting = None;
                     if let Some(wake) = &mut r.wake {
                         wake.seen();
                     }
@@ -238,7 +238,7 @@ impl<H: Handler> RangeProcessor<H> {
         let (start_tx, start_rx) = mpsc::unbounded_channel();
         let mut r = Reading {
             wake,
-            parked: None,
+            resting: None,
             checkpoint,
             lease,
             reader,

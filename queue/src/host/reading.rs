@@ -17,7 +17,7 @@ use crate::lease::{Lease, Marker};
 
 use super::order::{KeyState, Report, StartRequest, Stops};
 use super::poll::AdaptivePoll;
-use super::probe::{Parked, Wake};
+use super::probe::{Resting, Wake};
 use super::replay_guard::Seen;
 use super::HostOptions;
 
@@ -25,10 +25,10 @@ use super::HostOptions;
 pub(super) struct Reading {
     pub(super) lease: Lease,
     pub(super) reader: FeedReader,
-    /// Its partition's probe, which wakes it while it is parked (see `probe`).
+    /// Its partition's probe, which wakes it while it is resting (see `probe`).
     pub(super) wake: Option<Wake>,
-    /// Held while it is parked: its next read waits for the probe, or `idle_read`.
-    pub(super) parked: Option<Parked>,
+    /// Held while it is resting: its next read waits for the probe, or `idle_read`.
+    pub(super) resting: Option<Resting>,
     /// Deliveries report here.
     pub(super) done_tx: mpsc::UnboundedSender<Report>,
     pub(super) done_rx: mpsc::UnboundedReceiver<Report>,
