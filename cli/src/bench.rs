@@ -356,18 +356,28 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
 
     let latency = latency_run(&client, &open, fresh(), args.latency_seconds).await?;
-    // Idle leases both ways, side by side: renewed one by one (the change feed processor's
-    // way, and cosmosq's before the host heartbeat), and kept by one heartbeat per host; with
-    // one lease per partition, and with four (a host holding more leases).
+    // Idle leases, side by side: renewed one by one and each range polling its feed (the
+    // change feed processor's way, and cosmosq's before the host heartbeat and the probe),
+    // kept by one heartbeat per host, and with idle ranges resting on their partition's probe;
+    // with one lease per partition and with four (a host holding more leases); at the default
+    // maxPoll (5 s) and at 2 s (a first delivery within 2 s).
     let mut idles = Vec::new();
-    for per_partition in [1, 4] {
-        for host_heartbeat in [false, true] {
-            let how = IdleHow {
-                host_heartbeat,
-                per_partition,
-            };
-            idles.push(idle_run(&client, &open, fresh(), args.idle_seconds, how).await?);
-        }
+    let default_poll = HostOptions::new("").max_poll;
+    for (per_partition, host_heartbeat, probe, max_poll) in [
+        (1, false, false, default_poll),
+        (1, true, true, default_poll),
+        (4, false, false, default_poll),
+        (4, true, false, default_poll),
+        (4, true, true, default_poll),
+        (4, true, true, Duration::from_secs(2)),
+    ] {
+        let how = IdleHow {
+            host_heartbeat,
+            per_partition,
+            probe,
+            max_poll,
+        };
+        idles.push(idle_run(&client, &open, fresh(), args.idle_seconds, how).await?);
     }
     let estimate = estimate_run(&open, fresh(), args.messages).await?;
     let window = lease_write_run(&open, fresh()).await?;
@@ -422,11 +432,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     );
     for idle in &idles {
         println!(
-            "idle, production timings, exclusive (lease writes), {}, {} leases on one host over {} s: {:.3} RU/s per lease; first delivery after the idle spell {:.0} ms",
+            "idle, production timings, exclusive (lease writes), {}, {}, maxPoll {} s, {} leases on one host over {} s: {:.3} RU/s per lease; first delivery after the idle spell {:.0} ms",
             match idle.how.host_heartbeat {
                 true => "one heartbeat per host",
                 false => "each lease renewed",
             },
+            match idle.how.probe {
+                true => "idle ranges on their partition's probe",
+                false => "each range polling",
+            },
+            idle.how.max_poll.as_secs_f64(),
             idle.leases, args.idle_seconds, idle.request_units_per_second_per_lease, idle.first_delivery_ms
         );
         for (operation, charge) in &idle.spent.by_operation {
@@ -667,6 +682,9 @@ where
 struct IdleHow {
     host_heartbeat: bool,
     per_partition: u32,
+    /// Idle ranges rest on their partition's probe (off: each polls every `max_poll`).
+    probe: bool,
+    max_poll: Duration,
 }
 
 struct Idle {
@@ -707,7 +725,16 @@ where
     let options = HostOptions {
         host_heartbeat: how.host_heartbeat,
         leases_per_partition: how.per_partition,
+        max_poll: how.max_poll,
         ..HostOptions::new("idle-host")
+    };
+    // `idle_read` at `max_poll` turns the probe off.
+    let options = HostOptions {
+        idle_read: match how.probe {
+            true => options.idle_read,
+            false => options.max_poll,
+        },
+        ..options
     };
     let host = Host::new(group, handler, options);
     let stats = host.stats();
