@@ -73,7 +73,7 @@ pub const LEASE_EXPIRE: &str = "COSMOSQ_LEASE_EXPIRE";
 pub const LEASES_PER_PARTITION: &str = "COSMOSQ_LEASES_PER_PARTITION";
 /// The longest wait between reads of an empty feed.
 pub const MAX_POLL: &str = "COSMOSQ_MAX_POLL";
-/// How often a range parked on its partition's probe reads its feed by itself.
+/// How often a range resting on its partition's probe reads its feed by itself.
 pub const IDLE_READ: &str = "COSMOSQ_IDLE_READ";
 /// Exclusive groups: how often a range writes what it started and completed (its window) while
 /// something waits to be written; stream groups: how often a moved checkpoint is written.

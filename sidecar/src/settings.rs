@@ -885,6 +885,7 @@ mod tests {
             (&["--checkpoint-interval", "0s"], "checkpointInterval"),
             (&["--lease-acquire", "0ms"], "leaseAcquire"),
             (&["--max-poll", "0s"], "maxPoll"),
+            (&["--idle-read", "0s"], "idleRead"),
             (&["--auth", "key"], "--key"),
             (&["--listen", "127.0.0.1:8080"], "--listen"),
             (&["--probe-listen", "0.0.0.0:3500"], "--probe-listen"),

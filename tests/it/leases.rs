@@ -936,6 +936,11 @@ async fn idle_polling_backs_off_to_the_ceiling_and_work_resets_it() {
         (11..=13).contains(&idle_reads),
         "one read per 5 s ceiling while idle, got {idle_reads} a minute"
     );
+    // Alone on its partition, the range polls by itself: a probe would cost as much.
+    assert!(
+        !idle.by_operation.contains_key("probe partition"),
+        "a lone range rested on a probe: {idle:?}"
+    );
 
     // New work is picked up within the ceiling, then reading speeds up again.
     let started = tokio::time::Instant::now();

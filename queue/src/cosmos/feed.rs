@@ -65,8 +65,6 @@ pub(crate) struct FeedReader {
     position: Option<String>,
     pages: Option<Pages>,
     charges: Arc<RequestCharges>,
-    /// What its reads are counted as.
-    operation: &'static str,
 }
 
 impl FeedReader {
@@ -86,14 +84,7 @@ impl FeedReader {
             position,
             pages: None,
             charges,
-            operation: "read change feed",
         }
-    }
-
-    /// Its reads counted as `operation`, not as a range's.
-    pub(crate) fn counted_as(mut self, operation: &'static str) -> Self {
-        self.operation = operation;
-        self
     }
 
     /// The next page, of at most `max` items (a new page size reopens the feed at the
@@ -117,7 +108,7 @@ impl FeedReader {
                     self.start,
                     self.position.as_deref(),
                     self.page_size,
-                    self.operation,
+                    "read change feed",
                 )
                 .await?;
                 empty.insert(opened)
@@ -126,7 +117,7 @@ impl FeedReader {
         match pages.next().await {
             Some(Ok(page)) => {
                 self.charges
-                    .record_diagnostics(self.operation, &page.diagnostics());
+                    .record_diagnostics("read change feed", &page.diagnostics());
                 let token = pages
                     .to_continuation_token()
                     .ok()
@@ -148,7 +139,7 @@ impl FeedReader {
             }
             Some(Err(e)) => {
                 self.pages = None;
-                Err(QueueError::cosmos(self.operation)(e))
+                Err(QueueError::cosmos("read change feed")(e))
             }
             None => {
                 self.pages = None;

@@ -2,19 +2,25 @@
 //!
 //! An idle range polls its feed every `maxPoll`, one request each time (1 RU empty), so a
 //! host holding many finer leases of one partition pays one read per lease per interval for
-//! nothing. Instead, once a range's polling has backed off to `maxPoll`, it rests: it reads
-//! again only when the partition's probe says something was written there, or after
-//! [`HostOptions::idle_read`] (a slow read of its own, in case the probe cannot read). The
-//! probe reads the whole partition's feed every `maxPoll` while any range on it is resting, so
-//! a message still reaches a resting range within about `maxPoll`: the latency is the same, the
-//! cost per partition rather than per lease.
+//! nothing. Instead, once a range's polling has backed off to `maxPoll` and another range of
+//! its host shares its partition, it rests: it reads again when the partition's probe says
+//! something was written there, or after [`HostOptions::idle_read`] (a backstop, should the
+//! probe miss a write). The probe reads the partition's feed head (its LSN, as the operator's
+//! [`crate::Queue::feed_head`] does) every `maxPoll` while any range on it rests, one request
+//! whatever was written, so a message still reaches a resting range within about `maxPoll`
+//! and a read: the latency is the same, the cost per partition rather than per range.
 //!
-//! The probe is a position, not a copy of the data: it asks "anything since?" of the
-//! partition's feed from a position taken at *now*. Nothing between a resting range's last
-//! read and that position is missed because every new position is announced (the wake
-//! generation bumped) only after it is taken, and a range marks what it saw before each read:
-//! a range whose last read was before the position wakes and reads again; what comes after
-//! the position the probe sees.
+//! Nothing written between a resting range's last read and the probe's is missed: a range
+//! marks the announcements it has seen before each read, and the probe announces (bumps the
+//! wake generation) after each read whose LSN it cannot prove unchanged from the previous
+//! one, the first read included. A write the range's read did not see comes after that read,
+//! so before the first probe read after it, whose LSN has moved: that read's announcement
+//! comes after the range's mark and wakes it. (This assumes, as the change feed processor
+//! does, that a read sees what was written before it; a replica that lags the probe's falls
+//! back on `idle_read`.)
+//!
+//! A partition that split or merged answers from another partition: the probe ends and its
+//! ranges poll by themselves until they start again (and find the new partitions).
 //!
 //! [`HostOptions::idle_read`]: super::HostOptions::idle_read
 
@@ -28,10 +34,12 @@ use azure_data_cosmos::{ContainerClient, FeedScope};
 use tokio::sync::watch;
 use tracing::{debug, instrument};
 
+use futures::StreamExt;
+
 use crate::config::StartFrom;
 use crate::cosmos::charge::RequestCharges;
-use crate::cosmos::feed::FeedReader;
-use crate::error::Result;
+use crate::cosmos::feed;
+use crate::error::{QueueError, Result};
 use crate::queue::Queue;
 use crate::range::{epk_cmp, label, range_bounds};
 
@@ -45,8 +53,6 @@ pub(crate) struct Probes {
 
 #[derive(Default)]
 struct Known {
-    /// The partitions as last read (refreshed when a range lies in none of them).
-    partitions: Vec<FeedRange>,
     /// Running probes, by partition bounds.
     running: HashMap<(String, String), Running>,
 }
@@ -84,7 +90,8 @@ impl Wake {
     /// Whether another range of this host reads the partition: alone, a range polls by
     /// itself (the probe would cost as much, and its own slow reads on top).
     pub(crate) fn shared(&self) -> bool {
-        self.members.load(Ordering::Acquire) > 1
+        // A probe that ended (the partition split) wakes nobody any more.
+        self.members.load(Ordering::Acquire) > 1 && self.rx.has_changed().is_ok()
     }
 
     /// Marks every announcement so far as seen: called before each read of the range, so a
@@ -120,28 +127,15 @@ impl Probes {
     /// The probe of the physical partition `[min, max)` lies in, started if none runs; `None`
     /// when the range spans partitions (it polls by itself, as without probes).
     pub(crate) async fn wake_for(&self, min: &str, max: &str) -> Result<Option<Wake>> {
-        let within = |partitions: &[FeedRange]| {
-            partitions
-                .iter()
-                .find(|p| {
-                    let (lo, hi) = range_bounds(p);
-                    epk_cmp(&lo, min).is_le()
-                        && (hi.eq_ignore_ascii_case("FF") || epk_cmp(max, &hi).is_le())
-                })
-                .cloned()
-        };
-        let known = within(&self.lock().partitions);
-        let partition = match known {
-            Some(p) => p,
-            None => {
-                let fresh = self.queue.feed_ranges().await?;
-                let found = within(&fresh);
-                self.lock().partitions = fresh;
-                match found {
-                    Some(p) => p,
-                    None => return Ok(None),
-                }
-            }
+        // Read afresh (a metadata read, once per range start): a range of a partition that
+        // split lies within the parent's bounds, which a remembered list would still show.
+        let partitions = self.queue.feed_ranges().await?;
+        let Some(partition) = partitions.into_iter().find(|p| {
+            let (lo, hi) = range_bounds(p);
+            epk_cmp(&lo, min).is_le()
+                && (hi.eq_ignore_ascii_case("FF") || epk_cmp(max, &hi).is_le())
+        }) else {
+            return Ok(None);
         };
         let bounds = range_bounds(&partition);
         let mut known = self.lock();
@@ -216,10 +210,16 @@ impl Owner {
         known.running.remove(&self.bounds);
         true
     }
+
+    /// Unlists the probe: ranges that start later get a new one.
+    fn unlist(&self) {
+        lock(&self.known).running.remove(&self.bounds);
+    }
 }
 
-/// Reads `partition`'s feed every `interval` while a range on it is resting, and announces
-/// what it finds; ends when no range holds its [`Wake`] any more.
+/// Reads `partition`'s feed head every `interval` while a range on it rests, and announces
+/// what it finds; ends when no range holds its [`Wake`] any more, or when the partition split
+/// or merged (its ranges then poll by themselves).
 #[instrument(skip_all, fields(partition = %{ let (lo, hi) = range_bounds(&probe.partition); label(&lo, &hi) }))]
 async fn probe(probe: Probe, owner: Owner) {
     let Probe {
@@ -231,54 +231,74 @@ async fn probe(probe: Probe, owner: Owner) {
         charges,
     } = probe;
     let scope = FeedScope::range(partition);
-    // The feed's position when last asked, or none: the next read takes it at now.
-    let mut position: Option<FeedReader> = None;
     let announce = || wake.send_modify(|g| *g = g.wrapping_add(1));
-    // A position at now: a reader whose first (empty) page is read.
-    let now = || async {
-        let mut reader = FeedReader::new(
-            container.clone(),
-            scope.clone(),
-            StartFrom::Now,
-            None,
-            1,
-            Arc::clone(&charges),
-        )
-        .counted_as("probe partition");
-        reader.next_page().await.map(|_| reader)
-    };
+    // The head as the last read found it, or none: the next read is announced.
+    let mut last: Option<Head> = None;
     loop {
         tokio::time::sleep(interval).await;
         if owner.leave_if_unused() {
             return;
         }
         if resting.load(Ordering::Acquire) == 0 {
-            // Nobody waits on it: no reads, and the position is taken again when one does.
-            position = None;
+            // Nobody waits on it: no reads, and the next one is announced.
+            last = None;
             continue;
         }
-        let written = match &mut position {
-            // No position yet: ranges that read before the one taken now read once more.
-            None => true,
-            Some(reader) => match reader.next_page().await {
-                Ok(page) => !page.docs.is_empty(),
-                Err(e) => {
-                    debug!(error = %e, "the probe could not read; ranges read");
-                    true
-                }
-            },
+        let head = match head(&container, &scope, &charges).await {
+            Ok(head) => head,
+            Err(e) => {
+                debug!(error = %e, "the probe could not read; ranges read");
+                last = None;
+                announce();
+                continue;
+            }
         };
-        if written {
-            // The position is taken again first, then announced: what a woken range's read
-            // misses comes after the position, where the probe sees it.
-            position = match now().await {
-                Ok(reader) => Some(reader),
-                Err(e) => {
-                    debug!(error = %e, "the probe could not take its position");
-                    None
-                }
-            };
-            announce();
+        match (&last, &head) {
+            (Some(before), now) if before.partition != now.partition => {
+                debug!("the partition split or merged; its ranges poll by themselves");
+                owner.unlist();
+                announce();
+                return;
+            }
+            // Nothing written since the last read.
+            (Some(before), now) if now.lsn.is_some() && before.lsn == now.lsn => {}
+            // Written, unknown, or a first read: what a woken range's read misses was
+            // written after this read, and the next read's LSN shows it.
+            _ => announce(),
         }
+        last = Some(head);
+    }
+}
+
+/// Where a partition's feed stands: the physical partition that answered and its LSN.
+#[derive(Debug, PartialEq, Eq)]
+struct Head {
+    partition: Option<String>,
+    lsn: Option<u64>,
+}
+
+/// One read of the feed from now, of at most one item: nothing is read, the response says
+/// the partition and its LSN (as the operator's [`crate::Queue::feed_head`] does).
+async fn head(
+    container: &ContainerClient,
+    scope: &FeedScope,
+    charges: &RequestCharges,
+) -> Result<Head> {
+    const OPERATION: &str = "probe partition";
+    let mut pages =
+        feed::open(container, scope.clone(), StartFrom::Now, None, 1, OPERATION).await?;
+    match pages.next().await {
+        Some(page) => {
+            let page = page.map_err(QueueError::cosmos(OPERATION))?;
+            charges.record_diagnostics(OPERATION, &page.diagnostics());
+            Ok(Head {
+                partition: page.headers().partition_key_range_id().map(str::to_owned),
+                lsn: page.headers().lsn(),
+            })
+        }
+        None => Ok(Head {
+            partition: None,
+            lsn: None,
+        }),
     }
 }

@@ -426,6 +426,8 @@ impl<H: Handler> RangeProcessor<H> {
                 ConsumerStats::bump(&self.stats.errors);
                 r.poll.idle();
                 warn!(error = %e, "change feed read failed; retrying");
+                // Not resting: what woke the range may be unread, and the probe has moved on.
+                r.read_at = Some(Instant::now() + r.poll.delay());
                 return None;
             }
         };

@@ -182,6 +182,7 @@ impl Reading {
     /// Stop reading; long work stops holding the range; let what is under way settle.
     pub(super) fn stop_reading(&mut self) {
         self.reading = false;
+        self.resting = None;
         self.stops.give_up.cancel();
         self.stops.draining.cancel();
         self.stops.promote_now.cancel();
