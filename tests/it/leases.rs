@@ -313,15 +313,7 @@ async fn idle_on_one_heartbeat(config: GroupConfig, stolen: u64) {
         a.stats.leases_owned.load(Ordering::Relaxed) == 4
     })
     .await;
-    let calls = |op: &str| {
-        fixture
-            .queue
-            .charges()
-            .snapshot()
-            .by_operation
-            .get(op)
-            .map_or(0, |c| c.calls)
-    };
+    let calls = |op: &str| fixture.queue.charges().snapshot().calls(op);
     // Past the acquisitions' own deadlines: from here on the heartbeat keeps them.
     tokio::time::sleep(expire).await;
     let before = [
@@ -423,15 +415,7 @@ async fn one_read_per_partition(config: GroupConfig) {
         a.stats.leases_owned.load(Ordering::Relaxed) == 4
     })
     .await;
-    let calls = |op: &str| {
-        fixture
-            .queue
-            .charges()
-            .snapshot()
-            .by_operation
-            .get(op)
-            .map_or(0, |c| c.calls)
-    };
+    let calls = |op: &str| fixture.queue.charges().snapshot().calls(op);
     // Backed off and resting.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let before = [calls("read change feed"), calls("probe partition")];
@@ -713,15 +697,7 @@ async fn large_lags_come_from_lsns_where_a_batch_is_one_write() {
 async fn a_batched_backlog_is_estimated_from_a_few_pages_whatever_its_size() {
     let fixture = Fixture::paused(1).await;
     let group = unread_from_the_start(&fixture).await;
-    let estimate_reads = || {
-        fixture
-            .queue
-            .charges()
-            .snapshot()
-            .by_operation
-            .get("estimate")
-            .map_or(0, |c| c.calls)
-    };
+    let estimate_reads = || fixture.queue.charges().snapshot().calls("estimate");
     let (mut unread, mut reads) = (0, Vec::new());
     for total in [500, 6_000, 12_000] {
         // Batches of 100 messages on one key each: one transactional batch, one LSN, each.
@@ -912,15 +888,7 @@ async fn idle_polling_backs_off_to_the_ceiling_and_work_resets_it() {
         ..HostOptions::new("h")
     };
     let host = start(&fixture, &config, options, ledger.completing());
-    let reads = || {
-        fixture
-            .queue
-            .charges()
-            .snapshot()
-            .by_operation
-            .get("read change feed")
-            .map_or(0, |c| c.calls)
-    };
+    let reads = || fixture.queue.charges().snapshot().calls("read change feed");
     // Warm up: the lease is taken and the feed found empty.
     tokio::time::sleep(Duration::from_secs(60)).await;
     let before = reads();
@@ -1468,10 +1436,7 @@ async fn a_range_whose_messages_wait_for_permits_does_not_poll_its_feed() {
         let before = fixture.queue.charges().snapshot();
         tokio::time::sleep(Duration::from_secs(10)).await;
         let spent = fixture.queue.charges().snapshot().since(&before);
-        let reads = spent
-            .by_operation
-            .get("read change feed")
-            .map_or(0, |c| c.calls);
+        let reads = spent.calls("read change feed");
         assert!(
             reads <= 1,
             "{what}: the range read its feed {reads} times in 10 s while 19 messages waited for the one permit"

@@ -43,6 +43,11 @@ impl ChargeSnapshot {
         self.by_operation.values().map(|c| c.calls).sum()
     }
 
+    /// Calls of one operation (none made: 0).
+    pub fn calls(&self, operation: &str) -> u64 {
+        self.by_operation.get(operation).map_or(0, |c| c.calls)
+    }
+
     /// What was spent between `earlier` and this snapshot.
     pub fn since(&self, earlier: &ChargeSnapshot) -> ChargeSnapshot {
         let by_operation = self
