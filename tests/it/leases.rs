@@ -434,6 +434,64 @@ async fn one_read_per_partition(config: GroupConfig) {
 
     // Messages written at moments that fall anywhere between probes, each to a key of any
     // of the four ranges: each is delivered within maxPoll (and the reads it wakes).
+    each_delivered_within_max_poll(&fixture, &ledger, max_poll, &what, 24).await;
+    a.stop.cancel();
+    a.task.await.unwrap().unwrap();
+}
+
+/// A partition that splits under resting ranges: the probe, which reads the parent's bounds,
+/// now answers for one child only; it ends, and the ranges poll by themselves (or start
+/// again on a child, with its probe), so a message to either child still arrives within
+/// about `maxPoll`, not at `idleRead`.
+#[tokio::test(start_paused = true)]
+async fn resting_ranges_of_a_partition_that_splits_still_deliver_within_max_poll() {
+    let fixture = Fixture::paused(1).await;
+    let ledger = Ledger::new();
+    let max_poll = Duration::from_secs(1);
+    let options = HostOptions {
+        leases_per_partition: 4,
+        max_poll,
+        idle_read: Duration::from_secs(30),
+        ..fast("a")
+    };
+    let a = start(
+        &fixture,
+        &GroupConfig::new("g"),
+        options,
+        ledger.completing(),
+    );
+    eventually("a runs all four leases", Duration::from_secs(5), || async {
+        a.stats.leases_owned.load(Ordering::Relaxed) == 4
+    })
+    .await;
+    // Resting, then split.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(
+        fixture.queue.charges().snapshot().calls("probe partition") > 0,
+        "the ranges rest on the probe"
+    );
+    let store = fixture.emulator.store();
+    let ids = fixture.emulator.partition_ids("db", "q").await.unwrap();
+    let epk = store.midpoint_split_epk("db", "q", ids[0]).unwrap();
+    store
+        .split_partition_and_wait("db", "q", ids[0], epk, Duration::ZERO)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    each_delivered_within_max_poll(&fixture, &ledger, max_poll, "after the split", 24).await;
+    a.stop.cancel();
+    a.task.await.unwrap().unwrap();
+}
+
+/// `count` messages, each written at a seeded random moment to a random key once the one
+/// before was delivered, and each delivered within `max_poll` (and the reads it wakes).
+async fn each_delivered_within_max_poll(
+    fixture: &Fixture,
+    ledger: &Ledger,
+    max_poll: Duration,
+    what: &str,
+    count: usize,
+) {
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next = |below: u64| {
         seed = seed
@@ -441,7 +499,7 @@ async fn one_read_per_partition(config: GroupConfig) {
             .wrapping_add(1_442_695_040_888_963_407);
         (seed >> 33) % below
     };
-    for i in 0..24 {
+    for i in 0..count {
         tokio::time::sleep(Duration::from_millis(next(2_500))).await;
         let written = tokio::time::Instant::now();
         fixture
@@ -458,8 +516,6 @@ async fn one_read_per_partition(config: GroupConfig) {
         // Resting again before the next one.
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
-    a.stop.cancel();
-    a.task.await.unwrap().unwrap();
 }
 
 /// The claims write path: the slow message's claim is its lock, renewed while the app works;
