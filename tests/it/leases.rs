@@ -470,6 +470,15 @@ async fn resting_ranges_of_a_partition_that_splits_still_deliver_within_max_poll
         fixture.queue.charges().snapshot().calls("probe partition") > 0,
         "the ranges rest on the probe"
     );
+    split_the_first_partition(&fixture).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    each_delivered_within_max_poll(&fixture, &ledger, max_poll, "after the split", 24).await;
+    a.stop.cancel();
+    a.task.await.unwrap().unwrap();
+}
+
+/// Splits the queue's first physical partition at its midpoint, at once.
+async fn split_the_first_partition(fixture: &Fixture) {
     let store = fixture.emulator.store();
     let ids = fixture.emulator.partition_ids("db", "q").await.unwrap();
     let epk = store.midpoint_split_epk("db", "q", ids[0]).unwrap();
@@ -477,10 +486,6 @@ async fn resting_ranges_of_a_partition_that_splits_still_deliver_within_max_poll
         .split_partition_and_wait("db", "q", ids[0], epk, Duration::ZERO)
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    each_delivered_within_max_poll(&fixture, &ledger, max_poll, "after the split", 24).await;
-    a.stop.cancel();
-    a.task.await.unwrap().unwrap();
 }
 
 /// `count` messages, each written at a seeded random moment to a random key once the one
@@ -627,13 +632,7 @@ async fn a_split_during_processing_skips_nothing_and_children_take_over() {
     let fixture = Fixture::paused(2).await;
     let (ledger, a, b) = two_hosts_midway(&fixture, 600, 200).await;
 
-    let store = fixture.emulator.store();
-    let ids = fixture.emulator.partition_ids("db", "q").await.unwrap();
-    let epk = store.midpoint_split_epk("db", "q", ids[0]).unwrap();
-    store
-        .split_partition_and_wait("db", "q", ids[0], epk, Duration::ZERO)
-        .await
-        .unwrap();
+    split_the_first_partition(&fixture).await;
     enqueue(&fixture, 600..1_000).await;
 
     ledger.wait_until(|l| l.delivered("g") == 1_000).await;
