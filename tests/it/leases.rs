@@ -399,29 +399,50 @@ async fn idle_ranges_of_one_partition_share_one_read_and_still_deliver_within_ma
     }
 }
 
-async fn one_read_per_partition(config: GroupConfig) {
-    let what = format!("{:?}", config.mode);
+/// The resting tests' timings: `maxPoll` 1 s, `idleRead` 30 s.
+const MAX_POLL: Duration = Duration::from_secs(1);
+const IDLE_READ: Duration = Duration::from_secs(30);
+
+/// One host running all four leases of a one-partition queue, with the resting tests'
+/// timings.
+async fn four_leases_of_one_partition(config: &GroupConfig) -> (Fixture, Arc<Ledger>, RunningHost) {
     let fixture = Fixture::paused(1).await;
     let ledger = Ledger::new();
-    let (max_poll, idle_read) = (Duration::from_secs(1), Duration::from_secs(30));
     let options = HostOptions {
         leases_per_partition: 4,
-        max_poll,
-        idle_read,
+        max_poll: MAX_POLL,
+        idle_read: IDLE_READ,
         ..fast("a")
     };
-    let a = start(&fixture, &config, options, ledger.completing());
+    let a = start(&fixture, config, options, ledger.completing());
     eventually("a runs all four leases", Duration::from_secs(5), || async {
         a.stats.leases_owned.load(Ordering::Relaxed) == 4
     })
     .await;
-    let calls = |op: &str| fixture.queue.charges().snapshot().calls(op);
+    (fixture, ledger, a)
+}
+
+/// The ranges' own reads and the probes' over two `idleRead`s from now.
+async fn reads_and_probes_over_two_idle_reads(fixture: &Fixture) -> (u64, u64) {
+    let calls = || {
+        let spent = fixture.queue.charges().snapshot();
+        (
+            spent.calls("read change feed"),
+            spent.calls("probe partition"),
+        )
+    };
+    let before = calls();
+    tokio::time::sleep(IDLE_READ * 2).await;
+    let after = calls();
+    (after.0 - before.0, after.1 - before.1)
+}
+
+async fn one_read_per_partition(config: GroupConfig) {
+    let what = format!("{:?}", config.mode);
+    let (fixture, ledger, a) = four_leases_of_one_partition(&config).await;
     // Backed off and resting.
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let before = [calls("read change feed"), calls("probe partition")];
-    tokio::time::sleep(idle_read * 2).await;
-    let [reads, probes] =
-        [0, 1].map(|i| [calls("read change feed"), calls("probe partition")][i] - before[i]);
+    let (reads, probes) = reads_and_probes_over_two_idle_reads(&fixture).await;
     // Each range reads by itself once an idleRead (2 each here), not once a maxPoll (60 each).
     assert!(
         reads <= 12,
@@ -434,45 +455,51 @@ async fn one_read_per_partition(config: GroupConfig) {
 
     // Messages written at moments that fall anywhere between probes, each to a key of any
     // of the four ranges: each is delivered within maxPoll (and the reads it wakes).
-    each_delivered_within_max_poll(&fixture, &ledger, max_poll, &what, 24).await;
+    each_delivered_within_max_poll(&fixture, &ledger, &what, 24).await;
     a.stop.cancel();
     a.task.await.unwrap().unwrap();
 }
 
-/// A partition that splits under resting ranges: the probe, which reads the parent's bounds,
-/// now answers for one child only; it ends, and the ranges poll by themselves (or start
-/// again on a child, with its probe), so a message to either child still arrives within
-/// about `maxPoll`, not at `idleRead`.
+/// A partition that splits under resting ranges, or before its probe first read it: the
+/// probe, which reads the parent's bounds, then answers for one child only; it ends, and the
+/// ranges poll by themselves until they join the probe of the child they lie in, so a
+/// message to either child still arrives within about `maxPoll`, not at `idleRead`, and the
+/// ranges rest again.
 #[tokio::test(start_paused = true)]
 async fn resting_ranges_of_a_partition_that_splits_still_deliver_within_max_poll() {
-    let fixture = Fixture::paused(1).await;
-    let ledger = Ledger::new();
-    let max_poll = Duration::from_secs(1);
-    let options = HostOptions {
-        leases_per_partition: 4,
-        max_poll,
-        idle_read: Duration::from_secs(30),
-        ..fast("a")
+    for resting_first in [true, false] {
+        split_under_resting_ranges(resting_first).await;
+    }
+}
+
+async fn split_under_resting_ranges(resting_first: bool) {
+    let what = match resting_first {
+        true => "split under resting ranges",
+        false => "split before the probe's first read",
     };
-    let a = start(
-        &fixture,
-        &GroupConfig::new("g"),
-        options,
-        ledger.completing(),
-    );
-    eventually("a runs all four leases", Duration::from_secs(5), || async {
-        a.stats.leases_owned.load(Ordering::Relaxed) == 4
-    })
-    .await;
-    // Resting, then split.
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    assert!(
-        fixture.queue.charges().snapshot().calls("probe partition") > 0,
-        "the ranges rest on the probe"
-    );
+    let (fixture, ledger, a) = four_leases_of_one_partition(&GroupConfig::new("g")).await;
+    let probes = || fixture.queue.charges().snapshot().calls("probe partition");
+    if resting_first {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(probes() > 0, "the ranges rest on the probe");
+    } else {
+        assert_eq!(probes(), 0, "the ranges are not idle yet");
+    }
     split_the_first_partition(&fixture).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
-    each_delivered_within_max_poll(&fixture, &ledger, max_poll, "after the split", 24).await;
+    each_delivered_within_max_poll(&fixture, &ledger, what, 24).await;
+    // And they rest again, on the probes of the partitions they now lie in: over two
+    // idleReads, a few reads of their own rather than one a maxPoll each (about 240).
+    let (reads, probes) = reads_and_probes_over_two_idle_reads(&fixture).await;
+    println!("{what}, over two idleReads: {reads} range reads, {probes} probes");
+    assert!(
+        reads <= 16,
+        "{what}: idle ranges read by themselves: {reads}"
+    );
+    assert!(
+        probes >= 100,
+        "{what}: two partitions, one probe each a maxPoll: {probes}"
+    );
     a.stop.cancel();
     a.task.await.unwrap().unwrap();
 }
@@ -489,11 +516,10 @@ async fn split_the_first_partition(fixture: &Fixture) {
 }
 
 /// `count` messages, each written at a seeded random moment to a random key once the one
-/// before was delivered, and each delivered within `max_poll` (and the reads it wakes).
+/// before was delivered, and each delivered within `maxPoll` (and the reads it wakes).
 async fn each_delivered_within_max_poll(
     fixture: &Fixture,
     ledger: &Ledger,
-    max_poll: Duration,
     what: &str,
     count: usize,
 ) {
@@ -515,7 +541,7 @@ async fn each_delivered_within_max_poll(
         ledger.wait_until(|l| l.delivered("g") == i + 1).await;
         let took = written.elapsed();
         assert!(
-            took <= max_poll + Duration::from_millis(250),
+            took <= MAX_POLL + Duration::from_millis(250),
             "{what}: message {i} reached the app {took:?} after it was written"
         );
         // Resting again before the next one.

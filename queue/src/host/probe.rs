@@ -12,15 +12,17 @@
 //!
 //! Nothing written between a resting range's last read and the probe's is missed: a range
 //! marks the announcements it has seen before each read, and the probe announces (bumps the
-//! wake generation) after each read whose LSN it cannot prove unchanged from the previous
-//! one, the first read included. A write the range's read did not see comes after that read,
-//! so before the first probe read after it, whose LSN has moved: that read's announcement
-//! comes after the range's mark and wakes it. (This assumes, as the change feed processor
+//! wake generation) after each read whose LSN it cannot prove unchanged from the last one it
+//! got, the first read and failed reads included. A write the range's read did not see comes
+//! after that read, so after the range's mark: the first probe read after the write finds the
+//! LSN moved, and its announcement wakes the range. (This assumes, as the change feed processor
 //! does, that a read sees what was written before it; a replica that lags the probe's falls
 //! back on `idle_read`.)
 //!
-//! A partition that split or merged answers from another partition: the probe ends and its
-//! ranges poll by themselves until they start again (and find the new partitions).
+//! A partition that split or merged answers from another partition, or is no longer listed
+//! when the probe first reads it: the probe ends, and its ranges poll by themselves until
+//! they join the probe of the partition they now lie in (`RangeProcessor`, once an
+//! `idle_read` at most).
 //!
 //! [`HostOptions::idle_read`]: super::HostOptions::idle_read
 
@@ -90,8 +92,8 @@ impl Wake {
     /// Whether another range of this host reads the partition: alone, a range polls by
     /// itself (the probe would cost as much, and its own slow reads on top).
     pub(crate) fn shared(&self) -> bool {
-        // A probe that ended (the partition split) wakes nobody any more.
-        self.members.load(Ordering::Acquire) > 1 && self.rx.has_changed().is_ok()
+        // A probe that ended wakes nobody any more.
+        self.members.load(Ordering::Acquire) > 1 && !self.ended()
     }
 
     /// Marks every announcement so far as seen: called before each read of the range, so a
@@ -106,12 +108,16 @@ impl Wake {
         Resting(Arc::clone(&self.resting))
     }
 
-    /// Resolves once the probe announces something the range has not seen (never, if the
-    /// probe ended).
+    /// Resolves once the probe announces something the range has not seen, or has ended
+    /// (the range reads, then polls by itself: see [`Wake::ended`]).
     pub(crate) async fn changed(&mut self) {
-        if self.rx.changed().await.is_err() {
-            std::future::pending::<()>().await;
-        }
+        let _ = self.rx.changed().await;
+    }
+
+    /// Whether the probe ended (its partition split or merged, or it failed): the range may
+    /// join the probe of the partition it now lies in.
+    pub(crate) fn ended(&self) -> bool {
+        self.rx.has_changed().is_err()
     }
 }
 
@@ -145,12 +151,11 @@ impl Probes {
             let members = Arc::new(AtomicUsize::new(0));
             tokio::spawn(probe(
                 Probe {
-                    container: self.queue.messages().clone(),
+                    queue: self.queue.clone(),
                     partition,
                     interval: self.interval,
                     wake: tx,
                     resting: Arc::clone(&resting),
-                    charges: Arc::clone(self.queue.charges()),
                 },
                 Owner {
                     known: Arc::clone(&self.inner),
@@ -184,12 +189,11 @@ fn lock(known: &Mutex<Known>) -> std::sync::MutexGuard<'_, Known> {
 
 /// What a probe reads and whom it wakes.
 struct Probe {
-    container: ContainerClient,
+    queue: Queue,
     partition: FeedRange,
     interval: Duration,
     wake: watch::Sender<u64>,
     resting: Arc<AtomicUsize>,
-    charges: Arc<RequestCharges>,
 }
 
 /// Where a probe is listed, so it can leave once no range holds its [`Wake`].
@@ -207,71 +211,113 @@ impl Owner {
         if self.members.load(Ordering::Acquire) > 0 {
             return false;
         }
-        known.running.remove(&self.bounds);
+        self.unlist(&mut known);
         true
     }
 
-    /// Unlists the probe: ranges that start later get a new one.
-    fn unlist(&self) {
-        lock(&self.known).running.remove(&self.bounds);
+    /// Unlists the probe, if it is still the one listed: ranges that join later get a new one.
+    fn unlist(&self, known: &mut Known) {
+        let ours = known
+            .running
+            .get(&self.bounds)
+            .is_some_and(|r| Arc::ptr_eq(&r.members, &self.members));
+        if ours {
+            known.running.remove(&self.bounds);
+        }
+    }
+}
+
+/// However the probe ends (a split, or a panic), it is unlisted.
+impl Drop for Owner {
+    fn drop(&mut self) {
+        let mut known = lock(&self.known);
+        self.unlist(&mut known);
     }
 }
 
 /// Reads `partition`'s feed head every `interval` while a range on it rests, and announces
 /// what it finds; ends when no range holds its [`Wake`] any more, or when the partition split
-/// or merged (its ranges then poll by themselves).
+/// or merged (its ranges then find their new partitions' probes).
 #[instrument(skip_all, fields(partition = %{ let (lo, hi) = range_bounds(&probe.partition); label(&lo, &hi) }))]
 async fn probe(probe: Probe, owner: Owner) {
     let Probe {
-        container,
+        queue,
         partition,
         interval,
         wake,
         resting,
-        charges,
     } = probe;
+    let bounds = range_bounds(&partition);
     let scope = FeedScope::range(partition);
+    let (container, charges) = (queue.messages(), queue.charges());
     let announce = || wake.send_modify(|g| *g = g.wrapping_add(1));
-    // The head as the last read found it, or none: the next read is announced.
-    let mut last: Option<Head> = None;
+    // The LSN the last read found, kept across failed reads and ticks where nobody rests (a
+    // write after it moves the next read's LSN, however late that read is); none before the
+    // first read, which is announced.
+    let mut last: Option<u64> = None;
+    // The physical partition that answered, once one has; checked to be the one the probe
+    // was started for when it first answers (it may have split since: a read of the parent's
+    // bounds then answers from one child, whose id says nothing).
+    let mut answered: Option<String> = None;
+    let mut checked = false;
     loop {
         tokio::time::sleep(interval).await;
         if owner.leave_if_unused() {
             return;
         }
         if resting.load(Ordering::Acquire) == 0 {
-            // Nobody waits on it: no reads, and the next one is announced.
-            last = None;
+            // Nobody waits on it: no reads.
             continue;
         }
-        let head = match head(&container, &scope, &charges).await {
+        let head = match head(container, &scope, charges).await {
             Ok(head) => head,
             Err(e) => {
                 debug!(error = %e, "the probe could not read; ranges read");
-                last = None;
                 announce();
                 continue;
             }
         };
-        match (&last, &head) {
-            (Some(before), now) if before.partition != now.partition => {
-                debug!("the partition split or merged; its ranges poll by themselves");
-                owner.unlist();
-                announce();
-                return;
+        let moved = head
+            .partition
+            .as_ref()
+            .is_some_and(|now| answered.as_ref().is_some_and(|before| before != now));
+        if !checked {
+            match queue.feed_ranges().await {
+                Ok(partitions) => {
+                    checked = true;
+                    if !partitions.iter().any(|p| range_bounds(p) == bounds) {
+                        debug!("the partition split or merged before the probe first read it");
+                        announce();
+                        return;
+                    }
+                }
+                // Checked at the next read; meanwhile the ranges read.
+                Err(e) => {
+                    debug!(error = %e, "the probe could not read the partitions; ranges read");
+                    announce();
+                    continue;
+                }
             }
+        }
+        if moved {
+            debug!("the partition split or merged; its ranges find their new partitions");
+            announce();
+            return;
+        }
+        answered = head.partition.or(answered);
+        match (last, head.lsn) {
             // Nothing written since the last read.
-            (Some(before), now) if now.lsn.is_some() && before.lsn == now.lsn => {}
+            (Some(before), Some(now)) if before == now => {}
             // Written, unknown, or a first read: what a woken range's read misses was
             // written after this read, and the next read's LSN shows it.
             _ => announce(),
         }
-        last = Some(head);
+        last = head.lsn.or(last);
     }
 }
 
 /// Where a partition's feed stands: the physical partition that answered and its LSN.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq, Eq)]
 struct Head {
     partition: Option<String>,
     lsn: Option<u64>,
@@ -296,9 +342,6 @@ async fn head(
                 lsn: page.headers().lsn(),
             })
         }
-        None => Ok(Head {
-            partition: None,
-            lsn: None,
-        }),
+        None => Ok(Head::default()),
     }
 }

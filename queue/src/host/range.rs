@@ -31,7 +31,7 @@ use super::order::{
     Turn,
 };
 use super::poll::AdaptivePoll;
-use super::probe::Probes;
+use super::probe::{Probes, Wake};
 use super::reading::{continuation_ranges, Reading, Rewind, Seek, SubFeed};
 use super::replay_guard::Seen;
 use super::{
@@ -100,10 +100,22 @@ impl<H: Handler> RangeProcessor<H> {
         let mut flush = tokio::time::interval(self.options.checkpoint_interval);
         while !r.drained() {
             let delay = r.poll.delay();
+            let idle = r.reading && delay >= self.options.max_poll;
+            // Idle without a probe (its partition split, or none could be found): it looks
+            // for the one of the partition it now lies in, once an `idleRead` at most.
+            if idle
+                && r.read_at.is_none()
+                && self.probes.is_some()
+                && r.wake.as_ref().is_none_or(Wake::ended)
+                && r.joined_at.elapsed() >= self.options.idle_read
+            {
+                r.wake = self.join_probe(&r.lease).await;
+                r.joined_at = Instant::now();
+            }
             let read_at = *r.read_at.get_or_insert_with(|| {
                 // Idle: the partition's probe wakes it, its own read only backs that up.
                 match &r.wake {
-                    Some(wake) if delay >= self.options.max_poll && wake.shared() => {
+                    Some(wake) if idle && wake.shared() => {
                         r.resting = Some(wake.rest());
                         Instant::now() + self.options.idle_read
                     }
@@ -224,20 +236,12 @@ impl<H: Handler> RangeProcessor<H> {
             self.options.page_size,
             Arc::clone(self.group.queue().charges()),
         );
-        let wake = match &self.probes {
-            Some(probes) => probes
-                .wake_for(&lease.min_epk, &lease.max_epk)
-                .await
-                .unwrap_or_else(|e| {
-                    debug!(error = %e, "no probe for the range; it polls by itself");
-                    None
-                }),
-            None => None,
-        };
+        let wake = self.join_probe(&lease).await;
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let (start_tx, start_rx) = mpsc::unbounded_channel();
         let mut r = Reading {
             wake,
+            joined_at: Instant::now(),
             resting: None,
             checkpoint,
             lease,
@@ -411,6 +415,18 @@ impl<H: Handler> RangeProcessor<H> {
             let _ = request.reply.send(granted);
         }
         step
+    }
+
+    /// The probe of the partition the lease lies in, if the host runs probes and one is found.
+    async fn join_probe(&self, lease: &Lease) -> Option<Wake> {
+        let probes = self.probes.as_ref()?;
+        probes
+            .wake_for(&lease.min_epk, &lease.max_epk)
+            .await
+            .unwrap_or_else(|e| {
+                info!(error = %e, "no probe for the range; it polls by itself for now");
+                None
+            })
     }
 
     /// Reads the next page and hands its messages out; permits are taken as they free.

@@ -27,6 +27,8 @@ pub(super) struct Reading {
     pub(super) reader: FeedReader,
     /// Its partition's probe, which wakes it while it is resting (see `probe`).
     pub(super) wake: Option<Wake>,
+    /// When it last looked for its partition's probe.
+    pub(super) joined_at: Instant,
     /// Held while it is resting: its next read waits for the probe, or `idle_read`.
     pub(super) resting: Option<Resting>,
     /// Deliveries report here.
