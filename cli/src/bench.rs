@@ -722,19 +722,17 @@ where
             }
         }
     };
+    let defaults = HostOptions::new("idle-host");
     let options = HostOptions {
         host_heartbeat: how.host_heartbeat,
         leases_per_partition: how.per_partition,
         max_poll: how.max_poll,
-        ..HostOptions::new("idle-host")
-    };
-    // `idle_read` at `max_poll` turns the probe off.
-    let options = HostOptions {
+        // At `max_poll`, the probe is off.
         idle_read: match how.probe {
-            true => options.idle_read,
-            false => options.max_poll,
+            true => defaults.idle_read,
+            false => how.max_poll,
         },
-        ..options
+        ..defaults
     };
     let host = Host::new(group, handler, options);
     let stats = host.stats();

@@ -171,28 +171,47 @@ impl crate::Queue {
         let mut head = Vec::with_capacity(partitions.len());
         for range in partitions {
             let bounds = crate::range::range_bounds(&range);
-            let mut pages = feed::open(
-                self.messages(),
-                FeedScope::range(range),
-                StartFrom::Now,
-                None,
-                1,
-                "feed head",
-            )
-            .await?;
-            let lsn = match pages.next().await {
-                Some(page) => {
-                    let page = page.map_err(QueueError::cosmos("feed head"))?;
-                    self.charges()
-                        .record_diagnostics("feed head", &page.diagnostics());
-                    page.headers().lsn()
-                }
-                None => None,
-            };
+            let lsn = self.partition_head(range, "feed head").await?.lsn;
             head.push((bounds, lsn));
         }
         Ok(FeedHead(head))
     }
+
+    /// Where one scope's feed stands: a change-feed read from now of at most one item, counted
+    /// as `operation`.
+    pub(crate) async fn partition_head(
+        &self,
+        range: azure_data_cosmos::feed::FeedRange,
+        operation: &'static str,
+    ) -> Result<PartitionHead> {
+        let mut pages = feed::open(
+            self.messages(),
+            FeedScope::range(range),
+            StartFrom::Now,
+            None,
+            1,
+            operation,
+        )
+        .await?;
+        let Some(page) = pages.next().await else {
+            return Ok(PartitionHead::default());
+        };
+        let page = page.map_err(QueueError::cosmos(operation))?;
+        self.charges()
+            .record_diagnostics(operation, &page.diagnostics());
+        Ok(PartitionHead {
+            partition: page.headers().partition_key_range_id().map(str::to_owned),
+            lsn: page.headers().lsn(),
+        })
+    }
+}
+
+/// What a read of a partition's feed from now says: the physical partition that answered,
+/// and its LSN.
+#[derive(Debug, Default)]
+pub(crate) struct PartitionHead {
+    pub(crate) partition: Option<String>,
+    pub(crate) lsn: Option<u64>,
 }
 
 /// What a lease's window accounts for past its checkpoint, which the feed's lag counts: the

@@ -32,16 +32,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use azure_data_cosmos::feed::FeedRange;
-use azure_data_cosmos::{ContainerClient, FeedScope};
 use tokio::sync::watch;
 use tracing::{debug, instrument};
 
-use futures::StreamExt;
-
-use crate::config::StartFrom;
-use crate::cosmos::charge::RequestCharges;
-use crate::cosmos::feed;
-use crate::error::{QueueError, Result};
+use crate::error::Result;
 use crate::queue::Queue;
 use crate::range::{epk_cmp, label, range_bounds};
 
@@ -248,8 +242,6 @@ async fn probe(probe: Probe, owner: Owner) {
         resting,
     } = probe;
     let bounds = range_bounds(&partition);
-    let scope = FeedScope::range(partition);
-    let (container, charges) = (queue.messages(), queue.charges());
     let announce = || wake.send_modify(|g| *g = g.wrapping_add(1));
     // The LSN the last read found, kept across failed reads and ticks where nobody rests (a
     // write after it moves the next read's LSN, however late that read is); none before the
@@ -269,7 +261,10 @@ async fn probe(probe: Probe, owner: Owner) {
             // Nobody waits on it: no reads.
             continue;
         }
-        let head = match head(container, &scope, charges).await {
+        let head = match queue
+            .partition_head(partition.clone(), "probe partition")
+            .await
+        {
             Ok(head) => head,
             Err(e) => {
                 debug!(error = %e, "the probe could not read; ranges read");
@@ -313,35 +308,5 @@ async fn probe(probe: Probe, owner: Owner) {
             _ => announce(),
         }
         last = head.lsn.or(last);
-    }
-}
-
-/// Where a partition's feed stands: the physical partition that answered and its LSN.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct Head {
-    partition: Option<String>,
-    lsn: Option<u64>,
-}
-
-/// One read of the feed from now, of at most one item: nothing is read, the response says
-/// the partition and its LSN (as the operator's [`crate::Queue::feed_head`] does).
-async fn head(
-    container: &ContainerClient,
-    scope: &FeedScope,
-    charges: &RequestCharges,
-) -> Result<Head> {
-    const OPERATION: &str = "probe partition";
-    let mut pages =
-        feed::open(container, scope.clone(), StartFrom::Now, None, 1, OPERATION).await?;
-    match pages.next().await {
-        Some(page) => {
-            let page = page.map_err(QueueError::cosmos(OPERATION))?;
-            charges.record_diagnostics(OPERATION, &page.diagnostics());
-            Ok(Head {
-                partition: page.headers().partition_key_range_id().map(str::to_owned),
-                lsn: page.headers().lsn(),
-            })
-        }
-        None => Ok(Head::default()),
     }
 }
