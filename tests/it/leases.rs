@@ -393,6 +393,8 @@ async fn idle_on_one_heartbeat(config: GroupConfig, stolen: u64) {
 async fn idle_ranges_of_one_partition_share_one_read_and_still_deliver_within_max_poll() {
     for config in [
         GroupConfig::new("g"),
+        GroupConfig::new("g").with_exclusive_writes(ExclusiveWrites::Claims),
+        GroupConfig::new("g").with_ordering(true),
         GroupConfig::new("g").with_mode(DeliveryMode::Stream),
     ] {
         one_read_per_partition(config).await;
@@ -438,7 +440,10 @@ async fn reads_and_probes_over_two_idle_reads(fixture: &Fixture) -> (u64, u64) {
 }
 
 async fn one_read_per_partition(config: GroupConfig) {
-    let what = format!("{:?}", config.mode);
+    let what = format!(
+        "{:?} {:?}, ordered {}",
+        config.mode, config.exclusive_writes, config.ordered
+    );
     let (fixture, ledger, a) = four_leases_of_one_partition(&config).await;
     // Backed off and resting.
     tokio::time::sleep(Duration::from_secs(10)).await;
