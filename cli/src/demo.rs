@@ -208,7 +208,9 @@ pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
         work: args.work,
         failure_rate: args.failure_rate,
         publish: None,
-        http: reqwest::Client::new(),
+        http: cosmosq_queue::cosmos::tls::http_client()
+            .build()
+            .expect("an HTTP client"),
     };
     let display = Display::new(args.quiet);
     let mut groups = Vec::new();

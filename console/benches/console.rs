@@ -90,7 +90,9 @@ async fn main() {
     let cancel = CancellationToken::new();
     let started = Instant::now();
     let served = tokio::spawn(console.run(cancel.clone()));
-    let http = reqwest::Client::new();
+    let http = cosmosq_queue::cosmos::tls::http_client()
+        .build()
+        .expect("an HTTP client");
     // Polled: the bench has no event for the end of the sampler's first round.
     while groups_seen(&http, &base).await < QUEUES * GROUPS {
         tokio::time::sleep(Duration::from_millis(100)).await;

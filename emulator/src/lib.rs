@@ -173,6 +173,7 @@ impl Emulator {
     }
 
     async fn build_client(&self, builder: CosmosClientBuilder) -> Result<CosmosClient> {
+        cosmosq_queue::cosmos::tls::install_crypto_provider();
         let runtime = CosmosRuntimeBuilder::from(self.http.runtime_builder())
             .build()
             .await

@@ -845,7 +845,7 @@ mod tests {
 
     /// Whether a client trusting `bundle` accepts `serving` for the Service's name at `now`.
     fn trusts(bundle: &str, serving: &str, now: SystemTime) -> Result<(), String> {
-        crate::run::install_crypto_provider();
+        cosmosq_queue::cosmos::tls::install_crypto_provider();
         let mut roots = RootCertStore::empty();
         for ca in CertificateDer::pem_slice_iter(bundle.as_bytes()) {
             roots.add(ca.unwrap()).unwrap();
@@ -1033,7 +1033,7 @@ mod tests {
     }
 
     async fn serving_tls(server: &FakeApiServer) -> Arc<ServingTls> {
-        crate::run::install_crypto_provider();
+        cosmosq_queue::cosmos::tls::install_crypto_provider();
         Arc::new(
             ServingTls::load(
                 crate::tls::Source::Secret {
@@ -1209,7 +1209,7 @@ mod tests {
             tls.clone(),
             shutdown.clone(),
         ));
-        let https = reqwest::Client::builder()
+        let https = cosmosq_queue::cosmos::tls::http_client()
             .tls_backend_preconfigured(cosmosq_testkit::pki::client_config(
                 std::str::from_utf8(&bundle.0).unwrap(),
                 None,

@@ -673,7 +673,7 @@ mod tests {
 
     /// [`serve`], handing wakes to `wakes`.
     async fn serve_with(f: GroupFigures, keda: bool, wakes: Option<WakeSender>) -> Served {
-        crate::run::install_crypto_provider();
+        cosmosq_queue::cosmos::tls::install_crypto_provider();
         let server = FakeApiServer::new();
         let proxy_ca = TestCa::new("front-proxy-ca");
         let maps = Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(
@@ -789,7 +789,7 @@ mod tests {
 
     /// An HTTPS client trusting `ca`, presenting `identity` if given.
     fn client(ca: &TestCa, identity: Option<&(String, String)>) -> reqwest::Client {
-        reqwest::Client::builder()
+        cosmosq_queue::cosmos::tls::http_client()
             .tls_backend_preconfigured(cosmosq_testkit::pki::client_config(&ca.pem, identity))
             .build()
             .unwrap()

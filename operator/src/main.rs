@@ -43,8 +43,7 @@ async fn operate(config: Config) -> std::process::ExitCode {
 
 /// `cosmosq-operator check`: one line per condition that held, or the one that did not.
 async fn check(args: &CheckArgs) -> std::process::ExitCode {
-    // Two TLS providers are linked in: without a process default, the client panics.
-    cosmosq_operator::run::install_crypto_provider();
+    cosmosq_queue::cosmos::tls::install_crypto_provider();
     let client = match kube::Client::try_default().await {
         Ok(client) => client,
         Err(e) => {

@@ -72,7 +72,7 @@ pub enum RunError {
 /// Runs until `shutdown`, or until leadership is lost (an error: the process exits and
 /// Kubernetes restarts it as a candidate).
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunError> {
-    install_crypto_provider();
+    cosmosq_queue::cosmos::tls::install_crypto_provider();
     let client = Client::try_default().await?;
     let backend = Backend::Azure {
         region: config.region.clone(),
@@ -104,13 +104,6 @@ fn management(config: &Config) -> Result<Option<Management>, RunError> {
         arm,
         max_throughput: config.arm_max_throughput,
     }))
-}
-
-/// Both ring (kube) and aws-lc-rs (the Azure SDK's HTTP stack) are linked in, so rustls finds
-/// no process-level provider by itself and a TLS client panics on its first connection. Every
-/// process that talks to an API server calls this first (the operator, tests on a cluster).
-pub fn install_crypto_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 /// Runs with this client and backend (the emulator's in tests and the local run).

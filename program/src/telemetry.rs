@@ -222,7 +222,7 @@ impl Telemetry {
             return Ok(Self::off());
         };
         let client = OnRuntime {
-            client: reqwest::Client::builder()
+            client: cosmosq_queue::cosmos::tls::http_client()
                 .build()
                 .map_err(|e| TelemetryError::Exporter(e.to_string()))?,
             runtime: tokio::runtime::Handle::current(),

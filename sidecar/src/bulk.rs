@@ -371,7 +371,9 @@ mod tests {
         let bulker = Bulker::new(
             settings,
             Sink::Http {
-                http: reqwest::Client::new(),
+                http: cosmosq_queue::cosmos::tls::http_client()
+                    .build()
+                    .expect("an HTTP client"),
                 base,
             },
             Duration::from_secs(10),

@@ -91,7 +91,8 @@ impl PodPatcher {
         namespace: &str,
         pod: &str,
     ) -> Result<Self, SidecarError> {
-        let mut builder = reqwest::Client::builder().timeout(Duration::from_secs(10));
+        let mut builder =
+            cosmosq_queue::cosmos::tls::http_client().timeout(Duration::from_secs(10));
         if let Some(pem) = ca_pem {
             let cert = reqwest::Certificate::from_pem(pem)
                 .map_err(|e| SidecarError::Kubernetes(format!("cluster CA: {e}")))?;

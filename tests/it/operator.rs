@@ -77,7 +77,7 @@ async fn the_operator_serves_hpas_through_the_aggregation_layer() {
 async fn on_a_real_cluster(aggregator: Option<String>) {
     let path = std::env::var_os("COSMOSQ_E2E_KUBECONFIG")
         .expect("COSMOSQ_E2E_KUBECONFIG: the kubeconfig of the cluster to run on");
-    cosmosq_operator::run::install_crypto_provider();
+    cosmosq_queue::cosmos::tls::install_crypto_provider();
     let kubeconfig = Kubeconfig::read_from(&path).expect("a readable kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
@@ -511,7 +511,7 @@ impl SecureListener {
 
     /// An HTTPS client trusting `ca`, reaching this process by the Service's name.
     fn client(&self, ca: &str) -> reqwest::Client {
-        reqwest::Client::builder()
+        cosmosq_queue::cosmos::tls::http_client()
             .tls_backend_preconfigured(client_config(ca, None))
             .resolve(
                 &self.host(),

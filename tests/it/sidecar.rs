@@ -484,7 +484,9 @@ async fn the_sidecar_waits_for_an_app_that_starts_late() {
         .await
         .unwrap();
     assert!(metrics.contains("cosmosq_in_flight"));
-    let enqueue = reqwest::Client::new()
+    let enqueue = cosmosq_queue::cosmos::tls::http_client()
+        .build()
+        .expect("an HTTP client")
         .post(format!("{probe}/v1/enqueue"))
         .body("{}")
         .send()
@@ -591,7 +593,9 @@ async fn the_shutdown_api_drains_like_sigterm() {
         .await;
 
     let url = format!("{}/v1.0/shutdown", sidecar.api);
-    let client = reqwest::Client::new();
+    let client = cosmosq_queue::cosmos::tls::http_client()
+        .build()
+        .expect("an HTTP client");
     let refused = client.post(&url).send().await.unwrap();
     assert_eq!(refused.status(), 401, "without the API token");
     assert!(!sidecar.stop.is_cancelled());
@@ -626,7 +630,9 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
         },
     );
     let consumer = start_sidecar(&fixture, settings("workers", app_port, free_port()));
-    let http = reqwest::Client::new();
+    let http = cosmosq_queue::cosmos::tls::http_client()
+        .build()
+        .expect("an HTTP client");
     eventually(
         "the producer sidecar is up",
         Duration::from_secs(5),
@@ -833,7 +839,9 @@ async fn a_trace_from_enqueue_to_the_app_is_exported_over_otlp() {
             ..settings("workers", ports[1], free_port())
         },
     );
-    let http = reqwest::Client::new();
+    let http = cosmosq_queue::cosmos::tls::http_client()
+        .build()
+        .expect("an HTTP client");
     eventually("the producer is up", Duration::from_secs(5), || async {
         http.get(format!("{}/readyz", producer.api))
             .send()
@@ -2193,7 +2201,9 @@ async fn pull_group(group: &str, choose: fn(&mut SidecarSettings)) {
         result.unwrap();
     }
     let api = sidecar.api.clone();
-    let http = reqwest::Client::new();
+    let http = cosmosq_queue::cosmos::tls::http_client()
+        .build()
+        .expect("an HTTP client");
     eventually("the sidecar is ready", Duration::from_secs(10), || async {
         http.get(format!("{api}/readyz"))
             .send()
@@ -2330,7 +2340,9 @@ async fn the_api_and_the_app_are_told_apart_by_dapr_api_tokens() {
         "{refused}"
     );
     let sidecar = start_sidecar(&fixture, config);
-    let http = reqwest::Client::new();
+    let http = cosmosq_queue::cosmos::tls::http_client()
+        .build()
+        .expect("an HTTP client");
     let enqueue = |token: Option<&'static str>| {
         let mut request = http
             .post(format!("{}/v1/enqueue", sidecar.api))

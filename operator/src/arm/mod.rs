@@ -494,7 +494,7 @@ impl Arm {
         timing: Timing,
         pause: Arc<dyn Pause>,
     ) -> Result<Self, reqwest::Error> {
-        let http = reqwest::Client::builder()
+        let http = cosmosq_queue::cosmos::tls::http_client()
             .redirect(reqwest::redirect::Policy::none())
             .timeout(timing.request_timeout)
             .build()?;

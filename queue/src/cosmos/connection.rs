@@ -109,6 +109,7 @@ impl ConnectionArgs {
     /// discovers the account's regions on first use.
     pub async fn connect(&self) -> Result<CosmosClient> {
         self.validate()?;
+        super::tls::install_crypto_provider();
         let endpoint: AccountEndpoint = self.endpoint.parse().map_err(|_| {
             QueueError::Config(format!("--endpoint {:?} is not a URL", self.endpoint))
         })?;

@@ -1,6 +1,7 @@
 //! The engine's Cosmos DB plumbing, in one place: connecting (key, Entra identity, the local
-//! emulator) and the account check, the change feed's pages, SQL queries, request charges, and
-//! provisioning the containers. Everything above it speaks in queues, groups and leases.
+//! emulator) and the account check, the change feed's pages, SQL queries, request charges,
+//! provisioning the containers, and the TLS provider of every HTTPS client. Everything above
+//! it speaks in queues, groups and leases.
 
 pub mod account;
 pub mod charge;
@@ -8,3 +9,4 @@ pub mod connection;
 pub(crate) mod feed;
 pub mod provision;
 pub(crate) mod sql;
+pub mod tls;
