@@ -667,6 +667,13 @@ mod tests {
         _shutdown: tokio_util::sync::DropGuard,
     }
 
+    /// The served key and certificate are test secrets all the same: gone with the test.
+    impl Drop for Served {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
     async fn serve(f: GroupFigures, keda: bool) -> Served {
         serve_with(f, keda, None).await
     }
