@@ -12,6 +12,10 @@ pub struct Plan {
     pub seed: u64,
     /// Physical partitions of the messages container at the start.
     pub partitions: u32,
+    /// Leases per physical partition: above one, a pod's idle ranges of a partition rest on
+    /// its probe.
+    #[serde(default = "one")]
+    pub leases_per_partition: u32,
     pub retention_secs: u32,
     pub groups: Vec<GroupPlan>,
     pub messages: Vec<MessagePlan>,
@@ -177,6 +181,18 @@ pub fn key_pool() -> Vec<Value> {
     ]
 }
 
+fn one() -> u32 {
+    1
+}
+
+/// Half the histories run finer leases (2 or 4 a partition), so idle ranges share their
+/// partition's probe. Drawn apart from the rest of the seed's draws, which it leaves as they
+/// were.
+fn leases_per_partition(seed: u64) -> u32 {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x1EA5_E5);
+    [1, 1, 2, 4][rng.random_range(0..4)]
+}
+
 impl Plan {
     /// The history `seed` draws: one in five a focused workload (below), the others from the
     /// whole space.
@@ -323,6 +339,7 @@ impl Plan {
         Plan {
             seed,
             partitions: partitions.unwrap_or_else(|| rng.random_range(1..=3)),
+            leases_per_partition: leases_per_partition(seed),
             retention_secs: 3_600,
             groups: vec![group],
             messages,
@@ -506,6 +523,7 @@ impl Plan {
         Plan {
             seed,
             partitions: rng.random_range(1..=3),
+            leases_per_partition: leases_per_partition(seed),
             retention_secs: [3600, 86_400][rng.random_range(0..2)],
             groups,
             messages,

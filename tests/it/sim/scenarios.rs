@@ -63,6 +63,7 @@ fn plan(
     Plan {
         seed,
         partitions,
+        leases_per_partition: 1,
         retention_secs: 3_600,
         groups: vec![group],
         messages,

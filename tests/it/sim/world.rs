@@ -250,8 +250,10 @@ pub fn host_options(
     incarnation: u32,
     concurrency: usize,
     promote_after: Duration,
+    leases_per_partition: u32,
 ) -> HostOptions {
     HostOptions {
+        leases_per_partition,
         incarnation: incarnation.to_string(),
         max_concurrency: concurrency,
         max_in_flight_per_range: 16,
@@ -739,6 +741,7 @@ impl World {
             incarnation,
             spec.concurrency,
             Duration::from_millis(spec.promote_after_ms),
+            plan.leases_per_partition,
         );
         let stop = CancellationToken::new();
         let workers_stop = CancellationToken::new();
