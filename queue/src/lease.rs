@@ -778,13 +778,20 @@ impl LeaseStore {
         }
     }
 
-    /// Takes `lease` for `owner` (free, expired, or stolen: the caller decided).
+    /// Takes `lease` for `owner` (free, expired, or stolen: the caller decided). A hand-over
+    /// asked of `owner` itself stands when it takes its own lease back (its range stopped when
+    /// lease writes failed): the new range sees the request and hands the lease over at once.
+    /// Cleared, the request would go unanswered and the owner keep the lease from the asker.
     pub async fn acquire(&self, lease: &Lease, owner: &str, now: i64) -> Result<Lease, LeaseError> {
         let mut next = lease.clone();
+        let asked_of_owner = lease.owner.as_deref() == Some(owner)
+            && lease.handover_to.as_deref().is_some_and(|to| to != owner);
         next.owner = Some(owner.into());
         next.timestamp = now;
-        next.handover_to = None;
-        next.handover_at = None;
+        if !asked_of_owner {
+            next.handover_to = None;
+            next.handover_at = None;
+        }
         self.replace(&next, "acquire lease").await
     }
 

@@ -4,11 +4,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cosmosq_emulator::fault_injection::{
+    FaultInjectionErrorType, FaultInjectionResultBuilder, FaultInjectionRuleBuilder,
+};
 use cosmosq_queue::host::{Host, HostOptions};
 use cosmosq_queue::lease::LeaseStore;
 use cosmosq_queue::{
     ConsumerStats, Delivery, DeliveryMode, ExclusiveWrites, GroupConfig, MessageState, NewMessage,
-    Outcome, StartFrom,
+    Outcome, Queue, QueueConfig, StartFrom,
 };
 use cosmosq_tests::{eventually, fast_host, wait_on, Fixture, Ledger};
 use serde_json::json;
@@ -1411,6 +1414,78 @@ async fn a_release_that_races_a_hand_over_request_still_releases() {
         vec![None; 4],
         "every lease released, none left to expire"
     );
+}
+
+/// A host whose range stopped because its lease writes failed takes the lease back at its next
+/// acquire round. A hand-over asked of it meanwhile still stands then: the new range hands the
+/// lease over at once (it was kept until the host stopped, the request wiped by the take-back).
+#[tokio::test(start_paused = true)]
+async fn a_lease_its_owner_takes_back_is_still_handed_over_to_the_host_that_asked() {
+    let fixture = Fixture::paused(1).await;
+    let config = GroupConfig::new("g");
+    // Host a's own client, cut off from Cosmos DB while the rule is on.
+    let cut = Arc::new(
+        FaultInjectionRuleBuilder::new(
+            "cut",
+            FaultInjectionResultBuilder::new()
+                .with_error(FaultInjectionErrorType::ConnectionError)
+                .with_probability(1.0)
+                .build(),
+        )
+        .build(),
+    );
+    cut.disable();
+    let client = fixture
+        .emulator
+        .client_with_faults(vec![Arc::clone(&cut)])
+        .await
+        .unwrap();
+    let queue = Queue::open_with_clock(
+        &client,
+        QueueConfig::new("db", "q"),
+        fixture.queue.clock().clone(),
+    )
+    .await
+    .unwrap();
+    let ledger = Ledger::new();
+    let host = Host::new(queue.group(config).unwrap(), ledger.completing(), fast("a"));
+    let stats = host.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(host.run(stop.clone()));
+    eventually("a holds the lease", Duration::from_secs(5), || async {
+        owners(&fixture, "g").await == vec![Some("a".to_owned())]
+    })
+    .await;
+    // a's lease writes fail: its range stops at the lease's deadline.
+    cut.enable();
+    eventually("a's range stopped", Duration::from_secs(5), || async {
+        stats.leases_lost.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // Another host asks a for the lease; then a reaches Cosmos DB again.
+    let store = LeaseStore::new(fixture.queue.clone(), "g");
+    let lease = the_lease(&fixture).await;
+    store
+        .request_handover(&lease, "b#1", fixture.queue.clock().now_ms())
+        .await
+        .unwrap();
+    cut.disable();
+    eventually(
+        "a takes the lease back and hands it over to b",
+        Duration::from_secs(10),
+        || async {
+            let lease = the_lease(&fixture).await;
+            lease.owner.is_none() && lease.handover_to.as_deref() == Some("b#1")
+        },
+    )
+    .await;
+    assert_eq!(
+        stats.leases_acquired.load(Ordering::Relaxed),
+        2,
+        "taken, then taken back"
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap();
 }
 
 /// A transactional batch is one write, one LSN: a range handed over inside one resumes inside
