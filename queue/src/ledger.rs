@@ -28,6 +28,11 @@ pub(crate) fn lease_asked(group: &str, lease: &str, owner: &str, by: &str) {
     tracing::debug!(target: TARGET, event = "asked", group, lease, owner, by, "lease asked for");
 }
 
+/// A host took a lease (its previous owner, if another, holds the range no more).
+pub(crate) fn lease_acquired(group: &str, lease: &str, owner: &str) {
+    tracing::debug!(target: TARGET, event = "acquired", group, lease, owner, "lease acquired");
+}
+
 /// A host released a lease (it stopped, or handed the lease over).
 pub(crate) fn lease_released(group: &str, lease: &str, owner: &str) {
     tracing::debug!(target: TARGET, event = "released", group, lease, owner, "lease released");

@@ -594,6 +594,7 @@ impl<H: Handler> Host<H> {
             let sent = Instant::now();
             match self.store.acquire(lease, &me, now).await {
                 Ok(lease) => {
+                    crate::ledger::lease_acquired(self.group.name(), &lease.id, &me);
                     match &take.steal_from {
                         Some(victim) => {
                             info!(group = self.group.name(), lease = %lease.range_label(), owner = %me, from = %victim, "lease stolen for balance")

@@ -410,11 +410,20 @@ fn leases_let_go(shared: &Shared) -> Result<(), String> {
             .iter()
             .any(|&(at, p, i)| p == pod && Some(i) == incarnation && at <= due)
     };
+    // Released by its owner, or taken by another host: one takes a lease without a hand-over
+    // only once its owner stopped writing it for the expiry, so the owner's range had stopped
+    // (its release refused, say, before the ask came).
     let released = |lease: &str, owner: &str, after: u64| {
         recorded
             .iter()
             .filter(|r| {
-                r.event == "released" && r.lease == lease && r.owner == owner && r.at >= after
+                r.lease == lease
+                    && r.at >= after
+                    && match r.event.as_str() {
+                        "released" => r.owner == owner,
+                        "acquired" => r.owner != owner,
+                        _ => false,
+                    }
             })
             .map(|r| r.at)
             .min()
