@@ -8,7 +8,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{oneshot, watch, Semaphore};
+use tokio::sync::{oneshot, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
@@ -99,7 +99,7 @@ pub(crate) struct LeaseLock {
     pub(crate) lost: CancellationToken,
     /// Until when the lease is surely this host's (its last write plus the expiry others judge
     /// it by, minus a margin; monotonic): the call is cut past it.
-    pub(crate) held: watch::Receiver<Instant>,
+    pub(crate) held: super::ordered_watch::Receiver<Instant>,
 }
 
 /// What a delivery keeps an eye on while the app works.
@@ -134,6 +134,7 @@ impl Watch {
     async fn promotion_due(promotion: &Option<Promotion>, started: Instant) {
         match promotion {
             Some(p) => tokio::select! {
+                biased;
                 _ = tokio::time::sleep_until(started + p.after) => {}
                 _ = p.now.cancelled() => {}
             },
@@ -723,6 +724,7 @@ impl<H: Handler> Deliverer<H> {
                     let began = tokio::time::Instant::now();
                     let wait = permit.released_while(async {
                         tokio::select! {
+                            biased;
                             _ = tokio::time::sleep(backoff) => false,
                             _ = give_up.cancelled() => true,
                         }
@@ -996,6 +998,7 @@ impl<H: Handler> Deliverer<H> {
                 None => Duration::ZERO,
             };
             tokio::select! {
+                biased;
                 out = &mut work => return Ok(out),
                 _ = Watch::promotion_due(&watch.promotion, watch.started), if claim.is_recorded() && !buggify::on(Bug::RecordedClaimHoldsRange) => {
                     watch.promoted();

@@ -41,6 +41,7 @@ use crate::lease::{Beat, Lease, LeaseError, LeaseStore};
 
 pub(crate) mod deliver;
 mod order;
+mod ordered_watch;
 mod poll;
 mod probe;
 mod range;
@@ -217,7 +218,7 @@ struct Running {
     range: (String, String),
     /// Until when the range surely holds its lease (see `Reading::held`): a range past it
     /// (stopped, or stuck) is left out of the host's heartbeat.
-    held: watch::Receiver<Instant>,
+    held: ordered_watch::Receiver<Instant>,
 }
 
 /// When this host first saw each lease's last write by its owner, and each heartbeat's last
@@ -618,7 +619,7 @@ impl<H: Handler> Host<H> {
                         probes: self.probes.clone(),
                         // What the range's first write makes it (the range sets it as it
                         // starts): so the host's next heartbeat lists the lease.
-                        held: Arc::new(watch::Sender::new(
+                        held: Arc::new(ordered_watch::Sender::new(
                             sent + self.options.lease_expire - self.options.lease_expire / 10,
                         )),
                     };

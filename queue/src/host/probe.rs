@@ -32,12 +32,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use azure_data_cosmos::feed::FeedRange;
-use tokio::sync::watch;
 use tracing::{debug, instrument};
 
 use crate::error::Result;
 use crate::queue::Queue;
 use crate::range::{epk_cmp, label, range_bounds};
+
+use super::ordered_watch;
 
 /// A host's probes, one per physical partition that has a range of this host on it.
 #[derive(Clone)]
@@ -54,14 +55,14 @@ struct Known {
 }
 
 struct Running {
-    wake: watch::Receiver<u64>,
+    wake: ordered_watch::Receiver<u64>,
     resting: Arc<AtomicUsize>,
     members: Arc<AtomicUsize>,
 }
 
 /// A range's end of its partition's probe.
 pub(crate) struct Wake {
-    rx: watch::Receiver<u64>,
+    rx: ordered_watch::Receiver<u64>,
     resting: Arc<AtomicUsize>,
     /// Ranges of this host on the partition.
     members: Arc<AtomicUsize>,
@@ -140,7 +141,8 @@ impl Probes {
         let bounds = range_bounds(&partition);
         let mut known = self.lock();
         let running = known.running.entry(bounds.clone()).or_insert_with(|| {
-            let (tx, rx) = watch::channel(0);
+            let tx = ordered_watch::Sender::new(0);
+            let rx = tx.subscribe();
             let resting = Arc::new(AtomicUsize::new(0));
             let members = Arc::new(AtomicUsize::new(0));
             tokio::spawn(probe(
@@ -186,7 +188,7 @@ struct Probe {
     queue: Queue,
     partition: FeedRange,
     interval: Duration,
-    wake: watch::Sender<u64>,
+    wake: ordered_watch::Sender<u64>,
     resting: Arc<AtomicUsize>,
 }
 

@@ -57,7 +57,7 @@ pub(super) struct RangeProcessor<H> {
     /// The host's last listing of the leases.
     pub(super) listed: watch::Receiver<Option<Listed>>,
     /// Its deadline, which the host watches (see [`Reading::held`]).
-    pub(super) held: Arc<watch::Sender<Instant>>,
+    pub(super) held: Arc<super::ordered_watch::Sender<Instant>>,
     /// Where the range rests once idle (see `probe`).
     pub(super) probes: Option<Probes>,
 }

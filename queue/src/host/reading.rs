@@ -69,7 +69,7 @@ pub(super) struct Reading {
     /// Until when the lease is surely this range's: its last write plus the expiry other
     /// hosts judge that version by, minus a margin. Past it nothing starts, and first
     /// deliveries whose lock is the lease are cut.
-    pub(super) held: std::sync::Arc<watch::Sender<Instant>>,
+    pub(super) held: std::sync::Arc<super::ordered_watch::Sender<Instant>>,
     /// The lease write path: where each sub-range of the feed was read up to (see [`SubFeed`]).
     pub(super) rewind: Option<Rewind>,
     /// The lease write path: identities this processor has read, newest last (bounded): a
