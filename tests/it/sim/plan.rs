@@ -189,7 +189,7 @@ fn one() -> u32 {
 /// partition's probe. Drawn apart from the rest of the seed's draws, which it leaves as they
 /// were.
 fn leases_per_partition(seed: u64) -> u32 {
-    let mut rng = StdRng::seed_from_u64(seed ^ 0x1EA5_E5);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x001E_A5E5);
     [1, 1, 2, 4][rng.random_range(0..4)]
 }
 
