@@ -12,6 +12,10 @@ pub struct LeaseView {
     pub owner: Option<String>,
     /// The owner stopped renewing (timestamp older than the expiry interval).
     pub expired: bool,
+    /// Expired by the lock it advertises: deliveries its owner started may be in the app, and
+    /// come back within their lock only if someone takes the lease now (see
+    /// [`crate::lease::Lease::lock_ms`]).
+    pub recovers: bool,
 }
 
 /// One lease to take, and whether that is a steal from a live owner.
@@ -27,9 +31,10 @@ pub struct Take {
 ///
 /// Live hosts are the owners of unexpired leases, plus `me`. With `L` leases over `n` hosts
 /// every host should hold `floor(L/n)` or `ceil(L/n)`. A host takes free or expired leases up
-/// to `ceil(L/n)`. It steals one lease per round from the host with the most when it is below
-/// `floor(L/n)` and that host has at least two more, or when that host has more than
-/// `ceil(L/n)`; so two hosts never trade a lease back and forth.
+/// to `ceil(L/n)`, and those expired by their lock ([`LeaseView::recovers`]) whatever it holds.
+/// It steals one lease per round from the host with the most when it is below `floor(L/n)` and
+/// that host has at least two more, or when that host has more than `ceil(L/n)`; so two hosts
+/// never trade a lease back and forth.
 pub fn plan(leases: &[LeaseView], me: &str) -> Vec<Take> {
     if leases.is_empty() {
         return Vec::new();
@@ -47,14 +52,21 @@ pub fn plan(leases: &[LeaseView], me: &str) -> Vec<Take> {
     let ceil = total.div_ceil(hosts);
     let mine = counts[me];
 
-    let available: Vec<&LeaseView> = leases
+    let mut available: Vec<&LeaseView> = leases
         .iter()
         .filter(|l| l.owner.is_none() || l.expired)
         .collect();
-    if mine < ceil && !available.is_empty() {
+    // Leases expired by their lock come first, and are taken whatever this host holds: their
+    // owner's other leases may keep it counted as live (they expire later, by the lease
+    // expiry), so that no host is below its share before then, and its work would come back
+    // after the lease expiry, not its lock. Balance moves leases by hand-over afterwards.
+    available.sort_by_key(|l| !l.recovers);
+    let recovering = available.iter().filter(|l| l.recovers).count();
+    let wanted = ceil.saturating_sub(mine).max(recovering);
+    if wanted > 0 && !available.is_empty() {
         return available
             .into_iter()
-            .take(ceil - mine)
+            .take(wanted)
             .map(|l| Take {
                 lease_id: l.id.clone(),
                 steal_from: None,
@@ -96,6 +108,7 @@ mod tests {
             id: format!("l{id}"),
             owner: owner.map(str::to_owned),
             expired,
+            recovers: false,
         }
     }
 
@@ -183,6 +196,28 @@ mod tests {
                     steal_from: None
                 }
             ]
+        );
+    }
+
+    /// A lease expired by its lock (its owner died with work in the app) is taken by a host at
+    /// its share too: the owner's other, idle lease keeps it counted as live until that one
+    /// expires by the longer lease expiry, and nobody would be below its share before then.
+    #[test]
+    fn a_lease_expired_by_its_lock_is_taken_whatever_the_share() {
+        let mut leases = vec![
+            lease(0, Some("b"), false),
+            lease(1, Some("b"), false),
+            lease(2, Some("dead"), false),
+            lease(3, Some("dead"), true),
+        ];
+        assert!(plan(&leases, "b").is_empty(), "expired by the lease expiry");
+        leases[3].recovers = true;
+        assert_eq!(
+            plan(&leases, "b"),
+            vec![Take {
+                lease_id: "l3".into(),
+                steal_from: None
+            }]
         );
     }
 

@@ -547,10 +547,17 @@ impl<H: Handler> Host<H> {
         let views: Vec<LeaseView> = reconciled
             .leases
             .iter()
-            .map(|l| LeaseView {
-                id: l.id.clone(),
-                owner: l.owner.clone(),
-                expired: !owned.contains_key(&l.id) && self.takeable(l, beats, observed, seen_at),
+            .map(|l| {
+                let expired =
+                    !owned.contains_key(&l.id) && self.takeable(l, beats, observed, seen_at);
+                LeaseView {
+                    id: l.id.clone(),
+                    owner: l.owner.clone(),
+                    expired,
+                    recovers: expired
+                        && l.owner.is_some()
+                        && self.expiry_of(l) < self.options.lease_expire,
+                }
             })
             .collect();
         for take in balance::plan(&views, &me) {

@@ -649,3 +649,36 @@ fn a_host_without_leases_recovers_a_dead_owners_expired_lock() {
     );
     pins(&plan, Bug::LeaselessHostsDoNotSweep, "recovered late");
 }
+
+/// Scenario 15, finer leases: two pods share four leases; the one holding two dies with a
+/// message in the app under one of them. Its other lease is idle and lives on its heartbeat
+/// until the lease expiry, so it still counts as live and the other pod holds its share: the
+/// lease with work in the app is taken all the same once its lock ran out, and the message is
+/// delivered again within the lock, not after the lease expiry. (History 504 of the random
+/// search, shrunk.)
+#[test]
+fn a_dead_holders_work_comes_back_within_its_lock_while_its_idle_lease_lives_on() {
+    let plan = Plan {
+        leases_per_partition: 2,
+        ..plan(
+            9018,
+            GroupPlan {
+                max_attempts: 3,
+                lock_ms: 2_000,
+                promote_after_ms: 1_600,
+                ..group()
+            },
+            2,
+            vec![message("m0", json!(-3), 5_318, 334)],
+            vec![pod(0), pod(0)],
+            vec![at(
+                6_068,
+                Event::Kill {
+                    pod: 0,
+                    restart_after_ms: 20_000,
+                },
+            )],
+        )
+    };
+    pins(&plan, Bug::RecoveryWaitsForLeaseExpiry, "recovered late");
+}
