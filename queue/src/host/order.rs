@@ -435,14 +435,24 @@ impl<H: Handler> RangeDelivery<H> {
         // app), until something is recorded or the range stops.
         let mut tries = 0;
         let mut lock = self.locked_until.clone();
-        while fate == Fate::Unrecorded && !self.stop.give_up.is_cancelled() {
-            tries += 1;
+        while fate == Fate::Unrecorded {
             // What the app may still be working on is not handed out again before the lock
             // it was told of runs out.
             let told = match reached.load(Ordering::SeqCst) {
                 true => lock.get().map(|until| self.deliverer.until(until)),
                 false => None,
             };
+            if self.stop.give_up.is_cancelled() {
+                // The range drains or is handed over: its next owner, taking the released lease
+                // at once, delivers the listed start at once, so the range waits for the lock
+                // here first. (A lost lease is taken only once it expired, which is later.)
+                if let Some(told) = told.filter(|_| !self.stop.step_aside.is_cancelled()) {
+                    drop(permit); // it only waits now
+                    tokio::time::sleep(told).await;
+                }
+                break;
+            }
+            tries += 1;
             let wait = UNRECORDED_AGAIN
                 .backoff_random(tries)
                 .max(told.unwrap_or_default());
@@ -451,13 +461,14 @@ impl<H: Handler> RangeDelivery<H> {
             let waited = permit
                 .released_while(async {
                     tokio::select! {
+                        biased;
                         _ = give_up.cancelled() => false,
                         _ = tokio::time::sleep(wait) => true,
                     }
                 })
                 .await;
             if !waited {
-                break;
+                continue; // the range stops: above
             }
             // A redelivery stays one, as does a delivery whose call may have reached the app;
             // one that had to take a lock of its own still does.
