@@ -208,7 +208,7 @@ pub async fn run_demo(args: &DemoArgs) -> anyhow::Result<Summary> {
         work: args.work,
         failure_rate: args.failure_rate,
         publish: None,
-        http: cosmosq_queue::cosmos::tls::http_client()
+        http: cosmosq_queue::cosmos::tls::http_client_builder()
             .build()
             .expect("an HTTP client"),
     };

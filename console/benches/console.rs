@@ -90,7 +90,7 @@ async fn main() {
     let cancel = CancellationToken::new();
     let started = Instant::now();
     let served = tokio::spawn(console.run(cancel.clone()));
-    let http = cosmosq_queue::cosmos::tls::http_client()
+    let http = cosmosq_queue::cosmos::tls::http_client_builder()
         .build()
         .expect("an HTTP client");
     // Polled: the bench has no event for the end of the sampler's first round.

@@ -1209,7 +1209,7 @@ mod tests {
             tls.clone(),
             shutdown.clone(),
         ));
-        let https = cosmosq_queue::cosmos::tls::http_client()
+        let https = cosmosq_queue::cosmos::tls::http_client_builder()
             .tls_backend_preconfigured(cosmosq_testkit::pki::client_config(
                 std::str::from_utf8(&bundle.0).unwrap(),
                 None,

@@ -796,7 +796,7 @@ mod tests {
 
     /// An HTTPS client trusting `ca`, presenting `identity` if given.
     fn client(ca: &TestCa, identity: Option<&(String, String)>) -> reqwest::Client {
-        cosmosq_queue::cosmos::tls::http_client()
+        cosmosq_queue::cosmos::tls::http_client_builder()
             .tls_backend_preconfigured(cosmosq_testkit::pki::client_config(&ca.pem, identity))
             .build()
             .unwrap()

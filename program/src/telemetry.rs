@@ -222,7 +222,7 @@ impl Telemetry {
             return Ok(Self::off());
         };
         let client = OnRuntime {
-            client: cosmosq_queue::cosmos::tls::http_client()
+            client: cosmosq_queue::cosmos::tls::http_client_builder()
                 .build()
                 .map_err(|e| TelemetryError::Exporter(e.to_string()))?,
             runtime: tokio::runtime::Handle::current(),

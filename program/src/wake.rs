@@ -113,7 +113,7 @@ impl Waker {
             // A bearer token never crosses the network in clear text.
             return Err(WakeError::Url(url.to_owned()));
         }
-        let mut builder = cosmosq_queue::cosmos::tls::http_client().timeout(TIMEOUT);
+        let mut builder = cosmosq_queue::cosmos::tls::http_client_builder().timeout(TIMEOUT);
         if let Some(pem) = ca_pem {
             let certificates =
                 reqwest::Certificate::from_pem_bundle(pem).map_err(|e| WakeError::Ca {

@@ -264,7 +264,7 @@ async fn start_sidecar(endpoint: &str, group: &str, api_port: u16, env: &[(&str,
         .stderr(Stdio::inherit())
         .spawn()
         .expect("the sidecar binary starts");
-    let http = cosmosq_queue::cosmos::tls::http_client()
+    let http = cosmosq_queue::cosmos::tls::http_client_builder()
         .build()
         .expect("an HTTP client");
     let ready_deadline = Instant::now() + Duration::from_secs(60);
@@ -286,7 +286,7 @@ async fn start_sidecar(endpoint: &str, group: &str, api_port: u16, env: &[(&str,
 /// Receives up to 32, settles them all in one call, until `total` are settled by all.
 async fn pull_worker(port: u16, settled: Arc<std::sync::atomic::AtomicUsize>, total: usize) {
     use std::sync::atomic::Ordering;
-    let http = cosmosq_queue::cosmos::tls::http_client()
+    let http = cosmosq_queue::cosmos::tls::http_client_builder()
         .build()
         .expect("an HTTP client");
     let api = format!("http://127.0.0.1:{port}");

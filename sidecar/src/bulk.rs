@@ -371,7 +371,7 @@ mod tests {
         let bulker = Bulker::new(
             settings,
             Sink::Http {
-                http: cosmosq_queue::cosmos::tls::http_client()
+                http: cosmosq_queue::cosmos::tls::http_client_builder()
                     .build()
                     .expect("an HTTP client"),
                 base,

@@ -92,7 +92,7 @@ impl PodPatcher {
         pod: &str,
     ) -> Result<Self, SidecarError> {
         let mut builder =
-            cosmosq_queue::cosmos::tls::http_client().timeout(Duration::from_secs(10));
+            cosmosq_queue::cosmos::tls::http_client_builder().timeout(Duration::from_secs(10));
         if let Some(pem) = ca_pem {
             let cert = reqwest::Certificate::from_pem(pem)
                 .map_err(|e| SidecarError::Kubernetes(format!("cluster CA: {e}")))?;

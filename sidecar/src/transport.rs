@@ -82,7 +82,7 @@ pub struct HttpTransport {
 /// on every request (`dapr-api-token`, as Dapr's `APP_API_TOKEN`), marked sensitive so no
 /// debug output shows it.
 pub fn app_http(token: Option<&crate::settings::Token>) -> reqwest::ClientBuilder {
-    let builder = cosmosq_queue::cosmos::tls::http_client().no_proxy();
+    let builder = cosmosq_queue::cosmos::tls::http_client_builder().no_proxy();
     let Some(token) = token else {
         return builder;
     };

@@ -298,7 +298,7 @@ async fn the_console_refuses_other_sites_and_actions_without_its_token() {
 
     let cancel = CancellationToken::new();
     let url = start_console(&fixture, &cancel).await;
-    let http = cosmosq_queue::cosmos::tls::http_client()
+    let http = cosmosq_queue::cosmos::tls::http_client_builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap();
@@ -481,7 +481,7 @@ async fn the_operator_s_console_shows_and_does_only_what_the_caller_s_rbac_allow
     let base = format!("http://localhost:{}", console.local_addr().port());
     let cancel = CancellationToken::new();
     tokio::spawn(console.run(cancel.clone()));
-    let http = cosmosq_queue::cosmos::tls::http_client()
+    let http = cosmosq_queue::cosmos::tls::http_client_builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap();

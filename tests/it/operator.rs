@@ -511,7 +511,7 @@ impl SecureListener {
 
     /// An HTTPS client trusting `ca`, reaching this process by the Service's name.
     fn client(&self, ca: &str) -> reqwest::Client {
-        cosmosq_queue::cosmos::tls::http_client()
+        cosmosq_queue::cosmos::tls::http_client_builder()
             .tls_backend_preconfigured(client_config(ca, None))
             .resolve(
                 &self.host(),

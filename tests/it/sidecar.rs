@@ -484,7 +484,7 @@ async fn the_sidecar_waits_for_an_app_that_starts_late() {
         .await
         .unwrap();
     assert!(metrics.contains("cosmosq_in_flight"));
-    let enqueue = cosmosq_queue::cosmos::tls::http_client()
+    let enqueue = cosmosq_queue::cosmos::tls::http_client_builder()
         .build()
         .expect("an HTTP client")
         .post(format!("{probe}/v1/enqueue"))
@@ -593,7 +593,7 @@ async fn the_shutdown_api_drains_like_sigterm() {
         .await;
 
     let url = format!("{}/v1.0/shutdown", sidecar.api);
-    let client = cosmosq_queue::cosmos::tls::http_client()
+    let client = cosmosq_queue::cosmos::tls::http_client_builder()
         .build()
         .expect("an HTTP client");
     let refused = client.post(&url).send().await.unwrap();
@@ -630,7 +630,7 @@ async fn enqueue_through_one_sidecar_consume_through_another() {
         },
     );
     let consumer = start_sidecar(&fixture, settings("workers", app_port, free_port()));
-    let http = cosmosq_queue::cosmos::tls::http_client()
+    let http = cosmosq_queue::cosmos::tls::http_client_builder()
         .build()
         .expect("an HTTP client");
     eventually(
@@ -839,7 +839,7 @@ async fn a_trace_from_enqueue_to_the_app_is_exported_over_otlp() {
             ..settings("workers", ports[1], free_port())
         },
     );
-    let http = cosmosq_queue::cosmos::tls::http_client()
+    let http = cosmosq_queue::cosmos::tls::http_client_builder()
         .build()
         .expect("an HTTP client");
     eventually("the producer is up", Duration::from_secs(5), || async {
@@ -2201,7 +2201,7 @@ async fn pull_group(group: &str, choose: fn(&mut SidecarSettings)) {
         result.unwrap();
     }
     let api = sidecar.api.clone();
-    let http = cosmosq_queue::cosmos::tls::http_client()
+    let http = cosmosq_queue::cosmos::tls::http_client_builder()
         .build()
         .expect("an HTTP client");
     eventually("the sidecar is ready", Duration::from_secs(10), || async {
@@ -2340,7 +2340,7 @@ async fn the_api_and_the_app_are_told_apart_by_dapr_api_tokens() {
         "{refused}"
     );
     let sidecar = start_sidecar(&fixture, config);
-    let http = cosmosq_queue::cosmos::tls::http_client()
+    let http = cosmosq_queue::cosmos::tls::http_client_builder()
         .build()
         .expect("an HTTP client");
     let enqueue = |token: Option<&'static str>| {

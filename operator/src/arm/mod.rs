@@ -494,7 +494,7 @@ impl Arm {
         timing: Timing,
         pause: Arc<dyn Pause>,
     ) -> Result<Self, reqwest::Error> {
-        let http = cosmosq_queue::cosmos::tls::http_client()
+        let http = cosmosq_queue::cosmos::tls::http_client_builder()
             .redirect(reqwest::redirect::Policy::none())
             .timeout(timing.request_timeout)
             .build()?;

@@ -14,7 +14,7 @@ pub fn install_crypto_provider() {
 
 /// A reqwest client builder whose TLS has its provider: reqwest panics when it builds a
 /// client and finds none.
-pub fn http_client() -> reqwest::ClientBuilder {
+pub fn http_client_builder() -> reqwest::ClientBuilder {
     install_crypto_provider();
     reqwest::Client::builder()
 }
@@ -25,7 +25,7 @@ mod tests {
 
     #[test]
     fn builds_an_https_client_with_ring() {
-        let client = http_client().build();
+        let client = http_client_builder().build();
         assert!(client.is_ok(), "{client:?}");
         assert!(rustls::crypto::CryptoProvider::get_default().is_some());
     }
