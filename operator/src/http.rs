@@ -1117,6 +1117,35 @@ mod tests {
         assert!(body["message"].as_str().unwrap().contains("standby"));
     }
 
+    /// The HTTPS path of the Azure SDK's and identity's clients: reqwest builds its own TLS
+    /// from the process's provider (ring, `cosmos::tls`) and the platform's verifier. With the
+    /// serving CA added it completes the handshake; with the system's roots alone it refuses
+    /// the certificate, an error rather than a panic for want of a provider.
+    #[tokio::test]
+    async fn reqwest_s_own_tls_verifies_with_the_installed_provider() {
+        let served = serve(figures(Some(1)), false).await;
+        let url = format!("{}{METRICS_PATH}", served.url);
+        let ca = reqwest::Certificate::from_pem(served.serving_ca.pem.as_bytes()).unwrap();
+        let trusting = cosmosq_queue::cosmos::tls::http_client_builder()
+            .tls_certs_merge([ca])
+            .build()
+            .unwrap();
+        let answer = trusting.get(&url).send().await.unwrap();
+        assert_eq!(answer.status(), StatusCode::UNAUTHORIZED);
+        let untrusting = cosmosq_queue::cosmos::tls::http_client_builder()
+            .build()
+            .unwrap();
+        let refused = untrusting.get(&url).send().await.unwrap_err();
+        let chain =
+            std::iter::successors(Some(&refused as &(dyn std::error::Error + 'static)), |e| {
+                e.source()
+            })
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join(": ");
+        assert!(chain.contains("certificate"), "{chain}");
+    }
+
     #[tokio::test]
     async fn metrics_are_served_over_tls_to_holders_of_get_metrics_only() {
         let served = serve(figures(Some(7)), false).await;
